@@ -1,0 +1,141 @@
+"""DCP attention: the one `shard_map` island. Local kernel on each device's KV slice, then the exact combine.
+
+Per device: attend the (replicated over context) queries to this device's slice of the cache, giving a
+partial output and its LSE. Combine over the context axes:
+
+    lse   = logsumexp_r(all_gather(lse_r))          (every rank sees every rank's LSE)
+    w_r   = exp(lse_r − lse)                         (0 where a shard holds no valid token)
+    out   = psum_scatter(o_r · w_r, scatter_dimension=heads)   → each rank keeps its share of heads
+
+When a device's head count does not divide by the number of context shards, `psum` is used instead and
+every context rank keeps all of its heads.
+
+Standard attention: heads over ("tp",), context over ("dcp",). MLA (one latent per token, no head axis):
+heads over (), context over ("tp", "dcp"): the island takes its axes as parameters.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+
+from dcp_jax import mesh as mesh_lib
+from dcp_jax.layout import KVLayout
+from pallas_kernels.attention import api as kernels
+from pallas_kernels.attention.common import check_inputs, merge_weights
+
+COMBINES = ("auto", "scatter", "psum")
+
+
+def _concrete(x):
+    """x as a NumPy array when it is a concrete value, else None (under jit)."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    try:
+        return jax.device_get(x)
+    except Exception:  # noqa: BLE001 - abstract values cannot be fetched; skip the value checks
+        return None
+
+
+def resolve_combine(local_heads: int, num_shards: int, combine: str = "auto") -> bool:
+    """True when the combine scatters heads over the context axes (psum_scatter), False for psum."""
+    if combine not in COMBINES:
+        raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
+    divisible = local_heads % num_shards == 0
+    if combine == "scatter" and not divisible:
+        raise ValueError(
+            f"combine='scatter' needs the {local_heads} heads per device to divide by the "
+            f"{num_shards} context shards; use combine='psum' or 'auto'"
+        )
+    return divisible if combine == "auto" else combine == "scatter"
+
+
+def dcp_attention(
+    q,
+    k_cache,
+    v_cache,
+    q_pos,
+    kv_len,
+    *,
+    mesh: Mesh,
+    layout: KVLayout,
+    head_axes: tuple[str, ...] = (mesh_lib.TP,),
+    context_axes: tuple[str, ...] = (mesh_lib.DCP,),
+    scale: float | None = None,
+    impl: str | None = None,
+    combine: str = "auto",
+    return_lse: bool = False,
+    **kernel_options,
+):
+    """Exact attention of queries over a KV cache sharded along the sequence.
+
+    Args:
+      q: [B, T, H, Dk] queries (global view; heads split over `head_axes`).
+      k_cache: [B, K, S, Dk], v_cache: [B, K, S, Dv], S = layout.max_seq_len, placed by `layout`
+        (slots over `context_axes`, kv heads over `head_axes`).
+      q_pos: [B, T] global positions of the queries. kv_len: [B] valid cache length per sequence.
+      layout: the KV placement; its num_shards must equal the size of `context_axes`.
+      combine: "auto" (psum_scatter when heads divide, else psum), "scatter" or "psum".
+      return_lse: also return the merged LSE [B, T, H] (float32).
+    Returns:
+      out [B, T, H, Dv] in q.dtype, sharded per `mesh.attn_out_spec` (and the LSE if asked).
+    """
+    check_inputs(q, k_cache, v_cache, q_pos, None, kv_len)
+    n_heads_shards = mesh_lib.axis_size(mesh, head_axes)
+    n_ctx = mesh_lib.axis_size(mesh, context_axes)
+    h, kh, s = q.shape[2], k_cache.shape[1], k_cache.shape[2]
+    if h % n_heads_shards:
+        raise ValueError(f"query heads ({h}) must divide by the {n_heads_shards} shards of {head_axes}")
+    if kh % n_heads_shards:
+        raise ValueError(
+            f"kv heads ({kh}) must divide by the {n_heads_shards} shards of {head_axes}; "
+            "replicate kv heads so every tp rank holds whole heads"
+        )
+    if layout.num_shards != n_ctx:
+        raise ValueError(f"layout has {layout.num_shards} shards but context axes {context_axes} have {n_ctx}")
+    if s != layout.max_seq_len:
+        raise ValueError(f"cache holds {s} slots but the layout places {layout.max_seq_len}")
+    lengths = _concrete(kv_len)
+    if lengths is not None and (lengths.min() < 0 or lengths.max() > s):
+        raise ValueError(f"kv_len {lengths.tolist()} outside the cache's 0..{s} slots")
+
+    impl = impl or kernels.default_impl()
+    scattered = resolve_combine(h // n_heads_shards, n_ctx, combine)
+
+    def body(q, k, v, q_pos, kv_len):
+        rank = lax.axis_index(context_axes)
+        o, lse = kernels.attention(
+            q, k, v, q_pos, layout.slot_positions(rank), kv_len, scale=scale, impl=impl, **kernel_options
+        )
+        lse_all = lax.all_gather(lse, context_axes, axis=0)  # [N, B, T, H_local]
+        lse_total, w = merge_weights(lse_all, axis=0)
+        ow = o.astype(jnp.float32) * w[rank][..., None]
+        if scattered:
+            out = lax.psum_scatter(ow, context_axes, scatter_dimension=2, tiled=True)
+        else:
+            out = lax.psum(ow, context_axes)
+        # Every context rank holds the same merged LSE; return it stacked over ranks (no replication
+        # claim to prove to shard_map) and keep rank 0's copy.
+        return out.astype(q.dtype), lse_total[None]
+
+    out, lse = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(
+            mesh_lib.q_spec(head_axes),
+            mesh_lib.kv_cache_spec(head_axes, context_axes),
+            mesh_lib.kv_cache_spec(head_axes, context_axes),
+            mesh_lib.lengths_spec(),
+            mesh_lib.lengths_spec(),
+        ),
+        out_specs=(
+            mesh_lib.attn_out_spec(head_axes, context_axes, scattered),
+            mesh_lib.stacked_lse_spec(head_axes, context_axes),
+        ),
+        # A pallas_call (in interpret mode on CPU for certain) does not carry shard_map's
+        # varying-manual-axes annotations, so those checks are off for the kernel; the reference keeps them.
+        check_vma=not impl.startswith("pallas"),
+    )(q, k_cache, v_cache, q_pos, kv_len)
+    return (out, lse[0]) if return_lse else out

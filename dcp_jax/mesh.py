@@ -1,0 +1,116 @@
+"""The ("tp", "dcp") device mesh and every partition spec the project uses.
+
+This module is the one place that names mesh axes. Everything else imports `TP`, `DCP` and the
+spec helpers below.
+
+Axis types: the mesh is made with `AxisType.Auto` on purpose. Models carry sharding annotations on
+their weights and let XLA's sharding propagation insert the reductions of the matmuls (DESIGN.md §4);
+attention is the single `shard_map` island and states its own in/out specs. Explicit sharding-in-types
+would force every model einsum to spell out its output sharding for no gain here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+TP = "tp"
+DCP = "dcp"
+AXES = (TP, DCP)
+
+AxisNames = tuple[str, ...]
+
+
+def ensure_cpu_devices(n: int) -> None:
+    """Make sure at least `n` devices can be had, simulating CPU devices when there is no accelerator.
+
+    Must run before JAX initialises its backends to have an effect; afterwards it only checks.
+    """
+    from jax._src import xla_bridge  # private: the only way to ask "already initialised?"
+
+    if not xla_bridge.backends_are_initialized():
+        platforms = os.environ.get("JAX_PLATFORMS", "") or jax.config.jax_platforms or ""
+        if platforms in ("", "cpu") and jax.config.jax_num_cpu_devices < n:
+            jax.config.update("jax_num_cpu_devices", n)
+    have = len(jax.devices())
+    if have < n:
+        raise ValueError(
+            f"the mesh needs {n} devices but only {have} exist; on CPU call "
+            f"dcp_jax.ensure_cpu_devices({n}) (or set jax_num_cpu_devices) before JAX starts"
+        )
+
+
+def make_mesh(tp: int, dcp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh of `tp × dcp` devices with axes ("tp", "dcp"); dcp is the minor (fastest) axis."""
+    for name, value in (("tp", tp), ("dcp", dcp)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    n = tp * dcp
+    if devices is None:
+        ensure_cpu_devices(n)
+        devices = jax.devices()
+    devices = list(devices)
+    if len(devices) < n:
+        raise ValueError(
+            f"mesh tp={tp} x dcp={dcp} needs {n} devices, only {len(devices)} given; "
+            "lower tp/dcp or provide more devices"
+        )
+    grid = np.asarray(devices[:n], dtype=object).reshape(tp, dcp)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def axis_size(mesh: Mesh, axes: AxisNames) -> int:
+    """Number of shards along a group of mesh axes (1 for the empty group)."""
+    return int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
+
+
+def _group(axes: AxisNames):
+    """A PartitionSpec entry for a group of axes: None, one name, or a tuple."""
+    axes = tuple(axes)
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
+# --- partition specs ------------------------------------------------------------------------------
+# Shapes use B (batch), T (query tokens), S (sequence slots), H (heads), K (kv heads), D (head dim).
+
+
+def q_spec(head_axes: AxisNames = (TP,)) -> P:
+    """Queries / per-head activations [B, T, H, D]: heads over `head_axes`."""
+    return P(None, None, _group(head_axes), None)
+
+
+def kv_cache_spec(head_axes: AxisNames = (TP,), context_axes: AxisNames = (DCP,)) -> P:
+    """KV cache [B, K, S, D]: kv heads over `head_axes`, sequence slots over `context_axes`."""
+    return P(None, _group(head_axes), _group(context_axes), None)
+
+
+def lengths_spec() -> P:
+    """Per-sequence vectors [B] (lengths) and [B, T] (positions): replicated."""
+    return P()
+
+
+def attn_out_spec(head_axes: AxisNames, context_axes: AxisNames, scattered: bool) -> P:
+    """Combined attention output [B, T, H, Dv].
+
+    After `psum_scatter` over the context axes each device keeps its share of its head group, so the
+    heads are split over head_axes + context_axes (head-major); after a `psum` they are replicated over
+    the context axes.
+    """
+    axes = tuple(head_axes) + (tuple(context_axes) if scattered else ())
+    return P(None, None, _group(axes), None)
+
+
+def stacked_lse_spec(head_axes: AxisNames, context_axes: AxisNames) -> P:
+    """Merged LSE stacked over context ranks [N, B, T, H]: one copy per rank, heads over `head_axes`."""
+    return P(_group(context_axes), None, None, _group(head_axes))
+
+
+def named(mesh: Mesh, spec: P) -> NamedSharding:
+    return NamedSharding(mesh, spec)

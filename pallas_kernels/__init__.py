@@ -1,0 +1,1 @@
+"""Per-device kernels. Kernels know nothing of meshes: they see one device's arrays."""

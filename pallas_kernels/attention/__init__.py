@@ -1,0 +1,17 @@
+"""Attention of a query block over one KV slice, returning the output and its log-sum-exp.
+
+`api.attention` picks the implementation; `reference` is the pure-jnp oracle and CPU path; `triton` is
+the Pallas GPU kernel (flash-decoding).
+"""
+
+from pallas_kernels.attention.api import IMPLEMENTATIONS, attention, default_impl
+from pallas_kernels.attention.common import check_inputs, merge_partials, merge_weights
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "attention",
+    "check_inputs",
+    "default_impl",
+    "merge_partials",
+    "merge_weights",
+]

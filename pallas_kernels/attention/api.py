@@ -1,0 +1,48 @@
+"""Pick the attention implementation: the Pallas kernel on GPU, the jnp reference elsewhere."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from pallas_kernels.attention import reference, triton
+from pallas_kernels.attention.common import check_inputs, default_scale
+
+IMPLEMENTATIONS = ("reference", "pallas", "pallas_interpret")
+
+
+def default_impl() -> str:
+    """"pallas" when the default backend is a GPU, else "reference"."""
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float | None = None, impl: str | None = None,
+              **kernel_options):
+    """Attention of a query block over one KV slice, with its log-sum-exp.
+
+    Args:
+      q: [B, T, H, Dk] queries.  k: [B, K, S, Dk] keys.  v: [B, K, S, Dv] values (Dv may differ from Dk).
+      q_pos: [B, T] global positions of the queries.
+      kv_pos: [S] global positions held by the slots of this slice.
+      kv_len: [B] valid length of each sequence; a slot is seen by a query iff
+        `kv_pos <= q_pos and kv_pos < kv_len` (causal by position).
+      scale: softmax scale, default 1/sqrt(Dk).
+      impl: "reference", "pallas" or "pallas_interpret" (the kernel in Pallas' interpreter);
+        default: `default_impl()`.
+    Returns:
+      (o [B, T, H, Dv] in q.dtype, lse [B, T, H] float32, natural log). A row that sees no slot gets
+      o = 0 and lse = -inf.
+    """
+    check_inputs(q, k, v, q_pos, kv_pos, kv_len)
+    impl = impl or default_impl()
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention impl {impl!r}; choose one of {IMPLEMENTATIONS}")
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+    if impl == "reference":
+        if kernel_options:
+            raise ValueError(f"the reference takes no kernel options, got {sorted(kernel_options)}")
+        fn = reference.attention
+    else:
+        fn = functools.partial(triton.attention, interpret=impl == "pallas_interpret", **kernel_options)
+    return fn(q, k, v, q_pos, kv_pos, kv_len, scale=scale)

@@ -1,0 +1,138 @@
+"""DCP attention (shard_map island + exact combine) against dense float64 attention."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dcp_jax import KVLayout, dcp_attention, make_mesh
+from dcp_jax.attention import resolve_combine
+from tests.util import assert_lse_close, dense_attention, place, rel_err
+
+MESHES = [(1, 1), (1, 2), (1, 8), (2, 4), (4, 2), (8, 1), (1, 3)]
+INTERLEAVES = [1, 4, "contiguous"]
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def run_case(tp, dcp, gqa, interleave, t, dtype=jnp.float32, lengths=None, max_seq_len=48, combine="auto",
+             impl="reference", head_axes=("tp",), context_axes=("dcp",), kv_heads=None, dk=16, dv=16,
+             seed=0):
+    mesh = make_mesh(tp, dcp)
+    n_ctx = int(np.prod([mesh.shape[a] for a in context_axes]))
+    layout = KVLayout.create(max_seq_len, n_ctx, interleave)
+    kh = kv_heads or max(2, tp if head_axes else 1)
+    h = kh * gqa
+    rng = np.random.default_rng(seed)
+    if lengths is None:
+        lengths = [layout.max_seq_len, 19, 2]  # ragged; the last is shorter than most dcp sizes
+    lengths = np.asarray(lengths, np.int32)
+    b = len(lengths)
+    q = rng.standard_normal((b, t, h, dk)).astype(np.float32)
+    k = rng.standard_normal((b, kh, layout.max_seq_len, dk)).astype(np.float32)
+    v = rng.standard_normal((b, kh, layout.max_seq_len, dv)).astype(np.float32)
+    q_pos = (np.maximum(lengths, 1)[:, None] - t + np.arange(t)).astype(np.int32)
+    scale = 1.0 / np.sqrt(dk)
+    ref_o, ref_lse = dense_attention(q, k, v, q_pos, lengths, scale)
+
+    fn = jax.jit(lambda *a: dcp_attention(
+        *a, mesh=mesh, layout=layout, head_axes=head_axes, context_axes=context_axes, combine=combine,
+        impl=impl, return_lse=True))
+    o, lse = fn(jnp.asarray(q, dtype), jnp.asarray(place(k, layout), dtype), jnp.asarray(place(v, layout), dtype),
+                jnp.asarray(q_pos), jnp.asarray(lengths))
+    tol = TOL[dtype]
+    assert o.dtype == dtype and o.shape == (b, t, h, dv)
+    assert not np.isnan(np.asarray(o, np.float32)).any()
+    err = rel_err(o, ref_o)
+    assert err <= tol, f"relative error {err} > {tol}"
+    assert_lse_close(lse, ref_lse, tol)
+    return o
+
+
+# Every mesh × T × GQA ratio, cycling interleaves so each mesh meets all three.
+CASES = [
+    (tp, dcp, gqa, INTERLEAVES[i % 3], t)
+    for i, ((tp, dcp), t, gqa) in enumerate(itertools.product(MESHES, (1, 16), (1, 4, 8)))
+]
+
+
+@pytest.mark.parametrize("tp,dcp,gqa,interleave,t", CASES)
+def test_dcp_matches_dense_float32(tp, dcp, gqa, interleave, t):
+    run_case(tp, dcp, gqa, interleave, t)
+
+
+@pytest.mark.parametrize("tp,dcp,interleave", [(2, 4, 1), (1, 8, "contiguous"), (1, 3, 4)])
+def test_dcp_matches_dense_bfloat16(tp, dcp, interleave):
+    run_case(tp, dcp, 4, interleave, 1, dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("tp,dcp", [(1, 8), (2, 4), (1, 3)])
+def test_empty_shards_give_no_nan(tp, dcp):
+    # Lengths shorter than dcp (and zero): most shards own no valid token.
+    o = run_case(tp, dcp, 4, 1, 1, lengths=[1, 0, 2])
+    np.testing.assert_array_equal(np.asarray(o[1]), 0.0)
+
+
+@pytest.mark.parametrize("combine", ["scatter", "psum"])
+def test_both_combines(combine):
+    # 2 kv heads x gqa 4 = 8 heads per tp rank on (1, 8): divisible, so both combines apply.
+    run_case(1, 8, 4, 1, 16, combine=combine)
+
+
+def test_psum_fallback_when_heads_do_not_divide():
+    # (1, 3): 8 heads do not divide by 3 context shards -> auto falls back to psum.
+    assert resolve_combine(8, 3) is False and resolve_combine(9, 3) is True
+    run_case(1, 3, 4, 1, 1, combine="auto")
+    with pytest.raises(ValueError, match="combine='scatter' needs"):
+        run_case(1, 3, 4, 1, 1, combine="scatter")
+
+
+def test_output_sharding_follows_combine():
+    mesh = make_mesh(2, 4)
+    layout = KVLayout.create(16, 4, 1)
+    args = (jnp.zeros((1, 1, 16, 8)), jnp.zeros((1, 2, 16, 8)), jnp.zeros((1, 2, 16, 8)),
+            jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32))
+    out = jax.jit(lambda *a: dcp_attention(*a, mesh=mesh, layout=layout))(*args)
+    assert out.sharding.spec[2] == ("tp", "dcp")
+    assert out.addressable_shards[0].data.shape == (1, 1, 2, 8)
+    out = jax.jit(lambda *a: dcp_attention(*a, mesh=mesh, layout=layout, combine="psum"))(*args)
+    assert out.addressable_shards[0].data.shape == (1, 1, 8, 8)
+
+
+@pytest.mark.parametrize("tp,dcp", [(2, 4), (8, 1)])
+def test_mla_style_context_over_whole_mesh(tp, dcp):
+    # One shared latent "kv head", sequence sharded over ("tp","dcp"), all heads on every device;
+    # key wider than value as in MLA's absorbed form.
+    run_case(tp, dcp, 8, 1, 1, head_axes=(), context_axes=("tp", "dcp"), kv_heads=1, dk=24, dv=16)
+
+
+def test_pallas_kernel_inside_shard_map():
+    run_case(2, 4, 4, 1, 1, impl="pallas_interpret", max_seq_len=64, lengths=[64, 9])
+
+
+def _args(b=2, t=1, h=8, kh=2, s=16, d=8):
+    return [jnp.zeros((b, t, h, d)), jnp.zeros((b, kh, s, d)), jnp.zeros((b, kh, s, d)),
+            jnp.zeros((b, t), jnp.int32), jnp.ones((b,), jnp.int32)]
+
+
+@pytest.mark.parametrize("tp,dcp,change,match", [
+    (4, 2, dict(h=6, kh=2), r"query heads \(6\) must divide"),
+    (4, 2, dict(h=8, kh=2), r"kv heads \(2\) must divide"),
+    (1, 2, dict(s=24), "cache holds 24 slots but the layout places 16"),
+    (1, 4, {}, "layout has 2 shards"),
+])
+def test_bad_arguments(tp, dcp, change, match):
+    mesh = make_mesh(tp, dcp)
+    layout = KVLayout.create(16, 2, 1)
+    with pytest.raises(ValueError, match=match):
+        dcp_attention(*_args(**change), mesh=mesh, layout=layout)
+
+
+def test_lengths_beyond_the_slice():
+    mesh = make_mesh(1, 2)
+    layout = KVLayout.create(16, 2, 1)
+    args = _args()
+    args[4] = jnp.asarray([3, 17], jnp.int32)
+    with pytest.raises(ValueError, match=r"kv_len \[3, 17\] outside the cache's 0..16 slots"):
+        dcp_attention(*args, mesh=mesh, layout=layout)

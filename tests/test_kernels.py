@@ -1,0 +1,134 @@
+"""Per-shard attention kernels: the reference against float64 NumPy, the Pallas kernel (interpret mode)
+against the reference, and the Pallas kernel lowered for CUDA on this CPU-only machine."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+from pallas_kernels.attention import attention
+from pallas_kernels.attention import triton as triton_kernel
+from tests.util import assert_lse_close, dense_attention, rel_err
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def make_inputs(b, t, h, kh, s, dk, dv, dtype=jnp.float32, seed=0, stride=1):
+    """Random inputs over a slice whose slots hold positions 0, stride, 2·stride, ... (like a dcp shard).
+
+    Lengths are ragged; sequence 1 has nothing cached; queries are the last t positions of each sequence,
+    so some rows (negative positions) see no slot at all.
+    """
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, t, h, dk))
+    k = rng.standard_normal((b, kh, s, dk))
+    v = rng.standard_normal((b, kh, s, dv))
+    kv_pos = np.arange(s, dtype=np.int32) * stride
+    lengths = rng.integers(1, s * stride + 1, size=b).astype(np.int32)
+    lengths[0] = s * stride
+    if b > 1:
+        lengths[1] = 0
+    q_pos = (np.maximum(lengths, 1)[:, None] - t + np.arange(t)[None, :]).astype(np.int32)
+    return dict(q=jnp.asarray(q, dtype), k=jnp.asarray(k, dtype), v=jnp.asarray(v, dtype),
+                q_pos=jnp.asarray(q_pos), kv_pos=jnp.asarray(kv_pos), kv_len=jnp.asarray(lengths))
+
+
+def check_against_oracle(o, lse, x, tol):
+    scale = 1.0 / np.sqrt(x["q"].shape[-1])
+    ref_o, ref_lse = dense_attention(x["q"].astype(jnp.float32), x["k"].astype(jnp.float32),
+                                     x["v"].astype(jnp.float32), x["q_pos"], x["kv_len"], scale,
+                                     kv_pos=x["kv_pos"])
+    assert not np.isnan(np.asarray(o, np.float32)).any()
+    assert rel_err(o, ref_o) <= tol, rel_err(o, ref_o)
+    assert_lse_close(lse, ref_lse, tol)
+    return ref_o
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("t,h,kh,dk,dv,stride", [
+    (1, 8, 2, 16, 16, 1),   # decode, GQA 4
+    (5, 4, 4, 16, 8, 3),    # prefill chunk, MHA, Dk != Dv, strided (interleaved) slot positions
+    (2, 8, 1, 24, 16, 2),   # MLA-like: one shared kv head, wider key than value
+])
+def test_reference_matches_float64(dtype, t, h, kh, dk, dv, stride):
+    x = make_inputs(3, t, h, kh, 12, dk, dv, dtype, stride=stride)
+    o, lse = attention(**x, impl="reference")
+    assert o.dtype == dtype and lse.dtype == jnp.float32
+    ref_o = check_against_oracle(o, lse, x, TOL[dtype])
+    np.testing.assert_array_equal(np.asarray(o[1], np.float32), 0.0)  # nothing cached: zeros
+    assert np.isneginf(np.asarray(lse[1])).all()
+    assert np.abs(ref_o[0]).max() > 0
+
+
+@pytest.mark.parametrize("t,h,kh,s,dk,dv,dtype,opts", [
+    (1, 8, 2, 40, 16, 16, jnp.float32, dict(block_k=16)),                 # decode; 3 splits, ragged tail
+    (16, 2, 2, 24, 8, 12, jnp.float32, dict(block_k=16, num_splits=2)),   # prefill chunk, Dk != Dv
+    (1, 4, 1, 32, 24, 16, jnp.bfloat16, dict(block_k=16)),                # shared kv head (MLA-like)
+])
+def test_pallas_interpret_matches_reference(t, h, kh, s, dk, dv, dtype, opts):
+    x = make_inputs(2, t, h, kh, s, dk, dv, dtype, stride=2)
+    o_ref, lse_ref = attention(**x, impl="reference")
+    o, lse = attention(**x, impl="pallas_interpret", **opts)
+    tol = TOL[dtype]
+    assert o.dtype == dtype
+    assert rel_err(o, o_ref) <= tol
+    assert_lse_close(lse, lse_ref, tol)
+    check_against_oracle(o, lse, x, tol)
+
+
+def test_unknown_impl_and_bad_options():
+    x = make_inputs(1, 1, 2, 2, 8, 8, 8)
+    with pytest.raises(ValueError, match="unknown attention impl"):
+        attention(**x, impl="cuda")
+    with pytest.raises(ValueError, match="no kernel options"):
+        attention(**x, impl="reference", block_k=16)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(q=jnp.zeros((1, 1, 2, 8, 1))), "ranks"),
+    (dict(k=jnp.zeros((2, 2, 8, 8)), v=jnp.zeros((2, 2, 8, 8))), "batch mismatch"),
+    (dict(k=jnp.zeros((1, 2, 8, 4)), ), "key head dim mismatch"),
+    (dict(q=jnp.zeros((1, 1, 3, 8))), "multiple of kv heads"),
+    (dict(v=jnp.zeros((1, 2, 7, 8))), "disagree"),
+    (dict(q_pos=jnp.zeros((1, 2), jnp.int32)), "q_pos must be"),
+    (dict(kv_pos=jnp.zeros((9,), jnp.int32)), "kv_pos must be"),
+    (dict(kv_len=jnp.zeros((2,), jnp.int32)), "kv_len must be"),
+    (dict(kv_len=jnp.zeros((1,), jnp.float32)), "integer"),
+])
+def test_bad_shapes(change, match):
+    x = make_inputs(1, 1, 2, 2, 8, 8, 8)
+    x.update(change)
+    with pytest.raises(ValueError, match=match):
+        attention(**x)
+
+
+# --- lowering for CUDA without a GPU (DESIGN.md §5) -------------------------------------------------
+
+def lower_for_cuda(b, t, h, kh, s, dk, dv, dtype, **opts):
+    f = functools.partial(triton_kernel.attention, scale=0.1, **opts)
+    args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in [
+        ((b, t, h, dk), dtype), ((b, kh, s, dk), dtype), ((b, kh, s, dv), dtype),
+        ((b, t), jnp.int32), ((s,), jnp.int32), ((b,), jnp.int32)]]
+    gpu = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=None, platform="gpu"))
+    with jax.sharding.use_abstract_mesh(gpu):
+        exported = jax.export.export(
+            jax.jit(f), platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+        )(*args)
+    return exported.mlir_module()
+
+
+@pytest.mark.parametrize("name,shape,dtype", [
+    ("decode-gqa", (4, 1, 32, 8, 4096, 128, 128), jnp.bfloat16),
+    ("prefill-chunk", (1, 64, 32, 8, 2048, 128, 128), jnp.bfloat16),
+    ("decode-mla-absorbed", (2, 1, 16, 1, 2048, 576, 512), jnp.bfloat16),
+    ("decode-f32-odd", (3, 1, 6, 3, 1000, 80, 80), jnp.float32),
+])
+def test_pallas_lowers_for_cuda(name, shape, dtype):
+    text = lower_for_cuda(*shape, dtype)
+    assert "__gpu$xla.gpu.triton" in text
+    assert "dcp_flash_decode" in text

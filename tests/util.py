@@ -1,0 +1,57 @@
+"""Shared test helpers: a float64 NumPy oracle and cache placement through the layout."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dcp_jax.layout import KVLayout
+
+
+def dense_attention(q, k, v, q_pos, lengths, scale, kv_pos=None):
+    """Float64 oracle. q [B,T,H,Dk]; k [B,K,L,Dk], v [B,K,L,Dv] hold positions kv_pos (default 0..L-1).
+
+    A key is seen iff kv_pos <= q_pos and kv_pos < length. Returns (o [B,T,H,Dv], lse [B,T,H]); rows
+    that see no key give o = 0, lse = -inf.
+    """
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    q_pos, lengths = np.asarray(q_pos), np.asarray(lengths)
+    b, t, h, _ = q.shape
+    g = h // k.shape[1]
+    pos = np.arange(k.shape[2]) if kv_pos is None else np.asarray(kv_pos)
+    o = np.zeros((b, t, h, v.shape[-1]))
+    lse = np.full((b, t, h), -np.inf)
+    for bi in range(b):
+        for ti in range(t):
+            mask = (pos <= q_pos[bi, ti]) & (pos < lengths[bi])
+            if not mask.any():
+                continue
+            for hi in range(h):
+                s = k[bi, hi // g][mask] @ q[bi, ti, hi] * scale
+                m = s.max()
+                p = np.exp(s - m)
+                o[bi, ti, hi] = p @ v[bi, hi // g][mask] / p.sum()
+                lse[bi, ti, hi] = m + np.log(p.sum())
+    return o, lse
+
+
+def place(kv, layout: KVLayout):
+    """Put position-ordered kv [B, K, L, D] (L <= max_seq_len) into a zeroed cache in layout order."""
+    b, kh, length, d = kv.shape
+    cache = np.zeros((b, kh, layout.max_seq_len, d), kv.dtype)
+    cache[:, :, layout.cache_index(np.arange(length))] = kv
+    return cache
+
+
+def rel_err(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+def assert_lse_close(lse, ref, tol):
+    lse, ref = np.asarray(lse, np.float64), np.asarray(ref, np.float64)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref))
+    finite = np.isfinite(ref)
+    assert not np.isnan(lse).any()
+    if finite.any():
+        err = np.max(np.abs(lse[finite] - ref[finite]) / np.maximum(1.0, np.abs(ref[finite])))
+        assert err <= tol, f"lse error {err} > {tol}"
