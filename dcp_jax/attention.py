@@ -139,3 +139,43 @@ def dcp_attention(
         check_vma=not impl.startswith("pallas"),
     )(q, k_cache, v_cache, q_pos, kv_len)
     return (out, lse[0]) if return_lse else out
+
+
+def write_kv(
+    k_cache,
+    v_cache,
+    k_new,
+    v_new,
+    positions,
+    valid,
+    *,
+    mesh: Mesh,
+    layout: KVLayout,
+    head_axes: tuple[str, ...] = (mesh_lib.TP,),
+    context_axes: tuple[str, ...] = (mesh_lib.DCP,),
+):
+    """Write new tokens' keys/values into the cache shards that own their positions, in place.
+
+    k_new [B, T, K, Dk], v_new [B, T, K, Dv] (replicated over the context axes), positions [B, T],
+    valid [B, T] (padding tokens of a ragged chunk are not written). Each context rank scatters only the
+    tokens it owns; every other index is dropped, so no cache-sized temporary is made.
+    """
+    b, t = positions.shape
+
+    def body(kc, vc, kn, vn, pos, ok):
+        rank = lax.axis_index(context_axes)
+        mine = ok & (layout.rank_of(pos) == rank)
+        slot = jnp.where(mine, layout.slot_of(pos), layout.slots_per_shard)  # out of range: dropped
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+        kc = kc.at[rows, :, slot].set(kn.astype(kc.dtype), mode="drop")
+        vc = vc.at[rows, :, slot].set(vn.astype(vc.dtype), mode="drop")
+        return kc, vc
+
+    cache_spec = mesh_lib.kv_cache_spec(head_axes, context_axes)
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(cache_spec, cache_spec, mesh_lib.q_spec(head_axes), mesh_lib.q_spec(head_axes),
+                  mesh_lib.lengths_spec(), mesh_lib.lengths_spec()),
+        out_specs=(cache_spec, cache_spec),
+    )(k_cache, v_cache, k_new, v_new, positions, valid)

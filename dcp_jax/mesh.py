@@ -77,6 +77,19 @@ def _group(axes: AxisNames):
     return axes[0] if len(axes) == 1 else axes
 
 
+def fit_axes(mesh: Mesh, dim: int, axes: AxisNames = AXES) -> AxisNames:
+    """The longest prefix of `axes` whose shard count divides `dim` (so a weight dim is never padded)."""
+    axes = tuple(axes)
+    while axes and dim % axis_size(mesh, axes):
+        axes = axes[:-1]
+    return axes
+
+
+def spec(*dims) -> P:
+    """A PartitionSpec from per-dimension axis groups (tuples of names, () for replicated)."""
+    return P(*(_group(d) if isinstance(d, tuple) else d for d in dims))
+
+
 # --- partition specs ------------------------------------------------------------------------------
 # Shapes use B (batch), T (query tokens), S (sequence slots), H (heads), K (kv heads), D (head dim).
 

@@ -1,0 +1,222 @@
+"""Flax NNX decoders of the Llama family (Llama, Mistral, Qwen2, Qwen3).
+
+Models hold no collectives and no shard_map: their weights carry shardings (heads over "tp"; o_proj,
+the MLP and the vocabulary over ("tp","dcp") where the sizes divide) and XLA inserts the reductions.
+Attention goes through `dcp_jax.attention`, the one shard_map island.
+
+Weights keep Hugging Face's [out, in] orientation, so loading never transposes. A model is built
+from a `WeightSource`: a callable `(name, shape, spec, kv_rep) -> jax.Array` that returns the named
+Hugging Face tensor already placed with sharding `spec` (safetensors, orbax or random init).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from dcp_jax import attention as attn_lib
+from dcp_jax import mesh as mesh_lib
+from dcp_jax.config import ModelConfig
+from dcp_jax.errors import UserError
+from dcp_jax.layout import KVLayout
+from dcp_jax.mesh import AXES, DCP, TP
+
+WeightSource = Callable[..., jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionContext:
+    """What the attention island needs besides arrays: the mesh, the KV placement and the kernel."""
+
+    mesh: Mesh
+    layout: KVLayout
+    impl: str | None = None
+
+
+def kv_replication(cfg: ModelConfig, tp: int) -> int:
+    """How many times each KV head is stored so every tp rank holds whole heads (1 when tp <= K)."""
+    if cfg.num_heads % tp:
+        raise UserError(
+            f"tp={tp} does not divide the model's {cfg.num_heads} attention heads; pick tp from "
+            f"{[d for d in range(1, cfg.num_heads + 1) if cfg.num_heads % d == 0]}")
+    if tp <= cfg.num_kv_heads:
+        if cfg.num_kv_heads % tp:
+            raise UserError(f"tp={tp} does not divide the model's {cfg.num_kv_heads} kv heads")
+        return 1
+    if tp % cfg.num_kv_heads:
+        raise UserError(
+            f"tp={tp} exceeds the {cfg.num_kv_heads} kv heads and is not a multiple of them; "
+            "KV heads can only be replicated a whole number of times")
+    return tp // cfg.num_kv_heads
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, weight: jax.Array, eps: float):
+        self.weight = nnx.Param(weight)
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * y.astype(x.dtype)
+
+
+def _linear(x, w, b=None):
+    """x [..., in] @ w[out, in].T (+ b)."""
+    y = jnp.einsum("...i,oi->...o", x, w[...])
+    return y if b is None else y + b[...]
+
+
+def rope(x, positions, inv_freq):
+    """Rotary embedding, half-split ("rotate_half") convention. x [B, T, H, D], positions [B, T]."""
+    freqs = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+    cos = jnp.cos(freqs)[:, :, None, :]
+    sin = jnp.sin(freqs)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, prefix: str, get: WeightSource, mesh: Mesh):
+        tp = mesh.shape[TP]
+        self.rep = kv_replication(cfg, tp)
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.num_kv_heads = cfg.num_kv_heads * self.rep
+        h, k, d, e = cfg.num_heads, self.num_kv_heads, cfg.head_dim, cfg.hidden_size
+        heads = mesh_lib.spec((TP,), ())
+        # o_proj's input rows follow the attention output: heads over ("tp","dcp") when the combine
+        # scatters heads over dcp, over "tp" alone when it falls back to psum.
+        out_axes = AXES if attn_lib.resolve_combine(h // tp, mesh.shape[DCP]) else (TP,)
+        self.q_proj = nnx.Param(get(f"{prefix}.q_proj.weight", (h * d, e), heads))
+        self.k_proj = nnx.Param(get(f"{prefix}.k_proj.weight", (k * d, e), heads, kv_rep=self.rep))
+        self.v_proj = nnx.Param(get(f"{prefix}.v_proj.weight", (k * d, e), heads, kv_rep=self.rep))
+        self.o_proj = nnx.Param(get(f"{prefix}.o_proj.weight", (e, h * d), mesh_lib.spec((), out_axes)))
+        bias = mesh_lib.spec((TP,))
+        self.q_bias = nnx.Param(get(f"{prefix}.q_proj.bias", (h * d,), bias)) if cfg.qkv_bias else None
+        self.k_bias = (nnx.Param(get(f"{prefix}.k_proj.bias", (k * d,), bias, kv_rep=self.rep))
+                       if cfg.qkv_bias else None)
+        self.v_bias = (nnx.Param(get(f"{prefix}.v_proj.bias", (k * d,), bias, kv_rep=self.rep))
+                       if cfg.qkv_bias else None)
+        if cfg.qk_norm:
+            rep = mesh_lib.spec(())
+            self.q_norm = RMSNorm(get(f"{prefix}.q_norm.weight", (d,), rep), cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(get(f"{prefix}.k_norm.weight", (d,), rep), cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(self, x, positions, valid, kv_len, inv_freq, cache, ctx: AttentionContext):
+        b, t, _ = x.shape
+        q = _linear(x, self.q_proj, self.q_bias).reshape(b, t, self.num_heads, self.head_dim)
+        k = _linear(x, self.k_proj, self.k_bias).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = _linear(x, self.v_proj, self.v_bias).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+        k_cache, v_cache = attn_lib.write_kv(*cache, k, v, positions, valid, mesh=ctx.mesh, layout=ctx.layout)
+        o = attn_lib.dcp_attention(q, k_cache, v_cache, positions, kv_len, mesh=ctx.mesh, layout=ctx.layout,
+                                   impl=ctx.impl)
+        return _linear(o.reshape(b, t, -1), self.o_proj), (k_cache, v_cache)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, prefix: str, get: WeightSource, mesh: Mesh):
+        i, e = cfg.intermediate_size, cfg.hidden_size
+        axes = mesh_lib.fit_axes(mesh, i)
+        self.gate_proj = nnx.Param(get(f"{prefix}.gate_proj.weight", (i, e), mesh_lib.spec(axes, ())))
+        self.up_proj = nnx.Param(get(f"{prefix}.up_proj.weight", (i, e), mesh_lib.spec(axes, ())))
+        self.down_proj = nnx.Param(get(f"{prefix}.down_proj.weight", (e, i), mesh_lib.spec((), axes)))
+
+    def __call__(self, x):
+        return _linear(jax.nn.silu(_linear(x, self.gate_proj)) * _linear(x, self.up_proj), self.down_proj)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, index: int, get: WeightSource, mesh: Mesh):
+        p = f"model.layers.{index}"
+        rep = mesh_lib.spec(())
+        self.input_layernorm = RMSNorm(get(f"{p}.input_layernorm.weight", (cfg.hidden_size,), rep), cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, f"{p}.self_attn", get, mesh)
+        self.post_attention_layernorm = RMSNorm(
+            get(f"{p}.post_attention_layernorm.weight", (cfg.hidden_size,), rep), cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, f"{p}.mlp", get, mesh)
+
+    def __call__(self, x, positions, valid, kv_len, inv_freq, cache, ctx):
+        a, cache = self.self_attn(self.input_layernorm(x), positions, valid, kv_len, inv_freq, cache, ctx)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class CausalLM(nnx.Module):
+    """Decoder-only LM. `__call__` runs a block of T tokens per sequence against the sharded cache."""
+
+    def __init__(self, cfg: ModelConfig, get: WeightSource, mesh: Mesh):
+        self.config = cfg
+        v, e = cfg.vocab_size, cfg.hidden_size
+        vocab = mesh_lib.spec(mesh_lib.fit_axes(mesh, v), ())
+        self.embed_tokens = nnx.Param(get("model.embed_tokens.weight", (v, e), vocab))
+        self.layers = nnx.List([Block(cfg, i, get, mesh) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(get("model.norm.weight", (e,), mesh_lib.spec(())), cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nnx.Param(get("lm_head.weight", (v, e), vocab))
+        self.kv_heads = self.layers[0].self_attn.num_kv_heads if cfg.num_layers else cfg.num_kv_heads
+
+    def __call__(self, tokens, positions, valid, kv_len, cache, ctx: AttentionContext, logits_at=None):
+        """tokens, positions, valid [B, T]; kv_len [B] cache length after this block is written;
+        cache: tuple over layers of (k, v) [B, K, S, D]. Returns (logits, cache): logits [B, T, V], or
+        [B, V] at index `logits_at` [B] of each sequence when given (prefill needs only the last one).
+        """
+        inv_freq = jnp.asarray(
+            self.config.rope.inv_freq(self.config.head_dim, ctx.layout.max_seq_len), jnp.float32)
+        x = jnp.take(self.embed_tokens[...], tokens, axis=0)
+        new_cache = []
+        for layer, layer_cache in zip(self.layers, cache):
+            x, layer_cache = layer(x, positions, valid, kv_len, inv_freq, layer_cache, ctx)
+            new_cache.append(layer_cache)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)[:, 0]
+        x = self.norm(x)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        logits = jnp.einsum("...e,ve->...v", x, head[...], preferred_element_type=jnp.float32)
+        return logits, tuple(new_cache)
+
+
+def cache_sharding(mesh: Mesh):
+    return mesh_lib.named(mesh, mesh_lib.kv_cache_spec())
+
+
+def init_cache(model: CausalLM, batch: int, layout: KVLayout, mesh: Mesh, dtype):
+    """Zeroed cache: per layer (k, v) [B, K, S, D], sequence over "dcp", kv heads over "tp".
+
+    Allocated sharded from the start (jit with out_shardings), never as a full array on one device.
+    """
+    cfg = model.config
+    shape = (batch, model.kv_heads, layout.max_seq_len, cfg.head_dim)
+    sharding = cache_sharding(mesh)
+    make = jax.jit(lambda: tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+                                 for _ in range(cfg.num_layers)),
+                   out_shardings=tuple((sharding, sharding) for _ in range(cfg.num_layers)))
+    return make()
+
+
+def random_source(cfg: ModelConfig, mesh: Mesh, seed: int = 0, dtype=jnp.float32, scale: float = 0.5):
+    """A WeightSource of random weights (norms = 1), for tests and benchmarks."""
+    from dcp_jax.weights import expand_kv_rows
+
+    def get(name, shape, spec, kv_rep=1):
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        if name.endswith("norm.weight"):
+            host = np.ones(shape, np.float32)
+        else:
+            base = (shape[0] // kv_rep,) + tuple(shape[1:])
+            host = (rng.standard_normal(base) * scale / np.sqrt(shape[-1])).astype(np.float32)
+            host = expand_kv_rows(host, kv_rep, cfg.head_dim)
+        return jax.device_put(jnp.asarray(host, dtype), mesh_lib.named(mesh, spec))
+
+    return get
