@@ -107,7 +107,7 @@ def dcp_attention(
     def body(q, k, v, q_pos, kv_len):
         rank = lax.axis_index(context_axes)
         o, lse = kernels.attention(
-            q, k, v, q_pos, layout.slot_positions(rank), kv_len, scale=scale, impl=impl, **kernel_options
+            q, k, v, q_pos, layout.slice_positions(rank), kv_len, scale=scale, impl=impl, **kernel_options
         )
         lse_all = lax.all_gather(lse, context_axes, axis=0)  # [N, B, T, H_local]
         lse_total, w = merge_weights(lse_all, axis=0)

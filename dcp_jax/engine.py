@@ -75,6 +75,7 @@ class Generation:
     tokens: list[list[int]]
     logprobs: list[list[float]]
     stats: dict
+    text: list[str] | None = None
 
 
 class Engine:
@@ -150,6 +151,31 @@ class Engine:
 
         return jax.jit(decode, donate_argnames=("cache", "tokens", "logprobs", "lengths"))
 
+    def _specs(self, batch: int, layout: KVLayout):
+        """Abstract cache (with its sharding) and last-logits buffer: nothing allocated."""
+        sharding = model_lib.cache_sharding(self.mesh)
+        cache = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+            jax.eval_shape(lambda: init_cache(self.model, batch, layout, self.mesh, self.dtype)))
+        replicated = mesh_lib.named(self.mesh, mesh_lib.spec())
+        logits = jax.ShapeDtypeStruct((batch, self.model.config.vocab_size), jnp.float32, sharding=replicated)
+        return cache, logits
+
+    def decode_program(self, batch: int, layout: KVLayout, max_new_tokens: int,
+                       sampling: SamplingParams = SamplingParams(), stop_on_eos: bool = True):
+        """The compiled decode loop for these sizes (XLA's memory and HLO figures hang off it).
+
+        Arguments: (params, cache, tokens [B, N] int32, logprobs [B, N] f32, lengths [B] int32,
+        done [B] bool, key, num_new int32) -> (cache, tokens, logprobs, lengths).
+        """
+        cache, _ = self._specs(batch, layout)
+        b, n = batch, max_new_tokens
+        return self._compile(
+            self._decode_fn(layout, sampling, stop_on_eos), self.params, cache,
+            jax.ShapeDtypeStruct((b, n), jnp.int32), jax.ShapeDtypeStruct((b, n), jnp.float32),
+            jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_),
+            jax.random.key(0), jax.ShapeDtypeStruct((), jnp.int32))
+
     # --- generation ------------------------------------------------------------------------------
     def generate(
         self,
@@ -206,19 +232,14 @@ class Engine:
 
         # Compile first (abstract arguments: nothing is allocated), so the timings below are runs only.
         tc = time.perf_counter()
-        cache_spec = jax.eval_shape(lambda: init_cache(self.model, b, layout, self.mesh, self.dtype))
-        cache_spec = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=model_lib.cache_sharding(self.mesh)),
-            cache_spec)
-        replicated = mesh_lib.named(self.mesh, mesh_lib.spec())
-        logits_spec = jax.ShapeDtypeStruct((b, cfg.vocab_size), jnp.float32, sharding=replicated)
+        cache_spec, logits_spec = self._specs(b, layout)
         prefill = self._compile(self._prefill_fn(layout), *chunk_args(0, cache_spec, logits_spec))
         first_fn = self._compile(self._first_fn(sampling), logits_spec, jax.random.key(0))
+        decode = self.decode_program(b, layout, n, sampling, stop)
+        compile_s = time.perf_counter() - tc
+        replicated = logits_spec.sharding
         tokens = np.full((b, n), -1, np.int32)
         logprobs = np.zeros((b, n), np.float32)
-        decode = self._compile(self._decode_fn(layout, sampling, stop), self.params, cache_spec, tokens,
-                               logprobs, lens, np.zeros(b, bool), jax.random.key(0), np.int32(n))
-        compile_s = time.perf_counter() - tc
 
         t0 = time.perf_counter()
         cache = init_cache(self.model, b, layout, self.mesh, self.dtype)
@@ -270,3 +291,54 @@ def kv_bytes(cache) -> dict:
         for shard in arr.addressable_shards:
             per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
     return dict(kv_bytes_per_device=max(per_device.values()), kv_bytes_total=total)
+
+
+class LLM:
+    """The notebook API: a model and its tokenizer on a mesh.
+
+    >>> llm = LLM.load("path/to/hf_checkpoint", tp=2, dcp=4)
+    >>> out = llm.generate(["Hello"], max_new_tokens=16)
+    >>> out.text, out.tokens, out.stats["kv_bytes_per_device"]
+    """
+
+    def __init__(self, model: CausalLM, mesh: Mesh, tokenizer=None, *, interleave: int | str = 1,
+                 impl: str | None = None):
+        self.model, self.mesh, self.tokenizer = model, mesh, tokenizer
+        self.engine = Engine(model, mesh, interleave=interleave, impl=impl)
+
+    @classmethod
+    def load(cls, model_dir, *, tp: int = 1, dcp: int = 1, interleave: int | str = 1, dtype: str = "float32",
+             impl: str | None = None, devices=None) -> "LLM":
+        from dcp_jax.weights import load_hf
+
+        if interleave != "contiguous" and not (isinstance(interleave, int) and interleave >= 1):
+            raise UserError(f"interleave must be an integer >= 1 or 'contiguous', got {interleave!r}")
+        mesh = mesh_lib.make_mesh(tp, dcp, devices)
+        model, tokenizer = load_hf(model_dir, mesh, dtype)
+        return cls(model, mesh, tokenizer, interleave=interleave, impl=impl)
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise UserError("this checkpoint has no tokenizer.json: give token ids instead of text")
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: Sequence[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(list(ids))
+
+    def generate(self, prompts, *, max_new_tokens: int = 32, max_seq_len: int | None = None,
+                 prefill_chunk: int = 256, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int = 0, ignore_eos: bool = False, on_chunk=None) -> Generation:
+        """`prompts`: a string, a list of strings, a list of ids, or a list of id lists (one batch).
+
+        Returns a `Generation` with `tokens` (list per sequence), `logprobs`, `stats`, and `text` (list
+        per sequence, None without a tokenizer).
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]
+        ids = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        out = self.engine.generate(
+            ids, max_new_tokens=max_new_tokens, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
+            sampling=SamplingParams(temperature, top_k, top_p), seed=seed, ignore_eos=ignore_eos,
+            on_chunk=on_chunk)
+        out.text = None if self.tokenizer is None else [self.decode(t) for t in out.tokens]
+        return out

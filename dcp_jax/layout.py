@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.attention.common import SlotPositions
+
 
 @dataclasses.dataclass(frozen=True)
 class KVLayout:
@@ -71,15 +73,18 @@ class KVLayout:
         return self.rank_of(t) * self.slots_per_shard + self.slot_of(t)
 
     # --- placement -> position -------------------------------------------------------------------
+    def slice_positions(self, rank) -> SlotPositions:
+        """The positions shard `rank`'s slots hold, in the form kernels take (runs of `interleave`)."""
+        return SlotPositions(start=rank * self.interleave, run=self.interleave,
+                             stride=self.interleave * self.num_shards)
+
     def position_of(self, rank, slot):
         """Global position held by `slot` of shard `rank`."""
-        i = self.interleave
-        return (slot // i) * (i * self.num_shards) + rank * i + slot % i
+        return self.slice_positions(rank).at(slot)
 
     def slot_positions(self, rank):
         """Global positions of all local slots of shard `rank` (int32 [slots_per_shard])."""
-        slots = jnp.arange(self.slots_per_shard, dtype=jnp.int32)
-        return self.position_of(jnp.asarray(rank, jnp.int32), slots).astype(jnp.int32)
+        return self.position_of(rank, jnp.arange(self.slots_per_shard, dtype=jnp.int32))
 
     # --- lengths ---------------------------------------------------------------------------------
     def local_length(self, length, rank):

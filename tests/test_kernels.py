@@ -9,15 +9,16 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from pallas_kernels.attention import attention
+from pallas_kernels.attention import SlotPositions, attention
 from pallas_kernels.attention import triton as triton_kernel
 from tests.util import assert_lse_close, dense_attention, rel_err
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
 
-def make_inputs(b, t, h, kh, s, dk, dv, dtype=jnp.float32, seed=0, stride=1):
-    """Random inputs over a slice whose slots hold positions 0, stride, 2·stride, ... (like a dcp shard).
+def make_inputs(b, t, h, kh, s, dk, dv, dtype=jnp.float32, seed=0, stride=1, runs=None):
+    """Random inputs over a slice whose slots hold positions 0, stride, 2·stride, ... (like a dcp shard),
+    or, with runs=(start, run, stride), runs of `run` positions as an interleaved shard holds them.
 
     Lengths are ragged; sequence 1 has nothing cached; queries are the last t positions of each sequence,
     so some rows (negative positions) see no slot at all.
@@ -26,21 +27,22 @@ def make_inputs(b, t, h, kh, s, dk, dv, dtype=jnp.float32, seed=0, stride=1):
     q = rng.standard_normal((b, t, h, dk))
     k = rng.standard_normal((b, kh, s, dk))
     v = rng.standard_normal((b, kh, s, dv))
-    kv_pos = np.arange(s, dtype=np.int32) * stride
-    lengths = rng.integers(1, s * stride + 1, size=b).astype(np.int32)
-    lengths[0] = s * stride
+    kv_pos = SlotPositions(*(runs or (0, 1, stride)))
+    end = int(kv_pos.at(s - 1)) + 1
+    lengths = rng.integers(1, end + 1, size=b).astype(np.int32)
+    lengths[0] = end
     if b > 1:
         lengths[1] = 0
     q_pos = (np.maximum(lengths, 1)[:, None] - t + np.arange(t)[None, :]).astype(np.int32)
     return dict(q=jnp.asarray(q, dtype), k=jnp.asarray(k, dtype), v=jnp.asarray(v, dtype),
-                q_pos=jnp.asarray(q_pos), kv_pos=jnp.asarray(kv_pos), kv_len=jnp.asarray(lengths))
+                q_pos=jnp.asarray(q_pos), kv_pos=kv_pos, kv_len=jnp.asarray(lengths))
 
 
 def check_against_oracle(o, lse, x, tol):
     scale = 1.0 / np.sqrt(x["q"].shape[-1])
     ref_o, ref_lse = dense_attention(x["q"].astype(jnp.float32), x["k"].astype(jnp.float32),
                                      x["v"].astype(jnp.float32), x["q_pos"], x["kv_len"], scale,
-                                     kv_pos=x["kv_pos"])
+                                     kv_pos=x["kv_pos"].at(np.arange(x["k"].shape[2])))
     assert not np.isnan(np.asarray(o, np.float32)).any()
     assert rel_err(o, ref_o) <= tol, rel_err(o, ref_o)
     assert_lse_close(lse, ref_lse, tol)
@@ -63,13 +65,13 @@ def test_reference_matches_float64(dtype, t, h, kh, dk, dv, stride):
     assert np.abs(ref_o[0]).max() > 0
 
 
-@pytest.mark.parametrize("t,h,kh,s,dk,dv,dtype,opts", [
-    (1, 8, 2, 40, 16, 16, jnp.float32, dict(block_k=16)),                 # decode; 3 splits, ragged tail
-    (16, 2, 2, 24, 8, 12, jnp.float32, dict(block_k=16, num_splits=2)),   # prefill chunk, Dk != Dv
-    (1, 4, 1, 32, 24, 16, jnp.bfloat16, dict(block_k=16)),                # shared kv head (MLA-like)
+@pytest.mark.parametrize("t,h,kh,s,dk,dv,dtype,runs,opts", [
+    (1, 8, 2, 40, 16, 16, jnp.float32, (0, 1, 2), dict(block_k=16)),   # decode; 3 blocks, ragged tail
+    (16, 2, 2, 24, 8, 12, jnp.float32, (4, 4, 12), dict(block_k=16, num_splits=2)),  # prefill, Dk != Dv
+    (1, 4, 1, 32, 24, 16, jnp.bfloat16, (1, 1, 3), dict(block_k=16)),  # shared kv head (MLA-like)
 ])
-def test_pallas_interpret_matches_reference(t, h, kh, s, dk, dv, dtype, opts):
-    x = make_inputs(2, t, h, kh, s, dk, dv, dtype, stride=2)
+def test_pallas_interpret_matches_reference(t, h, kh, s, dk, dv, dtype, runs, opts):
+    x = make_inputs(2, t, h, kh, s, dk, dv, dtype, runs=runs)
     o_ref, lse_ref = attention(**x, impl="reference")
     o, lse = attention(**x, impl="pallas_interpret", **opts)
     tol = TOL[dtype]
@@ -79,12 +81,20 @@ def test_pallas_interpret_matches_reference(t, h, kh, s, dk, dv, dtype, opts):
     check_against_oracle(o, lse, x, tol)
 
 
+@pytest.mark.parametrize("block_k,runs", [(4, (0, 1, 3)), (8, (8, 4, 16))])
+def test_reference_blocked_walk(block_k, runs):
+    # Several blocks, ragged lengths (the walk stops early for short sequences): same as float64.
+    x = make_inputs(3, 2, 4, 2, 24, 8, 8, runs=runs)
+    o, lse = attention(**x, impl="reference", block_k=block_k)
+    check_against_oracle(o, lse, x, 1e-5)
+
+
 def test_unknown_impl_and_bad_options():
     x = make_inputs(1, 1, 2, 2, 8, 8, 8)
     with pytest.raises(ValueError, match="unknown attention impl"):
         attention(**x, impl="cuda")
-    with pytest.raises(ValueError, match="no kernel options"):
-        attention(**x, impl="reference", block_k=16)
+    with pytest.raises(ValueError, match=r"takes kernel options \['block_k'\], got \['num_splits'\]"):
+        attention(**x, impl="reference", num_splits=2)
 
 
 @pytest.mark.parametrize("change,match", [
@@ -94,7 +104,7 @@ def test_unknown_impl_and_bad_options():
     (dict(q=jnp.zeros((1, 1, 3, 8))), "multiple of kv heads"),
     (dict(v=jnp.zeros((1, 2, 7, 8))), "disagree"),
     (dict(q_pos=jnp.zeros((1, 2), jnp.int32)), "q_pos must be"),
-    (dict(kv_pos=jnp.zeros((9,), jnp.int32)), "kv_pos must be"),
+    (dict(kv_pos=jnp.arange(8)), "kv_pos must be a SlotPositions"),
     (dict(kv_len=jnp.zeros((2,), jnp.int32)), "kv_len must be"),
     (dict(kv_len=jnp.zeros((1,), jnp.float32)), "integer"),
 ])
@@ -111,7 +121,8 @@ def lower_for_cuda(b, t, h, kh, s, dk, dv, dtype, **opts):
     f = functools.partial(triton_kernel.attention, scale=0.1, **opts)
     args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in [
         ((b, t, h, dk), dtype), ((b, kh, s, dk), dtype), ((b, kh, s, dv), dtype),
-        ((b, t), jnp.int32), ((s,), jnp.int32), ((b,), jnp.int32)]]
+        ((b, t), jnp.int32), ((), jnp.int32), ((b,), jnp.int32)]]
+    args[4] = SlotPositions(args[4], 4, 32)  # interleave 4 over 8 shards; start traced
     gpu = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
         device_kind="NVIDIA H200", num_cores=None, platform="gpu"))
     with jax.sharding.use_abstract_mesh(gpu):

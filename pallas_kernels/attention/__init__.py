@@ -5,10 +5,11 @@ the Pallas GPU kernel (flash-decoding).
 """
 
 from pallas_kernels.attention.api import IMPLEMENTATIONS, attention, default_impl
-from pallas_kernels.attention.common import check_inputs, merge_partials, merge_weights
+from pallas_kernels.attention.common import SlotPositions, check_inputs, merge_partials, merge_weights
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "SlotPositions",
     "attention",
     "check_inputs",
     "default_impl",

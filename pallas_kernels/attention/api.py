@@ -10,6 +10,10 @@ from pallas_kernels.attention import reference, triton
 from pallas_kernels.attention.common import check_inputs, default_scale
 
 IMPLEMENTATIONS = ("reference", "pallas", "pallas_interpret")
+_OPTIONS = {
+    "reference": {"block_k"},
+    "pallas": {"block_k", "num_splits", "num_warps", "num_stages"},
+}
 
 
 def default_impl() -> str:
@@ -24,7 +28,7 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float | None = None, imp
     Args:
       q: [B, T, H, Dk] queries.  k: [B, K, S, Dk] keys.  v: [B, K, S, Dv] values (Dv may differ from Dk).
       q_pos: [B, T] global positions of the queries.
-      kv_pos: [S] global positions held by the slots of this slice.
+      kv_pos: `SlotPositions`, the global positions held by the slots of this slice.
       kv_len: [B] valid length of each sequence; a slot is seen by a query iff
         `kv_pos <= q_pos and kv_pos < kv_len` (causal by position).
       scale: softmax scale, default 1/sqrt(Dk).
@@ -39,10 +43,12 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float | None = None, imp
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {IMPLEMENTATIONS}")
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+    allowed = _OPTIONS["reference" if impl == "reference" else "pallas"]
+    if set(kernel_options) - allowed:
+        raise ValueError(
+            f"{impl} takes kernel options {sorted(allowed)}, got {sorted(set(kernel_options) - allowed)}")
     if impl == "reference":
-        if kernel_options:
-            raise ValueError(f"the reference takes no kernel options, got {sorted(kernel_options)}")
-        fn = reference.attention
+        fn = functools.partial(reference.attention, **kernel_options)
     else:
         fn = functools.partial(triton.attention, interpret=impl == "pallas_interpret", **kernel_options)
     return fn(q, k, v, q_pos, kv_pos, kv_len, scale=scale)

@@ -6,14 +6,50 @@ split-K combine and the cross-device DCP combine both call it.
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlotPositions:
+    """Global positions held by the slots of a KV slice, as runs: slot j holds position
+
+        (j // run) · stride + start + j % run
+
+    i.e. runs of `run` consecutive positions, one run every `stride` positions, the first at `start`
+    (0 <= start <= stride - run). A whole sequence on one device is run = stride = S, start = 0. Positions
+    increase along the slice and are computed where they are needed (never stored per slot), so
+    kernels read no position array and can count the visible slots without touching the cache.
+    `start` may be traced (it depends on the device's rank); `run` and `stride` are static.
+    """
+
+    start: jax.Array | int
+    run: int = dataclasses.field(metadata=dict(static=True))
+    stride: int = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def dense(cls, s: int) -> "SlotPositions":
+        """Slots 0..s-1 hold positions 0..s-1."""
+        return cls(start=0, run=s, stride=s)
+
+    def at(self, slots):
+        """Positions of the given slot indices."""
+        return (slots // self.run) * self.stride + self.start + slots % self.run
+
+    def count_upto(self, limit):
+        """How many slots hold a position <= limit (slots beyond the slice are the caller's to cap)."""
+        x = jnp.maximum(limit + 1 - self.start, 0)
+        return (x // self.stride) * self.run + jnp.minimum(x % self.stride, self.run)
 
 
 def check_inputs(q, k, v, q_pos, kv_pos, kv_len) -> None:
     """Shape checks (static, so they work under jit). Raises ValueError naming the problem.
 
-    q [B, T, H, Dk], k [B, K, S, Dk], v [B, K, S, Dv], q_pos [B, T], kv_pos [S], kv_len [B].
+    q [B, T, H, Dk], k [B, K, S, Dk], v [B, K, S, Dv], q_pos [B, T], kv_pos SlotPositions, kv_len [B].
     kv_pos may be None where the caller derives it (the DCP island).
     """
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
@@ -32,12 +68,12 @@ def check_inputs(q, k, v, q_pos, kv_pos, kv_len) -> None:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({kh})")
     if q_pos.shape != (b, t):
         raise ValueError(f"q_pos must be [B, T] = {(b, t)}, got {q_pos.shape}")
-    if kv_pos is not None and kv_pos.shape != (s,):
-        raise ValueError(f"kv_pos must be [S] = {(s,)}, got {kv_pos.shape}")
+    if kv_pos is not None and not isinstance(kv_pos, SlotPositions):
+        raise ValueError(f"kv_pos must be a SlotPositions, got {type(kv_pos).__name__}")
     if kv_len.shape != (b,):
         raise ValueError(f"kv_len must be [B] = {(b,)}, got {kv_len.shape}")
-    for name, x in (("q_pos", q_pos), ("kv_pos", kv_pos), ("kv_len", kv_len)):
-        if x is not None and not jnp.issubdtype(x.dtype, jnp.integer):
+    for name, x in (("q_pos", q_pos), ("kv_len", kv_len)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{name} must be an integer array, got {x.dtype}")
 
 

@@ -6,10 +6,10 @@ tensor cores), walks its split of the KV slice block by block with an online sof
 writes a partial output and LSE. The splits are then merged by LSE (`common.merge_partials`), the same
 exact merge the cross-device combine uses. GQA never repeats KV: the group's rows share each K/V block.
 
-Triton needs power-of-two block shapes, so head dims and the slot axis are zero-padded by the wrapper;
-padded slots carry position INT32_MAX and are always masked. Blocks wholly past every row's limit are
-skipped (`lax.cond`): slot positions increase along a shard's slice, so a decode step over a cache
-that is mostly empty only reads the filled part.
+Slot positions are computed in registers from the slice's `SlotPositions` (no position array is read),
+and each program visits only the blocks up to the last slot any of its rows may see, so a decode step
+over a mostly empty cache reads only the filled part. Triton needs power-of-two block shapes, so head
+dims are zero-padded by the wrapper (a no-op for 64/128-wide heads); slots past the slice are masked.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.attention.common import merge_partials, row_limits
+from pallas_kernels.attention.common import SlotPositions, merge_partials, row_limits
 
-_POS_PAD = jnp.iinfo(jnp.int32).max
 # `dot` moved from `pl` (removed in JAX 0.12) to the Triton module; JAX 0.11.2 may have only the former.
 _dot = getattr(plgpu, "dot", None) or pl.dot
 
@@ -34,33 +33,34 @@ def _pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
-def _kernel(q_ref, k_ref, v_ref, pos_ref, lim_ref, o_ref, lse_ref, *, scale, block_k, precision):
-    # q_ref [R, Dk]; k_ref [L, Dk]; v_ref [L, Dv]; pos_ref [L]; lim_ref [R]; o_ref [R, Dv]; lse_ref [R]
+def _kernel(start_ref, q_ref, k_ref, v_ref, lim_ref, o_ref, lse_ref, *, scale, block_k, precision, run,
+            stride, num_slots):
+    # start_ref []; q_ref [R, Dk]; k_ref [L, Dk]; v_ref [L, Dv]; lim_ref [R]; o_ref [R, Dv]; lse_ref [R]
+    positions = SlotPositions(start_ref[()], run, stride)
     q = q_ref[...]
     lim = lim_ref[...]
     rows, dv = o_ref.shape
-    max_lim = jnp.max(lim)
-    num_blocks = k_ref.shape[0] // block_k
+    split_len = k_ref.shape[0]
+    first = pl.program_id(2) * split_len
+    visible = jnp.minimum(positions.count_upto(jnp.max(lim)), num_slots)
+    num_blocks = jnp.clip(pl.cdiv(visible - first, block_k), 0, split_len // block_k)
 
     def step(i, carry):
         m, l, acc = carry
         sl = pl.ds(i * block_k, block_k)
-        pos = pos_ref[sl]
-
-        def visit():
-            k = k_ref[sl, :]
-            v = v_ref[sl, :]
-            s = _dot(q, k, trans_b=True, precision=precision).astype(jnp.float32) * scale
-            s = jnp.where(pos[None, :] <= lim[:, None], s, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp(m - m_safe)
-            p = jnp.exp(s - m_safe[:, None])
-            l_new = l * alpha + jnp.sum(p, axis=1)
-            pv = _dot(p.astype(v.dtype), v, precision=precision).astype(jnp.float32)
-            return m_new, l_new, acc * alpha[:, None] + pv
-
-        return lax.cond(jnp.min(pos) <= max_lim, visit, lambda: carry)
+        slots = first + i * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        pos = positions.at(slots)
+        k = k_ref[sl, :]
+        v = v_ref[sl, :]
+        s = _dot(q, k, trans_b=True, precision=precision).astype(jnp.float32) * scale
+        mask = (pos[None, :] <= lim[:, None]) & (slots[None, :] < num_slots)
+        s = jnp.where(mask, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(s - m_safe[:, None])
+        pv = _dot(p.astype(v.dtype), v, precision=precision).astype(jnp.float32)
+        return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
 
     init = (
         jnp.full((rows,), -jnp.inf, jnp.float32),
@@ -101,18 +101,19 @@ def attention(
     lim = jnp.pad(lim, ((0, 0), (0, rows - t * g)), constant_values=-1)
     kp = jnp.pad(k, ((0, 0), (0, 0), (0, s_pad - s), (0, dk_p - dk)))
     vp = jnp.pad(v, ((0, 0), (0, 0), (0, s_pad - s), (0, dv_p - dv)))
-    pos = jnp.pad(kv_pos.astype(jnp.int32), (0, s_pad - s), constant_values=_POS_PAD)
+    start = jnp.asarray(kv_pos.start, jnp.int32)
 
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    kernel = functools.partial(_kernel, scale=scale, block_k=block_k, precision=precision)
+    kernel = functools.partial(_kernel, scale=scale, block_k=block_k, precision=precision, run=kv_pos.run,
+                               stride=kv_pos.stride, num_slots=s)
     o, lse = pl.pallas_call(
         kernel,
         grid=(b, kh, num_splits),
         in_specs=[
+            pl.BlockSpec((), lambda i, j, c: ()),
             pl.BlockSpec((None, None, rows, dk_p), lambda i, j, c: (i, j, 0, 0)),
             pl.BlockSpec((None, None, split_len, dk_p), lambda i, j, c: (i, j, c, 0)),
             pl.BlockSpec((None, None, split_len, dv_p), lambda i, j, c: (i, j, c, 0)),
-            pl.BlockSpec((split_len,), lambda i, j, c: (c,)),
             pl.BlockSpec((None, rows), lambda i, j, c: (i, 0)),
         ],
         out_specs=[
@@ -126,7 +127,7 @@ def attention(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="dcp_flash_decode",
-    )(qg, kp, vp, pos, lim)
+    )(start, qg, kp, vp, lim)
 
     o, lse = merge_partials(o, lse, axis=2)  # [B, K, R, Dv_p], [B, K, R]
     o = o[:, :, : t * g, :dv].reshape(b, kh, t, g, dv).transpose(0, 2, 1, 3, 4).reshape(b, t, h, dv)
