@@ -1,11 +1,18 @@
 """dcp_jax: Decode Context Parallelism in JAX — KV cache sharded along the sequence over a mesh axis."""
 
 from dcp_jax.attention import dcp_attention
+from dcp_jax.engine import LLM, Engine, Generation, SamplingParams
+from dcp_jax.errors import UserError
 from dcp_jax.layout import KVLayout, kv_cache_bytes
 from dcp_jax.mesh import AXES, DCP, TP, ensure_cpu_devices, make_mesh
 
 __all__ = [
     "AXES",
+    "LLM",
+    "Engine",
+    "Generation",
+    "SamplingParams",
+    "UserError",
     "DCP",
     "TP",
     "KVLayout",

@@ -126,7 +126,7 @@ def run(argv=None) -> int:
         out = llm.generate(prompts, max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len,
                            prefill_chunk=args.prefill_chunk, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
-    except UserError as e:
+    except ValueError as e:  # UserError and the library's own ValueErrors (bad mesh, bad sizes)
         print(f"error: {e}", file=sys.stderr)
         return RUN_ERROR
 

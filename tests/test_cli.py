@@ -1,0 +1,137 @@
+"""The command line: JSON output, and one clear stderr line + exit code for every user mistake."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dcp_jax.generate import run
+
+FIX = Path(__file__).parent / "fixtures"
+LLAMA = str(FIX / "llama-gqa")
+
+
+def cli(capsys, *argv):
+    code = run([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_output(capsys):
+    code, out, err = cli(capsys, "--model", FIX / "llama-tokenizer", "--mesh", "tp=2,dcp=4", "--prompt", "Return the",
+                         "--prompt-ids", "5,6,7,8", "--max-new-tokens", "5", "--ignore-eos", "--logprobs", "--json")
+    assert code == 0, err
+    obj = json.loads(out)
+    assert [len(t) for t in obj["tokens"]] == [5, 5]
+    assert len(obj["text"]) == 2 and all(isinstance(t, str) for t in obj["text"])
+    assert [len(x) for x in obj["logprobs"]] == [5, 5] and all(x <= 0 for x in obj["logprobs"][0])
+    stats = obj["stats"]
+    assert (stats["tp"], stats["dcp"]) == (2, 4)
+    for key in ("kv_bytes_per_device", "kv_bytes_total", "ttft_s", "decode_tokens_per_s"):
+        assert stats[key] > 0
+    assert stats["kv_bytes_per_device"] * 8 == stats["kv_bytes_total"]
+
+
+def test_text_output(capsys):
+    code, out, err = cli(capsys, "--model", LLAMA, "--dcp", "2", "--prompt-ids", "1,2,3", "--max-new-tokens", "3")
+    assert code == 0, err
+    assert out.startswith("[0] [") and "tp=1 x dcp=2" in out
+
+
+def _broken(tmp_path, edit):
+    d = tmp_path / "model"
+    shutil.copytree(LLAMA, d)
+    edit(d)
+    return d
+
+
+def _set_config(**kv):
+    def edit(d):
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(kv)
+        (d / "config.json").write_text(json.dumps(cfg))
+    return edit
+
+
+def _truncate(d):
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+USAGE = [
+    (["--prompt-ids", "1"], "the following arguments are required: --model"),
+    (["--model", LLAMA], "no prompt"),
+    (["--model", LLAMA, "--prompt-ids", "1,x"], "comma-separated integers"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--tp", "0"], "--tp must be >= 1"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--dcp", "two"], "--dcp must be an integer"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--mesh", "tp=2"], "--mesh takes tp=N,dcp=M"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--mesh", "tp=2,dcp=2", "--tp", "2"], "either --mesh or --tp"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--top-p", "1.5"], "--top-p must be in [0, 1.0]"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--top-p", "0"], "--top-p must be > 0"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--temperature", "-1"], "--temperature must be >= 0"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--dtype", "int8"], "invalid choice"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--interleave", "0"], "--interleave must be >= 1"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--bogus"], "unrecognized arguments: --bogus"),
+]
+
+
+@pytest.mark.parametrize("argv,message", USAGE)
+def test_usage_errors(capsys, argv, message):
+    code, out, err = cli(capsys, *argv)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    assert out == ""
+
+
+RUNTIME = [
+    (lambda d: None, ["--model", "/no/such/dir"], "does not exist"),
+    (lambda d: None, ["--model", str(FIX / "llama-gqa" / "config.json")], "is not a directory"),
+    (lambda d: (d / "config.json").unlink(), [], "needs config.json"),
+    (lambda d: (d / "config.json").write_text("{not json"), [], "cannot read"),
+    (_set_config(architectures=["GPT2LMHeadModel"]), [], "unsupported architecture ['GPT2LMHeadModel']"),
+    (_set_config(rope_parameters={"rope_type": "yarn", "factor": 2.0}), [], "unsupported rope scaling 'yarn'"),
+    (_set_config(hidden_size=None), [], "malformed field"),
+    (lambda d: (d / "model.safetensors").unlink(), [], "no *.safetensors weights"),
+    (_truncate, [], "truncated or corrupt"),
+    (_set_config(hidden_size=32), [], "config.json implies"),
+    (lambda d: None, ["--tp", "3"], "tp=3 does not divide the model's 8 attention heads"),
+    (lambda d: None, ["--tp", "4", "--dcp", "4"], "needs 16 devices"),
+    (lambda d: None, ["--max-seq-len", "4"], "exceeds max_seq_len 4"),
+    (lambda d: None, ["--prompt-ids", "3,999"], "token id 999 is outside the vocabulary [0, 256)"),
+    (lambda d: None, ["--prompt", "hello"], "no tokenizer.json"),
+]
+
+
+@pytest.mark.parametrize("edit,extra,message", RUNTIME)
+def test_runtime_errors(capsys, tmp_path, edit, extra, message):
+    d = _broken(tmp_path, edit)
+    argv = ["--model", d, "--max-new-tokens", "2"] + extra
+    if "--prompt" not in extra and "--prompt-ids" not in extra:
+        argv += ["--prompt-ids", "1,2,3"]
+    code, out, err = cli(capsys, *argv)
+    assert code == 1, err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+def _subprocess(*argv):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env["JAX_PLATFORMS"] = "cpu"
+    return subprocess.run([sys.executable, "-m", "dcp_jax.generate", *argv], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_fresh_process_simulates_its_devices():
+    p = _subprocess("--model", LLAMA, "--mesh", "tp=2,dcp=4", "--prompt-ids", "1,2,3", "--max-new-tokens", "3",
+                    "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["stats"]["dcp"] == 4
+
+
+def test_fresh_process_error_has_no_traceback():
+    p = _subprocess("--model", LLAMA, "--tp", "3", "--prompt-ids", "1")
+    assert p.returncode == 1
+    assert "Traceback" not in p.stderr and p.stderr.strip().splitlines()[-1].startswith("error: tp=3")
