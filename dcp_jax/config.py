@@ -76,6 +76,7 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    hf_config: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -105,6 +106,7 @@ class ModelConfig:
                 sliding_window=_sliding_window(d),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=_ids(d.get("eos_token_id")),
+                hf_config=dict(d),
             )
         except KeyError as e:
             raise UserError(f"config.json lacks required field {e.args[0]!r}") from None

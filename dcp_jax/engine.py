@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import io_callback
 from jax.sharding import Mesh
 
 from dcp_jax import mesh as mesh_lib
@@ -87,6 +88,7 @@ class Engine:
         self.dtype = model.embed_tokens[...].dtype
         self.eos = tuple(model.config.eos_token_ids)
         self._executables = {}
+        self._on_token = None  # the streaming target of the running generate() call
 
     def _compile(self, fn, *args):
         """AOT-compile `fn` for these argument shapes once (so timings below exclude compilation)."""
@@ -119,7 +121,7 @@ class Engine:
         return jax.jit(lambda logits, key: sample(logits, key, sampling))
 
     @functools.lru_cache(maxsize=16)
-    def _decode_fn(self, layout: KVLayout, sampling: SamplingParams, stop_on_eos: bool):
+    def _decode_fn(self, layout: KVLayout, sampling: SamplingParams, stop_on_eos: bool, stream: bool = False):
         ctx = AttentionContext(self.mesh, layout, self.impl)
         eos = jnp.asarray(self.eos if stop_on_eos and self.eos else (-1,), jnp.int32)
 
@@ -143,6 +145,8 @@ class Engine:
                 logprobs = jax.lax.dynamic_update_index_in_dim(logprobs, lp, step, axis=1)
                 lengths = lengths + live
                 done = done | jnp.isin(tok, eos)
+                if stream:  # hand each step's tokens to the host as they come (runs on one device)
+                    io_callback(self._emit, None, step, tok, ordered=True)
                 return step + 1, cache, tokens, logprobs, lengths, done, key
 
             state = (jnp.int32(1), cache, tokens, logprobs, lengths, done, key)
@@ -161,8 +165,13 @@ class Engine:
         logits = jax.ShapeDtypeStruct((batch, self.model.config.vocab_size), jnp.float32, sharding=replicated)
         return cache, logits
 
+    def _emit(self, step, tokens):
+        if self._on_token is not None:
+            self._on_token(int(step), np.asarray(tokens))
+
     def decode_program(self, batch: int, layout: KVLayout, max_new_tokens: int,
-                       sampling: SamplingParams = SamplingParams(), stop_on_eos: bool = True):
+                       sampling: SamplingParams = SamplingParams(), stop_on_eos: bool = True,
+                       stream: bool = False):
         """The compiled decode loop for these sizes (XLA's memory and HLO figures hang off it).
 
         Arguments: (params, cache, tokens [B, N] int32, logprobs [B, N] f32, lengths [B] int32,
@@ -171,7 +180,7 @@ class Engine:
         cache, _ = self._specs(batch, layout)
         b, n = batch, max_new_tokens
         return self._compile(
-            self._decode_fn(layout, sampling, stop_on_eos), self.params, cache,
+            self._decode_fn(layout, sampling, stop_on_eos, stream), self.params, cache,
             jax.ShapeDtypeStruct((b, n), jnp.int32), jax.ShapeDtypeStruct((b, n), jnp.float32),
             jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_),
             jax.random.key(0), jax.ShapeDtypeStruct((), jnp.int32))
@@ -188,8 +197,13 @@ class Engine:
         seed: int = 0,
         ignore_eos: bool = False,
         on_chunk=None,
+        on_token=None,
     ) -> Generation:
-        """Generate for a ragged batch of token-id prompts. `on_chunk(done, total)` reports prefill."""
+        """Generate for a ragged batch of token-id prompts.
+
+        `on_chunk(done, total)` reports prefill progress; `on_token(step, tokens [B])` receives each
+        step's new tokens while the decode loop runs (-1 for finished sequences).
+        """
         prompts = [list(map(int, p)) for p in prompts]
         cfg = self.model.config
         if not prompts:
@@ -235,7 +249,7 @@ class Engine:
         cache_spec, logits_spec = self._specs(b, layout)
         prefill = self._compile(self._prefill_fn(layout), *chunk_args(0, cache_spec, logits_spec))
         first_fn = self._compile(self._first_fn(sampling), logits_spec, jax.random.key(0))
-        decode = self.decode_program(b, layout, n, sampling, stop)
+        decode = self.decode_program(b, layout, n, sampling, stop, stream=on_token is not None)
         compile_s = time.perf_counter() - tc
         replicated = logits_spec.sharding
         tokens = np.full((b, n), -1, np.int32)
@@ -255,13 +269,17 @@ class Engine:
 
         tokens[:, 0] = first
         logprobs[:, 0] = np.asarray(first_lp)
+        self._on_token = on_token
+        if on_token is not None:
+            on_token(0, first)
         done = np.isin(first, self.eos) if stop else np.zeros(b, bool)
-        kv = kv_bytes(cache)
+        kv = kv_bytes(cache, self.model.kv_replication)
         t1 = time.perf_counter()
         cache, tokens, logprobs, lengths = decode(
             self.params, cache, tokens, logprobs, lens, done, key, np.int32(n))
         tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
         decode_s = time.perf_counter() - t1
+        self._on_token = None
         del cache
 
         out_tokens, out_lp = [], []
@@ -282,40 +300,48 @@ class Engine:
         return Generation(out_tokens, out_lp, stats)
 
 
-def kv_bytes(cache) -> dict:
-    """KV bytes one device really holds (its shards) and the whole cache's bytes."""
+def kv_bytes(cache, replication: int = 1) -> dict:
+    """KV bytes one device really holds (its shards), and the whole cache's bytes counted once (KV heads
+    replicated `replication` times over tp ranks are not counted again)."""
     per_device = {}
-    total = 0
+    stored = 0
     for arr in jax.tree.leaves(cache):
-        total += arr.nbytes
+        stored += arr.nbytes
         for shard in arr.addressable_shards:
             per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
-    return dict(kv_bytes_per_device=max(per_device.values()), kv_bytes_total=total)
+    return dict(kv_bytes_per_device=max(per_device.values()), kv_bytes_total=stored // replication,
+                kv_replication=replication)
 
 
 class LLM:
     """The notebook API: a model and its tokenizer on a mesh.
 
-    >>> llm = LLM.load("path/to/hf_checkpoint", tp=2, dcp=4)
+    >>> llm = LLM.load("path/to/hf_checkpoint_or_orbax_dir", tp=2, dcp=4)
     >>> out = llm.generate(["Hello"], max_new_tokens=16)
     >>> out.text, out.tokens, out.stats["kv_bytes_per_device"]
     """
 
     def __init__(self, model: CausalLM, mesh: Mesh, tokenizer=None, *, interleave: int | str = 1,
-                 impl: str | None = None):
-        self.model, self.mesh, self.tokenizer = model, mesh, tokenizer
+                 impl: str | None = None, source: str = "in memory"):
+        self.model, self.mesh, self.tokenizer, self.source = model, mesh, tokenizer, source
         self.engine = Engine(model, mesh, interleave=interleave, impl=impl)
 
     @classmethod
     def load(cls, model_dir, *, tp: int = 1, dcp: int = 1, interleave: int | str = 1, dtype: str = "float32",
              impl: str | None = None, devices=None) -> "LLM":
-        from dcp_jax.weights import load_hf
+        from dcp_jax.weights import load_any
 
         if interleave != "contiguous" and not (isinstance(interleave, int) and interleave >= 1):
             raise UserError(f"interleave must be an integer >= 1 or 'contiguous', got {interleave!r}")
         mesh = mesh_lib.make_mesh(tp, dcp, devices)
-        model, tokenizer = load_hf(model_dir, mesh, dtype)
-        return cls(model, mesh, tokenizer, interleave=interleave, impl=impl)
+        model, tokenizer, source = load_any(model_dir, mesh, dtype)
+        return cls(model, mesh, tokenizer, interleave=interleave, impl=impl, source=source)
+
+    def save(self, path) -> int:
+        """Save weights, config and tokenizer as an orbax checkpoint (atomically); returns the step."""
+        from dcp_jax.weights import save_checkpoint
+
+        return save_checkpoint(self.model, path, self.tokenizer)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -327,7 +353,7 @@ class LLM:
 
     def generate(self, prompts, *, max_new_tokens: int = 32, max_seq_len: int | None = None,
                  prefill_chunk: int = 256, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 seed: int = 0, ignore_eos: bool = False, on_chunk=None) -> Generation:
+                 seed: int = 0, ignore_eos: bool = False, on_chunk=None, on_token=None) -> Generation:
         """`prompts`: a string, a list of strings, a list of ids, or a list of id lists (one batch).
 
         Returns a `Generation` with `tokens` (list per sequence), `logprobs`, `stats`, and `text` (list
@@ -339,6 +365,6 @@ class LLM:
         out = self.engine.generate(
             ids, max_new_tokens=max_new_tokens, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
             sampling=SamplingParams(temperature, top_k, top_p), seed=seed, ignore_eos=ignore_eos,
-            on_chunk=on_chunk)
+            on_chunk=on_chunk, on_token=on_token)
         out.text = None if self.tokenizer is None else [self.decode(t) for t in out.tokens]
         return out

@@ -1,8 +1,9 @@
-"""The command line: `python -m dcp_jax.generate --model DIR [--tp N --dcp N] --prompt TEXT ...`.
+"""The command line: `python -m dcp_jax.generate [--model DIR] [--tp N --dcp N] [--prompt TEXT] ...`.
 
-Every user mistake ends with one line on stderr and a non-zero exit: 2 for command-line misuse, 1 for
-problems found later (model directory, weights, prompt too long). On a CPU-only machine the mesh's
-devices are simulated.
+With no arguments it runs the embedded tiny model (trained by scripts/train_tiny.py) on a long built-in
+prompt over tp=2 x dcp=4 (8 simulated CPU devices without an accelerator, every local device with one),
+streams the text, and reports what DCP saved. Every user mistake ends with one line on stderr and a
+non-zero exit: 2 for command-line misuse, 1 for problems found later (model directory, weights, sizes).
 """
 
 from __future__ import annotations
@@ -10,10 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from dcp_jax.errors import UserError
 
 USAGE_ERROR, RUN_ERROR = 2, 1
+ASSETS = Path(__file__).resolve().parent / "assets"
+DEFAULT_MODEL = ASSETS / "tiny"
+DEFAULT_PROMPT = ASSETS / "default_prompt.txt"
+DEFAULT_NEW_TOKENS = 200
+DEFAULT_MAX_SEQ_LEN = 16384  # the default run reserves a 16K-token cache, sharded over dcp
 
 
 class _Parser(argparse.ArgumentParser):
@@ -76,7 +83,10 @@ def _mesh(text):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m dcp_jax.generate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--model", default=None,
+                   help="Hugging Face checkpoint directory or orbax checkpoint (default: the embedded tiny model)")
+    p.add_argument("--save", default=None, metavar="DIR",
+                   help="save the loaded model as an orbax checkpoint in DIR (atomically)")
     p.add_argument("--tp", type=_positive("--tp"), default=None, help="tensor-parallel size (default 1)")
     p.add_argument("--dcp", type=_positive("--dcp"), default=None, help="decode-context-parallel size (default 1)")
     p.add_argument("--mesh", type=_mesh, default=None, help="both at once: tp=2,dcp=4")
@@ -85,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
     p.add_argument("--prompt-ids", action="append", type=_ids, default=[],
                    help="prompt token ids, e.g. 1,2,3 (repeat for a batch)")
-    p.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=32)
+    p.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=None,
+                   help=f"default 32 ({DEFAULT_NEW_TOKENS} for the default run)")
     p.add_argument("--max-seq-len", type=_positive("--max-seq-len"), default=None,
                    help="cache capacity per sequence (default: longest prompt + max new tokens)")
     p.add_argument("--prefill-chunk", type=_positive("--prefill-chunk"), default=256)
@@ -100,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention kernel (default: Pallas on GPU, jnp reference on CPU)")
     p.add_argument("--logprobs", action="store_true", help="report the log-probability of each token")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
 
@@ -108,8 +120,8 @@ def run(argv=None) -> int:
         args = build_parser().parse_args(argv)
         if args.mesh and (args.tp or args.dcp):
             raise _Usage("give either --mesh or --tp/--dcp, not both")
-        tp, dcp = args.mesh or (args.tp or 1, args.dcp or 1)
-        if not args.prompt and not args.prompt_ids:
+        default_run = args.model is None
+        if not args.prompt and not args.prompt_ids and not default_run and not args.save:
             raise _Usage("no prompt: give --prompt TEXT or --prompt-ids 1,2,3")
         if args.top_p == 0:
             raise _Usage("--top-p must be > 0")
@@ -118,14 +130,36 @@ def run(argv=None) -> int:
         return USAGE_ERROR
 
     try:
+        from dcp_jax import mesh as mesh_lib
         from dcp_jax.engine import LLM
 
-        llm = LLM.load(args.model, tp=tp, dcp=dcp, interleave=args.interleave, dtype=args.dtype,
-                       impl=args.impl)
+        model_dir = Path(args.model) if args.model else DEFAULT_MODEL
+        if args.mesh or args.tp or args.dcp:
+            tp, dcp = args.mesh or (args.tp or 1, args.dcp or 1)
+        elif default_run:
+            tp, dcp = mesh_lib.local_mesh_shape(max_tp=2)
+        else:
+            tp, dcp = 1, 1
+        llm = LLM.load(model_dir, tp=tp, dcp=dcp, interleave=args.interleave, dtype=args.dtype, impl=args.impl)
+        if args.save:
+            step = llm.save(args.save)
+            print(f"loaded {llm.source}; saved orbax checkpoint {args.save} (step {step})")
         prompts = list(args.prompt) + list(args.prompt_ids)
-        out = llm.generate(prompts, max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len,
-                           prefill_chunk=args.prefill_chunk, temperature=args.temperature,
-                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+        if not prompts and not default_run:
+            return 0
+        if not prompts:
+            prompts = [DEFAULT_PROMPT.read_text()]
+        new_tokens = args.max_new_tokens or (DEFAULT_NEW_TOKENS if default_run else 32)
+        show = _Display(llm, len(prompts), quiet=args.json or args.quiet, stream=not args.json and len(prompts) == 1)
+        if show.stream and default_run and not args.prompt:
+            print(f"prompt: {len(prompts[0]):,} bytes of Python's documentation, ending: "
+                  f"...{prompts[0][-160:]!r}\n", flush=True)
+        max_seq_len = args.max_seq_len or (DEFAULT_MAX_SEQ_LEN if default_run else None)
+        out = llm.generate(prompts, max_new_tokens=new_tokens, max_seq_len=max_seq_len,
+                           prefill_chunk=args.prefill_chunk, temperature=args.temperature, top_k=args.top_k,
+                           top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
+                           on_chunk=show.prefill, on_token=show.token)
+        show.close()
     except ValueError as e:  # UserError and the library's own ValueErrors (bad mesh, bad sizes)
         print(f"error: {e}", file=sys.stderr)
         return RUN_ERROR
@@ -136,18 +170,91 @@ def run(argv=None) -> int:
             obj["text"] = out.text
         if args.logprobs:
             obj["logprobs"] = out.logprobs
-        obj["stats"] = out.stats
+        obj["stats"] = dict(out.stats, model=llm.source)
         print(json.dumps(obj))
-    else:
+        return 0
+    if not show.stream:
         for i, toks in enumerate(out.tokens):
             print(f"[{i}] {out.text[i] if out.text is not None else toks}")
-            if args.logprobs:
-                print(f"    logprobs: {[round(x, 4) for x in out.logprobs[i]]}")
-        s = out.stats
-        print(f"mesh tp={s['tp']} x dcp={s['dcp']}  kv/device {s['kv_bytes_per_device']:,} B of "
-              f"{s['kv_bytes_total']:,} B  ttft {s['ttft_s']:.3f} s  decode {s['decode_tokens_per_s']:.1f} tok/s "
-              f"(compile {s['compile_s']:.1f} s)")
+    if args.logprobs:
+        for i, lp in enumerate(out.logprobs):
+            print(f"logprobs [{i}]: {[round(x, 4) for x in lp]}")
+    print(report(out.stats, llm.model.config.num_kv_heads, llm.source))
     return 0
+
+
+def report(s: dict, kv_heads: int, source: str) -> str:
+    """The closing report: mesh, KV bytes per device against TP alone, TTFT, decode speed."""
+    n = s["tp"] * s["dcp"]
+    tp_only = s["kv_bytes_total"] // min(n, kv_heads)
+
+    def mib(x):
+        return f"{x / 2**20:,.2f} MiB"
+
+    return "\n".join([
+        "",
+        f"model       {source}",
+        f"mesh        tp={s['tp']} x dcp={s['dcp']} ({n} devices), interleave {s['interleave']}",
+        f"context     {s['prompt_tokens']:,} prompt + {s['generated_tokens']:,} generated tokens, "
+        f"cache of {s['max_seq_len']:,} slots x {s['batch']} sequence(s)",
+        f"KV cache    {mib(s['kv_bytes_per_device'])} per device; TP alone on {n} devices would hold "
+        f"{mib(tp_only)} per device ({kv_heads} kv heads: {tp_only / s['kv_bytes_per_device']:.1f}x more); "
+        f"whole cache {mib(s['kv_bytes_total'])}",
+        f"speed       TTFT {s['ttft_s']:.3f} s, decode {s['decode_tokens_per_s']:.1f} tokens/s "
+        f"(compile {s['compile_s']:.1f} s, not included)",
+    ])
+
+
+class _Display:
+    """Progress bars on a terminal (stderr) and the generated text streamed on stdout as it comes."""
+
+    def __init__(self, llm, batch: int, *, quiet: bool, stream: bool):
+        self.llm, self.stream = llm, stream
+        self.bars = not quiet and sys.stderr.isatty()
+        self.prefill_bar = self.decode_bar = None
+        self.ids, self.shown = [], ""
+        self.total = None
+
+    def prefill(self, done: int, total: int):
+        if not self.bars:
+            return
+        if self.prefill_bar is None:
+            from tqdm import tqdm
+
+            self.prefill_bar = tqdm(total=total, desc="prefill", unit="chunk", leave=False, file=sys.stderr)
+        self.prefill_bar.update(done - self.prefill_bar.n)
+
+    def token(self, step: int, tokens):
+        if self.prefill_bar is not None:
+            self.prefill_bar.close()
+            self.prefill_bar = None
+        if self.bars and self.decode_bar is None:
+            from tqdm import tqdm
+
+            self.decode_bar = tqdm(desc="decode", unit="tok", leave=False, file=sys.stderr)
+        if self.decode_bar is not None:
+            self.decode_bar.update(1)
+        if self.stream and tokens[0] >= 0:
+            self.ids.append(int(tokens[0]))
+            text = self.llm.decode(self.ids) if self.llm.tokenizer is not None else f"{self.ids}"
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
+                return
+            new = text[len(self.shown):] if text.startswith(self.shown) else "\n" + text
+            self.shown = text
+            if self.decode_bar is not None:
+                self.decode_bar.clear()
+            sys.stdout.write(new)
+            sys.stdout.flush()
+            if self.decode_bar is not None:
+                self.decode_bar.refresh()
+
+    def close(self):
+        for bar in (self.prefill_bar, self.decode_bar):
+            if bar is not None:
+                bar.close()
+        if self.stream:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
 
 
 def main():

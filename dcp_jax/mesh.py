@@ -45,6 +45,16 @@ def ensure_cpu_devices(n: int) -> None:
         )
 
 
+def local_mesh_shape(max_tp: int) -> tuple[int, int]:
+    """(tp, dcp) over this machine: 8 simulated devices on a CPU-only machine, else every local device;
+    tp is the largest divisor of the device count up to `max_tp` (e.g. the kv-head count)."""
+    ensure_cpu_devices(8)  # only affects the CPU backend: harmless where an accelerator exists
+    devices = jax.local_devices()
+    n = 8 if devices[0].platform == "cpu" else len(devices)
+    tp = max(d for d in range(1, min(n, max_tp) + 1) if n % d == 0)
+    return tp, n // tp
+
+
 def make_mesh(tp: int, dcp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A mesh of `tp × dcp` devices with axes ("tp", "dcp"); dcp is the minor (fastest) axis."""
     for name, value in (("tp", tp), ("dcp", dcp)):

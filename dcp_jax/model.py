@@ -27,6 +27,8 @@ from dcp_jax.config import ModelConfig
 from dcp_jax.errors import UserError
 from dcp_jax.layout import KVLayout
 from dcp_jax.mesh import AXES, DCP, TP
+from pallas_kernels.attention import SlotPositions
+from pallas_kernels.attention import api as kernels
 
 WeightSource = Callable[..., jax.Array]
 
@@ -57,9 +59,14 @@ def kv_replication(cfg: ModelConfig, tp: int) -> int:
     return tp // cfg.num_kv_heads
 
 
+def _param(get: WeightSource, name: str, shape, spec, kv_rep: int = 1) -> nnx.Param:
+    """A weight from the source, tagged with its Hugging Face name (checkpoints are keyed by it)."""
+    return nnx.Param(get(name, tuple(shape), spec, kv_rep=kv_rep), hf_name=name, kv_rep=kv_rep)
+
+
 class RMSNorm(nnx.Module):
-    def __init__(self, weight: jax.Array, eps: float):
-        self.weight = nnx.Param(weight)
+    def __init__(self, weight: nnx.Param, eps: float):
+        self.weight = weight
         self.eps = eps
 
     def __call__(self, x):
@@ -95,20 +102,20 @@ class Attention(nnx.Module):
         # o_proj's input rows follow the attention output: heads over ("tp","dcp") when the combine
         # scatters heads over dcp, over "tp" alone when it falls back to psum.
         out_axes = AXES if attn_lib.resolve_combine(h // tp, mesh.shape[DCP]) else (TP,)
-        self.q_proj = nnx.Param(get(f"{prefix}.q_proj.weight", (h * d, e), heads))
-        self.k_proj = nnx.Param(get(f"{prefix}.k_proj.weight", (k * d, e), heads, kv_rep=self.rep))
-        self.v_proj = nnx.Param(get(f"{prefix}.v_proj.weight", (k * d, e), heads, kv_rep=self.rep))
-        self.o_proj = nnx.Param(get(f"{prefix}.o_proj.weight", (e, h * d), mesh_lib.spec((), out_axes)))
+        self.q_proj = _param(get, f"{prefix}.q_proj.weight", (h * d, e), heads)
+        self.k_proj = _param(get, f"{prefix}.k_proj.weight", (k * d, e), heads, kv_rep=self.rep)
+        self.v_proj = _param(get, f"{prefix}.v_proj.weight", (k * d, e), heads, kv_rep=self.rep)
+        self.o_proj = _param(get, f"{prefix}.o_proj.weight", (e, h * d), mesh_lib.spec((), out_axes))
         bias = mesh_lib.spec((TP,))
-        self.q_bias = nnx.Param(get(f"{prefix}.q_proj.bias", (h * d,), bias)) if cfg.qkv_bias else None
-        self.k_bias = (nnx.Param(get(f"{prefix}.k_proj.bias", (k * d,), bias, kv_rep=self.rep))
+        self.q_bias = _param(get, f"{prefix}.q_proj.bias", (h * d,), bias) if cfg.qkv_bias else None
+        self.k_bias = (_param(get, f"{prefix}.k_proj.bias", (k * d,), bias, kv_rep=self.rep)
                        if cfg.qkv_bias else None)
-        self.v_bias = (nnx.Param(get(f"{prefix}.v_proj.bias", (k * d,), bias, kv_rep=self.rep))
+        self.v_bias = (_param(get, f"{prefix}.v_proj.bias", (k * d,), bias, kv_rep=self.rep)
                        if cfg.qkv_bias else None)
         if cfg.qk_norm:
             rep = mesh_lib.spec(())
-            self.q_norm = RMSNorm(get(f"{prefix}.q_norm.weight", (d,), rep), cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(get(f"{prefix}.k_norm.weight", (d,), rep), cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(_param(get, f"{prefix}.q_norm.weight", (d,), rep), cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(_param(get, f"{prefix}.k_norm.weight", (d,), rep), cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
@@ -120,6 +127,11 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+        if cache is None:  # training / scoring: causal attention within the block, no cache, no mesh
+            kv_pos = SlotPositions.dense(t)
+            o, _ = kernels.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions, kv_pos,
+                                     kv_len, impl="reference")
+            return _linear(o.reshape(b, t, -1), self.o_proj), None
         k_cache, v_cache = attn_lib.write_kv(*cache, k, v, positions, valid, mesh=ctx.mesh, layout=ctx.layout)
         o = attn_lib.dcp_attention(q, k_cache, v_cache, positions, kv_len, mesh=ctx.mesh, layout=ctx.layout,
                                    impl=ctx.impl)
@@ -130,9 +142,9 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, prefix: str, get: WeightSource, mesh: Mesh):
         i, e = cfg.intermediate_size, cfg.hidden_size
         axes = mesh_lib.fit_axes(mesh, i)
-        self.gate_proj = nnx.Param(get(f"{prefix}.gate_proj.weight", (i, e), mesh_lib.spec(axes, ())))
-        self.up_proj = nnx.Param(get(f"{prefix}.up_proj.weight", (i, e), mesh_lib.spec(axes, ())))
-        self.down_proj = nnx.Param(get(f"{prefix}.down_proj.weight", (e, i), mesh_lib.spec((), axes)))
+        self.gate_proj = _param(get, f"{prefix}.gate_proj.weight", (i, e), mesh_lib.spec(axes, ()))
+        self.up_proj = _param(get, f"{prefix}.up_proj.weight", (i, e), mesh_lib.spec(axes, ()))
+        self.down_proj = _param(get, f"{prefix}.down_proj.weight", (e, i), mesh_lib.spec((), axes))
 
     def __call__(self, x):
         return _linear(jax.nn.silu(_linear(x, self.gate_proj)) * _linear(x, self.up_proj), self.down_proj)
@@ -142,10 +154,11 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, index: int, get: WeightSource, mesh: Mesh):
         p = f"model.layers.{index}"
         rep = mesh_lib.spec(())
-        self.input_layernorm = RMSNorm(get(f"{p}.input_layernorm.weight", (cfg.hidden_size,), rep), cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(_param(get, f"{p}.input_layernorm.weight", (cfg.hidden_size,), rep),
+                                       cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, f"{p}.self_attn", get, mesh)
         self.post_attention_layernorm = RMSNorm(
-            get(f"{p}.post_attention_layernorm.weight", (cfg.hidden_size,), rep), cfg.rms_norm_eps)
+            _param(get, f"{p}.post_attention_layernorm.weight", (cfg.hidden_size,), rep), cfg.rms_norm_eps)
         self.mlp = MLP(cfg, f"{p}.mlp", get, mesh)
 
     def __call__(self, x, positions, valid, kv_len, inv_freq, cache, ctx):
@@ -161,30 +174,56 @@ class CausalLM(nnx.Module):
         self.config = cfg
         v, e = cfg.vocab_size, cfg.hidden_size
         vocab = mesh_lib.spec(mesh_lib.fit_axes(mesh, v), ())
-        self.embed_tokens = nnx.Param(get("model.embed_tokens.weight", (v, e), vocab))
+        self.embed_tokens = _param(get, "model.embed_tokens.weight", (v, e), vocab)
         self.layers = nnx.List([Block(cfg, i, get, mesh) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(get("model.norm.weight", (e,), mesh_lib.spec(())), cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_embeddings else nnx.Param(get("lm_head.weight", (v, e), vocab))
-        self.kv_heads = self.layers[0].self_attn.num_kv_heads if cfg.num_layers else cfg.num_kv_heads
+        self.norm = RMSNorm(_param(get, "model.norm.weight", (e,), mesh_lib.spec(())), cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else _param(get, "lm_head.weight", (v, e), vocab)
+        self.kv_replication = kv_replication(cfg, mesh.shape[TP])
+        self.kv_heads = cfg.num_kv_heads * self.kv_replication  # heads the cache stores
 
     def __call__(self, tokens, positions, valid, kv_len, cache, ctx: AttentionContext, logits_at=None):
         """tokens, positions, valid [B, T]; kv_len [B] cache length after this block is written;
         cache: tuple over layers of (k, v) [B, K, S, D]. Returns (logits, cache): logits [B, T, V], or
         [B, V] at index `logits_at` [B] of each sequence when given (prefill needs only the last one).
         """
-        inv_freq = jnp.asarray(
-            self.config.rope.inv_freq(self.config.head_dim, ctx.layout.max_seq_len), jnp.float32)
-        x = jnp.take(self.embed_tokens[...], tokens, axis=0)
-        new_cache = []
-        for layer, layer_cache in zip(self.layers, cache):
-            x, layer_cache = layer(x, positions, valid, kv_len, inv_freq, layer_cache, ctx)
-            new_cache.append(layer_cache)
+        x, new_cache = self._trunk(tokens, positions, valid, kv_len, cache, ctx, ctx.layout.max_seq_len)
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)[:, 0]
+        return self._logits(x), new_cache
+
+    def forward(self, tokens):
+        """Cache-free causal forward over whole sequences [B, T] -> logits [B, T, V] (training, scoring)."""
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        x, _ = self._trunk(tokens, positions, None, jnp.full((b,), t, jnp.int32), None, None, t)
+        return self._logits(x)
+
+    def _trunk(self, tokens, positions, valid, kv_len, cache, ctx, max_seq_len):
+        inv_freq = jnp.asarray(self.config.rope.inv_freq(self.config.head_dim, max_seq_len), jnp.float32)
+        x = jnp.take(self.embed_tokens[...], tokens, axis=0)
+        new_cache = []
+        for i, layer in enumerate(self.layers):
+            x, layer_cache = layer(x, positions, valid, kv_len, inv_freq, None if cache is None else cache[i], ctx)
+            new_cache.append(layer_cache)
+        return x, (None if cache is None else tuple(new_cache))
+
+    def _logits(self, x):
         x = self.norm(x)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = jnp.einsum("...e,ve->...v", x, head[...], preferred_element_type=jnp.float32)
-        return logits, tuple(new_cache)
+        return jnp.einsum("...e,ve->...v", x, head[...], preferred_element_type=jnp.float32)
+
+    def hf_weights(self) -> dict[str, jax.Array]:
+        """Every weight by its Hugging Face name, with replicated KV heads folded back (mesh-independent)."""
+        out = {}
+        for _, var in nnx.iter_graph(self):
+            if isinstance(var, nnx.Param) and getattr(var, "hf_name", None):
+                value = var[...]
+                rep = var.kv_rep
+                if rep > 1:
+                    d = self.config.head_dim
+                    value = value.reshape((-1, rep, d) + value.shape[1:])[:, 0].reshape((-1,) + value.shape[1:])
+                out[var.hf_name] = value
+        return out
 
 
 def cache_sharding(mesh: Mesh):

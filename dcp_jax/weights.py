@@ -132,3 +132,146 @@ def load_hf(model_dir, mesh: Mesh, dtype: str = "float32"):
     cfg = ModelConfig.from_file(path / "config.json")
     model = CausalLM(cfg, SafetensorsSource(path, cfg, mesh, DTYPES[dtype]), mesh)
     return model, load_tokenizer(path)
+
+
+class ByteTokenizer:
+    """Byte-level text <-> ids (ids are UTF-8 bytes), the vocabulary of the embedded default model.
+
+    Same surface as `tokenizers.Tokenizer` where dcp_jax uses it: encode(text).ids, decode(ids), to_str().
+    """
+
+    KIND = "bytes"
+
+    class _Encoding:
+        def __init__(self, ids):
+            self.ids = ids
+
+    def encode(self, text: str):
+        return self._Encoding(list(text.encode("utf-8")))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def to_str(self) -> str:
+        return self.KIND
+
+
+def tokenizer_from_str(text: str | None):
+    if not text:
+        return None
+    if text == ByteTokenizer.KIND:
+        return ByteTokenizer()
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(text)
+
+
+# --- orbax checkpoints ----------------------------------------------------------------------------
+# A checkpoint directory is an orbax CheckpointManager root: one step directory per save, each holding
+# the weights by Hugging Face name (KV heads un-replicated, so any mesh can restore them), the HF-style
+# config and the tokenizer. Orbax writes a step into a temporary directory and renames it when it is
+# complete, so an interrupted save leaves no step that looks whole and the previous one still loads.
+
+
+def is_orbax_checkpoint(path: Path) -> bool:
+    return path.is_dir() and not (path / "config.json").exists() and any(
+        p.is_dir() and p.name.isdigit() for p in path.iterdir())
+
+
+def _manager(path: Path, *, read_only: bool):
+    import orbax.checkpoint as ocp
+
+    # Loading never creates or deletes anything (create=False, nothing saved); orbax's read_only flag
+    # would only add warnings.
+    options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else 2, create=not read_only,
+                                           enable_async_checkpointing=False)
+    return ocp.CheckpointManager(path.absolute(), options=options, item_names=("weights", "meta"))
+
+
+def save_checkpoint(model, path, tokenizer=None) -> int:
+    """Save `model` (and its tokenizer) as a new step under `path`; returns the step number."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"cannot save to {path}: it is a file, not a directory")
+    if (path / "config.json").exists():
+        raise UserError(f"{path} holds a Hugging Face checkpoint; save to another directory")
+    meta = {"config": model.config.hf_config, "tokenizer": tokenizer.to_str() if tokenizer else None}
+    with _manager(path, read_only=False) as mngr:
+        step = (mngr.latest_step() or 0) + 1
+        mngr.save(step, args=ocp.args.Composite(weights=ocp.args.StandardSave(model.hf_weights()),
+                                                meta=ocp.args.JsonSave(meta)))
+        mngr.wait_until_finished()
+    return step
+
+
+class _DictSource:
+    """A WeightSource over restored arrays, expanding replicated KV heads on the mesh."""
+
+    def __init__(self, arrays: dict, cfg: ModelConfig, mesh: Mesh, dtype):
+        self.arrays, self.cfg, self.mesh, self.dtype = arrays, cfg, mesh, dtype
+
+    def __call__(self, name, shape, spec, kv_rep=1):
+        if name not in self.arrays:
+            raise UserError(f"the checkpoint has no tensor {name!r}")
+        x = self.arrays[name]
+        sharding = mesh_lib.named(self.mesh, spec)
+        expand = jax.jit(lambda a: jnp.asarray(_expand_kv_jnp(a, kv_rep, self.cfg.head_dim), self.dtype),
+                         out_shardings=sharding)
+        return expand(x)
+
+
+def _expand_kv_jnp(x, rep, head_dim):
+    if rep == 1:
+        return x
+    heads = x.reshape((-1, head_dim) + x.shape[1:])
+    return jnp.repeat(heads, rep, axis=0).reshape((-1,) + x.shape[1:])
+
+
+def load_checkpoint(path, mesh: Mesh, dtype: str = "float32"):
+    """(model, tokenizer or None, step) from an orbax checkpoint, restored onto `mesh`'s shardings."""
+    import orbax.checkpoint as ocp
+    from dcp_jax.model import CausalLM
+
+    if dtype not in DTYPES:
+        raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    path = check_model_dir(path)
+    with _manager(path, read_only=True) as mngr:
+        step = mngr.latest_step()
+        if step is None:
+            raise UserError(f"{path} holds no complete orbax checkpoint")
+        meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        cfg = ModelConfig.from_dict(meta["config"])
+        # The shapes and shardings this mesh wants, from an abstract build (nothing allocated).
+        wanted = {}
+
+        def record(name, shape, spec, kv_rep=1):
+            wanted[name] = (shape, spec, kv_rep)
+            return jax.ShapeDtypeStruct(shape, DTYPES[dtype], sharding=mesh_lib.named(mesh, spec))
+
+        CausalLM(cfg, record, mesh)  # abstract: every weight is a ShapeDtypeStruct
+        target = {}
+        for name, (shape, spec, rep) in wanted.items():
+            stored = (shape[0] // rep,) + tuple(shape[1:])
+            sharding = mesh_lib.named(mesh, spec if rep == 1 else mesh_lib.spec())
+            target[name] = jax.ShapeDtypeStruct(stored, DTYPES[dtype], sharding=sharding)
+        try:
+            arrays = mngr.restore(step, args=ocp.args.Composite(weights=ocp.args.StandardRestore(target)))
+        except (ValueError, KeyError, FileNotFoundError) as e:
+            raise UserError(f"cannot restore {path} step {step}: {e}") from None
+    model = CausalLM(cfg, _DictSource(arrays["weights"], cfg, mesh, DTYPES[dtype]), mesh)
+    return model, tokenizer_from_str(meta.get("tokenizer")), step
+
+
+def load_any(model_dir, mesh: Mesh, dtype: str = "float32"):
+    """(model, tokenizer, description) from a Hugging Face directory or an orbax checkpoint."""
+    path = check_model_dir(model_dir)
+    if is_orbax_checkpoint(path):
+        model, tokenizer, step = load_checkpoint(path, mesh, dtype)
+        return model, tokenizer, f"orbax checkpoint {path} (step {step})"
+    if not (path / "config.json").exists():
+        raise UserError(f"{path} is neither a Hugging Face checkpoint (no config.json) nor an orbax "
+                        "checkpoint (no complete step directory)")
+    model, tokenizer = load_hf(path, mesh, dtype)
+    return model, tokenizer, f"Hugging Face checkpoint {path}"

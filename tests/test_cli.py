@@ -37,9 +37,18 @@ def test_json_output(capsys):
 
 
 def test_text_output(capsys):
-    code, out, err = cli(capsys, "--model", LLAMA, "--dcp", "2", "--prompt-ids", "1,2,3", "--max-new-tokens", "3")
+    code, out, err = cli(capsys, "--model", LLAMA, "--dcp", "2", "--prompt-ids", "1,2,3", "--prompt-ids", "4,5",
+                         "--max-new-tokens", "3")
     assert code == 0, err
-    assert out.startswith("[0] [") and "tp=1 x dcp=2" in out
+    assert out.startswith("[0] [") and "\n[1] [" in out and "tp=1 x dcp=2" in out
+    assert "KV cache" in out and "TP alone" in out
+
+
+def test_single_prompt_streams(capsys):
+    code, out, err = cli(capsys, "--model", FIX / "llama-tokenizer", "--prompt", "Return the", "--max-new-tokens", "4",
+                         "--ignore-eos")
+    assert code == 0, err
+    assert not out.startswith("[0]") and "TTFT" in out and "model       Hugging Face checkpoint" in out
 
 
 def _broken(tmp_path, edit):
@@ -63,7 +72,6 @@ def _truncate(d):
 
 
 USAGE = [
-    (["--prompt-ids", "1"], "the following arguments are required: --model"),
     (["--model", LLAMA], "no prompt"),
     (["--model", LLAMA, "--prompt-ids", "1,x"], "comma-separated integers"),
     (["--model", LLAMA, "--prompt-ids", "1", "--tp", "0"], "--tp must be >= 1"),
@@ -90,7 +98,7 @@ def test_usage_errors(capsys, argv, message):
 RUNTIME = [
     (lambda d: None, ["--model", "/no/such/dir"], "does not exist"),
     (lambda d: None, ["--model", str(FIX / "llama-gqa" / "config.json")], "is not a directory"),
-    (lambda d: (d / "config.json").unlink(), [], "needs config.json"),
+    (lambda d: (d / "config.json").unlink(), [], "neither a Hugging Face checkpoint (no config.json)"),
     (lambda d: (d / "config.json").write_text("{not json"), [], "cannot read"),
     (_set_config(architectures=["GPT2LMHeadModel"]), [], "unsupported architecture ['GPT2LMHeadModel']"),
     (_set_config(rope_parameters={"rope_type": "yarn", "factor": 2.0}), [], "unsupported rope scaling 'yarn'"),

@@ -61,7 +61,9 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
     )
     # Block 0 is peeled: the loop carry then derives from the inputs (and, inside shard_map, varies over
     # the same mesh axes as they do); a block that sees nothing leaves the running state unchanged.
-    m, l, acc = lax.fori_loop(1, num_blocks, step, step(0, init))
+    m, l, acc = step(0, init)
+    if bs < s:  # (one block needs no loop, which keeps the single-block form reverse-differentiable)
+        m, l, acc = lax.fori_loop(1, num_blocks, step, (m, l, acc))
     has = l > 0
     safe_l = jnp.where(has, l, 1.0)
     o = acc / safe_l[..., None]
