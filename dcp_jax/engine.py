@@ -118,7 +118,8 @@ class Engine:
 
     @functools.lru_cache(maxsize=16)
     def _first_fn(self, sampling: SamplingParams):
-        return jax.jit(lambda logits, key: sample(logits, key, sampling))
+        replicated = mesh_lib.named(self.mesh, mesh_lib.spec())
+        return jax.jit(lambda logits, key: sample(logits, key, sampling), out_shardings=(replicated, replicated))
 
     @functools.lru_cache(maxsize=16)
     def _decode_fn(self, layout: KVLayout, sampling: SamplingParams, stop_on_eos: bool, stream: bool = False):
@@ -153,7 +154,9 @@ class Engine:
             _, cache, tokens, logprobs, lengths, done, key = jax.lax.while_loop(cond, body, state)
             return cache, tokens, logprobs, lengths
 
-        return jax.jit(decode, donate_argnames=("cache", "tokens", "logprobs", "lengths"))
+        replicated = mesh_lib.named(self.mesh, mesh_lib.spec())
+        return jax.jit(decode, donate_argnames=("cache", "tokens", "logprobs", "lengths"),
+                       out_shardings=(model_lib.cache_sharding(self.mesh), replicated, replicated, replicated))
 
     def _specs(self, batch: int, layout: KVLayout):
         """Abstract cache (with its sharding) and last-logits buffer: nothing allocated."""
@@ -164,6 +167,10 @@ class Engine:
         replicated = mesh_lib.named(self.mesh, mesh_lib.spec())
         logits = jax.ShapeDtypeStruct((batch, self.model.config.vocab_size), jnp.float32, sharding=replicated)
         return cache, logits
+
+    def _key_spec(self):
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        return jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=mesh_lib.named(self.mesh, mesh_lib.spec()))
 
     def _emit(self, step, tokens):
         if self._on_token is not None:
@@ -183,7 +190,7 @@ class Engine:
             self._decode_fn(layout, sampling, stop_on_eos, stream), self.params, cache,
             jax.ShapeDtypeStruct((b, n), jnp.int32), jax.ShapeDtypeStruct((b, n), jnp.float32),
             jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_),
-            jax.random.key(0), jax.ShapeDtypeStruct((), jnp.int32))
+            self._key_spec(), jax.ShapeDtypeStruct((), jnp.int32))
 
     # --- generation ------------------------------------------------------------------------------
     def generate(
@@ -248,7 +255,7 @@ class Engine:
         tc = time.perf_counter()
         cache_spec, logits_spec = self._specs(b, layout)
         prefill = self._compile(self._prefill_fn(layout), *chunk_args(0, cache_spec, logits_spec))
-        first_fn = self._compile(self._first_fn(sampling), logits_spec, jax.random.key(0))
+        first_fn = self._compile(self._first_fn(sampling), logits_spec, self._key_spec())
         decode = self.decode_program(b, layout, n, sampling, stop, stream=on_token is not None)
         compile_s = time.perf_counter() - tc
         replicated = logits_spec.sharding
@@ -262,13 +269,16 @@ class Engine:
             cache, last_logits = prefill(*chunk_args(c, cache, last_logits))
             if on_chunk:
                 on_chunk(c + 1, num_chunks)
-        key, sub = jax.random.split(jax.random.key(seed))
+        # the RNG key lives replicated on the mesh (every process of a multi-process run holds it)
+        make_keys = jax.jit(lambda s: jax.random.split(jax.random.key(s)),
+                            out_shardings=mesh_lib.named(self.mesh, mesh_lib.spec()))
+        key, sub = make_keys(np.uint32(seed))
         first, first_lp = first_fn(last_logits, sub)
-        first = np.asarray(first)
+        first = host(first)
         ttft = time.perf_counter() - t0
 
         tokens[:, 0] = first
-        logprobs[:, 0] = np.asarray(first_lp)
+        logprobs[:, 0] = host(first_lp)
         self._on_token = on_token
         if on_token is not None:
             on_token(0, first)
@@ -277,7 +287,7 @@ class Engine:
         t1 = time.perf_counter()
         cache, tokens, logprobs, lengths = decode(
             self.params, cache, tokens, logprobs, lens, done, key, np.int32(n))
-        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        tokens, logprobs = host(tokens), host(logprobs)
         decode_s = time.perf_counter() - t1
         self._on_token = None
         del cache
@@ -298,6 +308,11 @@ class Engine:
             decode_tokens_per_s=decoded / decode_s if decode_s > 0 else 0.0, **kv,
         )
         return Generation(out_tokens, out_lp, stats)
+
+
+def host(x) -> np.ndarray:
+    """A replicated result as NumPy; in a multi-process run each process reads its local copy."""
+    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
 def kv_bytes(cache, replication: int = 1) -> dict:

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -104,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="0 = greedy")
     p.add_argument("--top-k", type=lambda t: 0 if t == "0" else _positive("--top-k")(t), default=0)
     p.add_argument("--top-p", type=_non_negative_float("--top-p", 1.0), default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=lambda t: 0 if t == "0" else _positive("--seed")(t), default=0)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--impl", choices=("reference", "pallas", "pallas_interpret"), default=None,
@@ -112,6 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logprobs", action="store_true", help="report the log-probability of each token")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    d = p.add_argument_group("multi-process (jax.distributed)")
+    d.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="process 0's address; every process runs the same command with its --process-id")
+    d.add_argument("--num-processes", type=_positive("--num-processes"), default=None)
+    d.add_argument("--process-id", type=int, default=None)
+    d.add_argument("--distributed", action="store_true",
+                   help="join a cluster that jax.distributed.initialize detects by itself (SLURM, MPI, ...)")
+    d.add_argument("--dist-timeout", type=_positive("--dist-timeout"), default=60, metavar="S",
+                   help="seconds to wait for peers at start, and to tolerate a silent peer later (default 60)")
     return p
 
 
@@ -125,14 +138,31 @@ def run(argv=None) -> int:
             raise _Usage("no prompt: give --prompt TEXT or --prompt-ids 1,2,3")
         if args.top_p == 0:
             raise _Usage("--top-p must be > 0")
+        explicit = (args.coordinator, args.num_processes, args.process_id)
+        if any(x is not None for x in explicit) and any(x is None for x in explicit):
+            raise _Usage("multi-process runs need all of --coordinator HOST:PORT, --num-processes N, --process-id I")
+        if args.coordinator is not None:
+            if ":" not in args.coordinator:
+                raise _Usage(f"--coordinator takes HOST:PORT, got {args.coordinator!r}")
+            if not 0 <= args.process_id < args.num_processes:
+                raise _Usage(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
     except _Usage as e:
         print(f"error: {e}", file=sys.stderr)
         return USAGE_ERROR
+
+    multi = args.distributed or (args.num_processes or 1) > 1
+    if multi and not os.environ.get(_WORKER):
+        return _supervise(argv if argv is not None else sys.argv[1:], args)
 
     try:
         from dcp_jax import mesh as mesh_lib
         from dcp_jax.engine import LLM
 
+        if multi:
+            given = args.mesh or ((args.tp or 1, args.dcp or 1) if (args.tp or args.dcp) else None)
+            per_process = math.ceil((given[0] * given[1] if given else 8) / (args.num_processes or 1))
+            mesh_lib.init_distributed(args.coordinator, args.num_processes, args.process_id,
+                                      local_cpu_devices=per_process, timeout_s=args.dist_timeout)
         model_dir = Path(args.model) if args.model else DEFAULT_MODEL
         if args.mesh or args.tp or args.dcp:
             tp, dcp = args.mesh or (args.tp or 1, args.dcp or 1)
@@ -164,6 +194,11 @@ def run(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return RUN_ERROR
 
+    if multi:
+        import jax
+
+        if jax.process_index() != 0:  # only process 0 reports
+            return 0
     if args.json:
         obj = {"tokens": out.tokens}
         if out.text is not None:
@@ -181,6 +216,44 @@ def run(argv=None) -> int:
             print(f"logprobs [{i}]: {[round(x, 4) for x in lp]}")
     print(report(out.stats, llm.model.config.num_kv_heads, llm.source))
     return 0
+
+
+_WORKER = "DCP_JAX_DISTRIBUTED_WORKER"
+
+
+def _supervise(argv, args) -> int:
+    """Run this process's share of a multi-process job in a child and report how it ended in one line.
+
+    JAX's coordination service ends a process whose peers vanish or never arrive with SIGABRT and a
+    C++ stack dump; the child's stderr is kept here, and such an end becomes one clear error line.
+    """
+    env = dict(os.environ, **{_WORKER: "1"})
+    child = subprocess.Popen([sys.executable, "-m", "dcp_jax.generate", *map(str, argv)], env=env,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             errors="replace")
+    try:
+        out, err = child.communicate()
+        # gloo's C++ side logs its connections on stdout: keep stdout for our results only
+        sys.stdout.write("".join(line for line in out.splitlines(keepends=True) if not line.startswith("[Gloo]")))
+        sys.stdout.flush()
+    except KeyboardInterrupt:
+        child.kill()
+        child.wait()
+        print("error: interrupted", file=sys.stderr)
+        return RUN_ERROR
+    if child.returncode == 0:
+        sys.stderr.write(err)
+        return 0
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    if errors:
+        print(errors[-1], file=sys.stderr)
+        return child.returncode if child.returncode > 0 else RUN_ERROR
+    who = f"process {args.process_id}" if args.process_id is not None else "this process"
+    how = (f"was ended by {signal.Signals(-child.returncode).name}" if child.returncode < 0
+           else f"exited with status {child.returncode}")
+    print(f"error: {who} {how}: a peer process stopped or never reached the coordinator "
+          f"{args.coordinator or '(auto-detected)'} within --dist-timeout {args.dist_timeout} s", file=sys.stderr)
+    return RUN_ERROR
 
 
 def report(s: dict, kv_heads: int, source: str) -> str:

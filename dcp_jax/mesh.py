@@ -33,7 +33,8 @@ def ensure_cpu_devices(n: int) -> None:
     """
     from jax._src import xla_bridge  # private: the only way to ask "already initialised?"
 
-    if not xla_bridge.backends_are_initialized():
+    distributed = getattr(jax.distributed, "is_initialized", lambda: False)()
+    if not xla_bridge.backends_are_initialized() and not distributed:  # multi-process: init_distributed set it
         platforms = os.environ.get("JAX_PLATFORMS", "") or jax.config.jax_platforms or ""
         if platforms in ("", "cpu") and jax.config.jax_num_cpu_devices < n:
             jax.config.update("jax_num_cpu_devices", n)
@@ -43,6 +44,27 @@ def ensure_cpu_devices(n: int) -> None:
             f"the mesh needs {n} devices but only {have} exist; on CPU call "
             f"dcp_jax.ensure_cpu_devices({n}) (or set jax_num_cpu_devices) before JAX starts"
         )
+
+
+def init_distributed(coordinator: str | None = None, num_processes: int | None = None,
+                     process_id: int | None = None, *, local_cpu_devices: int = 0, timeout_s: int = 60) -> None:
+    """Join JAX's multi-process runtime (`jax.distributed`): the mesh then spans every process's devices.
+
+    With no coordinator, JAX detects the cluster itself (SLURM, Open MPI, TPU/GPU cluster environments).
+    On CPU, processes talk through gloo and each simulates `local_cpu_devices` devices. `timeout_s`
+    bounds the wait for peers at start-up, and how long a silent peer is tolerated later.
+    """
+    import inspect
+
+    if local_cpu_devices:
+        jax.config.update("jax_num_cpu_devices", local_cpu_devices)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    wanted = dict(initialization_timeout=timeout_s, heartbeat_timeout_seconds=timeout_s,
+                  shutdown_timeout_seconds=timeout_s)
+    accepted = inspect.signature(jax.distributed.initialize).parameters
+    kwargs = {k: v for k, v in wanted.items() if k in accepted}
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                               process_id=process_id, **kwargs)
 
 
 def local_mesh_shape(max_tp: int) -> tuple[int, int]:

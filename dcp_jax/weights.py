@@ -76,7 +76,8 @@ class SafetensorsSource:
                 raise UserError(f"cannot read tensor {name}: {e} (truncated or corrupt weights?)") from None
             return np.asarray(block).astype(dtype)
 
-        return jax.make_array_from_callback(tuple(shape), mesh_lib.named(self.mesh, spec), read)
+        return jax.make_array_from_callback(tuple(shape), mesh_lib.named(self.mesh, spec), read,
+                                            dtype=jnp.dtype(dtype))
 
 
 def _weight_map(model_dir: Path) -> dict[str, str]:
