@@ -154,7 +154,14 @@ def run(argv=None) -> int:
     if multi and not os.environ.get(_WORKER):
         return _supervise(argv if argv is not None else sys.argv[1:], args)
 
+    if multi:
+        # Native libraries (gloo) log on fd 1: send them to stderr and keep stdout for our results.
+        results = os.fdopen(os.dup(1), "w", buffering=1)
+        os.dup2(2, 1)
+        sys.stdout = results
     try:
+        import jax
+
         from dcp_jax import mesh as mesh_lib
         from dcp_jax.engine import LLM
 
@@ -180,7 +187,9 @@ def run(argv=None) -> int:
         if not prompts:
             prompts = [DEFAULT_PROMPT.read_text()]
         new_tokens = args.max_new_tokens or (DEFAULT_NEW_TOKENS if default_run else 32)
-        show = _Display(llm, len(prompts), quiet=args.json or args.quiet, stream=not args.json and len(prompts) == 1)
+        leader = not multi or jax.process_index() == 0  # only process 0 reports
+        show = _Display(llm, quiet=args.json or args.quiet or not leader,
+                        stream=leader and not args.json and len(prompts) == 1)
         if show.stream and default_run and not args.prompt:
             print(f"prompt: {len(prompts[0]):,} bytes of Python's documentation, ending: "
                   f"...{prompts[0][-160:]!r}\n", flush=True)
@@ -194,11 +203,8 @@ def run(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return RUN_ERROR
 
-    if multi:
-        import jax
-
-        if jax.process_index() != 0:  # only process 0 reports
-            return 0
+    if not leader:
+        return 0
     if args.json:
         obj = {"tokens": out.tokens}
         if out.text is not None:
@@ -228,21 +234,18 @@ def _supervise(argv, args) -> int:
     C++ stack dump; the child's stderr is kept here, and such an end becomes one clear error line.
     """
     env = dict(os.environ, **{_WORKER: "1"})
+    sys.stdout.flush()
     child = subprocess.Popen([sys.executable, "-m", "dcp_jax.generate", *map(str, argv)], env=env,
-                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             errors="replace")
+                             stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace")
     try:
-        out, err = child.communicate()
-        # gloo's C++ side logs its connections on stdout: keep stdout for our results only
-        sys.stdout.write("".join(line for line in out.splitlines(keepends=True) if not line.startswith("[Gloo]")))
-        sys.stdout.flush()
+        _, err = child.communicate()
     except KeyboardInterrupt:
         child.kill()
         child.wait()
         print("error: interrupted", file=sys.stderr)
         return RUN_ERROR
     if child.returncode == 0:
-        sys.stderr.write(err)
+        sys.stderr.write("".join(line for line in err.splitlines(keepends=True) if not line.startswith("[Gloo]")))
         return 0
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     if errors:
@@ -281,12 +284,11 @@ def report(s: dict, kv_heads: int, source: str) -> str:
 class _Display:
     """Progress bars on a terminal (stderr) and the generated text streamed on stdout as it comes."""
 
-    def __init__(self, llm, batch: int, *, quiet: bool, stream: bool):
+    def __init__(self, llm, *, quiet: bool, stream: bool):
         self.llm, self.stream = llm, stream
         self.bars = not quiet and sys.stderr.isatty()
         self.prefill_bar = self.decode_bar = None
         self.ids, self.shown = [], ""
-        self.total = None
 
     def prefill(self, done: int, total: int):
         if not self.bars:
