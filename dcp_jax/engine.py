@@ -85,7 +85,7 @@ class Engine:
     def __init__(self, model: CausalLM, mesh: Mesh, *, interleave: int | str = 1, impl: str | None = None):
         self.model, self.mesh, self.interleave, self.impl = model, mesh, interleave, impl
         self.graphdef, self.params = nnx.split(model)
-        self.dtype = model.embed_tokens[...].dtype
+        self.dtype = model.embed_tokens.get_value().dtype
         self.eos = tuple(model.config.eos_token_ids)
         self._executables = {}
         self._on_token = None  # the streaming target of the running generate() call
@@ -115,6 +115,11 @@ class Engine:
         cache_out = model_lib.cache_sharding(self.mesh)
         return jax.jit(chunk, donate_argnames=("cache", "last_logits"),
                        out_shardings=(cache_out, replicated))
+
+    @functools.lru_cache(maxsize=1)
+    def _keys_fn(self):
+        replicated = mesh_lib.named(self.mesh, mesh_lib.spec())
+        return jax.jit(lambda seed: jax.random.split(jax.random.key(seed)), out_shardings=replicated)
 
     @functools.lru_cache(maxsize=16)
     def _first_fn(self, sampling: SamplingParams):
@@ -222,6 +227,8 @@ class Engine:
             raise UserError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
         if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
             raise UserError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if not (isinstance(seed, int) and 0 <= seed < 2**32):
+            raise UserError(f"seed must be an integer in [0, 2**32), got {seed!r}")
         if not (isinstance(prefill_chunk, int) and prefill_chunk >= 1):
             raise UserError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
         longest = max(map(len, prompts))
@@ -257,6 +264,8 @@ class Engine:
         prefill = self._compile(self._prefill_fn(layout), *chunk_args(0, cache_spec, logits_spec))
         first_fn = self._compile(self._first_fn(sampling), logits_spec, self._key_spec())
         decode = self.decode_program(b, layout, n, sampling, stop, stream=on_token is not None)
+        # the RNG key lives replicated on the mesh (every process of a multi-process run holds it)
+        make_keys = self._compile(self._keys_fn(), np.uint32(seed))
         compile_s = time.perf_counter() - tc
         replicated = logits_spec.sharding
         tokens = np.full((b, n), -1, np.int32)
@@ -269,9 +278,6 @@ class Engine:
             cache, last_logits = prefill(*chunk_args(c, cache, last_logits))
             if on_chunk:
                 on_chunk(c + 1, num_chunks)
-        # the RNG key lives replicated on the mesh (every process of a multi-process run holds it)
-        make_keys = jax.jit(lambda s: jax.random.split(jax.random.key(s)),
-                            out_shardings=mesh_lib.named(self.mesh, mesh_lib.spec()))
         key, sub = make_keys(np.uint32(seed))
         first, first_lp = first_fn(last_logits, sub)
         first = host(first)

@@ -1,0 +1,152 @@
+"""Collective bytes per decode step per device, read from XLA's compiled HLO (no allocation, no run).
+
+For a model of real width (Llama-3.1-8B shapes by default, with `--layers` of them: per-layer traffic
+is the same in every layer) the one-token decode step is compiled against abstract inputs for each
+mesh and context length, and every collective in the compiled program is summed as the bytes a ring
+implementation moves per device, up to its (n-1)/n factor: the gathered result of an all-gather, the
+operand of a reduce-scatter or all-to-all, twice the operand of an all-reduce (a reduce-scatter then
+an all-gather). DCP's claim: this does not grow with the context.
+
+    python scripts/bench_comm.py            # meshes of 8 devices, contexts 4K .. 1M
+    python scripts/bench_comm.py --quick --json
+
+Variants compared: the combine as `psum_scatter` of the outputs over heads ("scatter", the default)
+against a `psum` of the full outputs ("psum").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MODELS = {
+    "llama-3.1-8b": dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
+                         intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                         rope_theta=500000.0, max_position_embeddings=131072),
+    "tiny": dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=128, intermediate_size=384,
+                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1 << 20),
+}
+_COLLECTIVE = re.compile(
+    r"=\s*(\(?[^=]*?\)?)\s+(all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)"
+    r"(?:-start)?\(([^)]*)\)")
+_SHAPE = re.compile(r"(pred|s8|u8|s16|u16|bf16|f16|s32|u32|f32|s64|u64|f64)\[([0-9,]*)\]")
+_BYTES = dict(pred=1, s8=1, u8=1, s16=2, u16=2, bf16=2, f16=2, s32=4, u32=4, f32=4, s64=8, u64=8, f64=8)
+
+
+def _shape_bytes(text: str) -> int:
+    return sum(_BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+               for t, dims in _SHAPE.findall(text))
+
+
+_RING = {"all-reduce": 2}
+
+
+def collective_bytes(hlo: str) -> dict[str, int]:
+    """Bytes per collective kind in an HLO module (ring cost, see the module docstring)."""
+    shapes = {}
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ([^ ]+)", line)
+        if m:
+            shapes[m.group(1)] = m.group(2)
+    out: dict[str, int] = {}
+    for line in hlo.splitlines():
+        m = _COLLECTIVE.search(line)
+        if not m or "-done" in line:
+            continue
+        result, kind, operands = m.groups()
+        operand_bytes = sum(_shape_bytes(shapes.get(o.strip().lstrip("%"), "")) for o in operands.split(","))
+        out[kind] = out.get(kind, 0) + _RING.get(kind, 1) * max(_shape_bytes(result), operand_bytes)
+    return out
+
+
+def step_hlo(model_name: str, layers: int, tp: int, dcp: int, context: int, combine: str, batch: int) -> str:
+    from dcp_jax import make_mesh
+    from dcp_jax import attention as attn_lib
+    from dcp_jax.config import ModelConfig
+    from dcp_jax.engine import Engine
+    from dcp_jax.mesh import named
+    from dcp_jax.model import CausalLM
+
+    cfg = ModelConfig.from_dict(dict(MODELS[model_name], num_hidden_layers=layers))
+    mesh = make_mesh(tp, dcp)
+
+    def abstract(name, shape, spec, kv_rep=1):
+        return jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=named(mesh, spec))
+
+    model = CausalLM(cfg, abstract, mesh)
+    engine = Engine(model, mesh)
+    layout = engine.layout(context)
+    cache, logits = engine._specs(batch, layout)
+    original = attn_lib.dcp_attention
+
+    def with_combine(*a, **k):
+        return original(*a, **dict(k, combine=combine))
+
+    attn_lib.dcp_attention = with_combine
+    try:
+        step = engine._prefill_fn(layout)
+        tok = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+        vec_i = jax.ShapeDtypeStruct((batch,), jnp.int32)
+        vec_b = jax.ShapeDtypeStruct((batch,), jnp.bool_)
+        lowered = step.lower(engine.params, cache, logits, tok, tok, jax.ShapeDtypeStruct((batch, 1), jnp.bool_),
+                             vec_i, vec_i, vec_b)
+        return lowered.compile().as_text()
+    finally:
+        attn_lib.dcp_attention = original
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=sorted(MODELS), default="llama-3.1-8b")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--quick", action="store_true", help="tiny model, two contexts, two meshes")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+
+    from dcp_jax.mesh import ensure_cpu_devices
+
+    ensure_cpu_devices(8)
+    if args.quick:
+        model, meshes, contexts = "tiny", [(2, 4), (1, 8)], [4096, 65536]
+    else:
+        model, meshes = args.model, [(8, 1), (4, 2), (2, 4), (1, 8)]
+        contexts = [4096, 16384, 65536, 262144, 1048576]
+    rows = []
+    for tp, dcp in meshes:
+        for combine in ("scatter", "psum"):
+            if dcp == 1 and combine == "psum":
+                continue
+            for context in contexts:
+                t = time.perf_counter()
+                kinds = collective_bytes(step_hlo(model, args.layers, tp, dcp, context, combine, args.batch))
+                rows.append(dict(model=model, layers=args.layers, batch=args.batch, tp=tp, dcp=dcp, context=context,
+                                 variant=combine, collective_bytes_per_step=sum(kinds.values()),
+                                 **{f"bytes_{k.replace('-', '_')}": v for k, v in sorted(kinds.items())},
+                                 compile_s=round(time.perf_counter() - t, 2)))
+                if not args.json:
+                    r = rows[-1]
+                    print(f"tp={tp} dcp={dcp} {combine:7s} context {context:>8,}: "
+                          f"{r['collective_bytes_per_step']:>12,} B/step  {kinds}", flush=True)
+    # the claim: flat in context, per mesh and variant
+    spread = {}
+    for r in rows:
+        spread.setdefault((r["tp"], r["dcp"], r["variant"]), []).append(r["collective_bytes_per_step"])
+    worst = max((max(v) - min(v)) / max(min(v), 1) for v in spread.values())
+    if args.json:
+        print(json.dumps({"rows": rows, "max_relative_change_over_context": worst}))
+    else:
+        print(f"largest change of collective bytes over contexts {contexts[0]:,}..{contexts[-1]:,}: "
+              f"{100 * worst:.3f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

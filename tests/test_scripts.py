@@ -1,0 +1,24 @@
+"""Smoke tests of the benchmark scripts' --quick modes (no timings asserted)."""
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def test_bench_comm_quick_is_flat_in_context(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["bench_comm.py", "--quick", "--json"])
+    mod = runpy.run_path(str(SCRIPTS / "bench_comm.py"), run_name="bench_comm")
+    assert mod["main"](["--quick", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = out["rows"]
+    for key in ("tp", "dcp", "context", "variant", "collective_bytes_per_step"):
+        assert all(key in r for r in rows)
+    assert {r["variant"] for r in rows} == {"scatter", "psum"}
+    assert all(r["collective_bytes_per_step"] > 0 for r in rows)
+    assert out["max_relative_change_over_context"] < 0.01
+    # the scatter combine moves fewer bytes than psum on the same mesh
+    by = {(r["tp"], r["dcp"], r["variant"], r["context"]): r["collective_bytes_per_step"] for r in rows}
+    assert by[(1, 8, "scatter", 4096)] < by[(1, 8, "psum", 4096)]
