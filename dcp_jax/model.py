@@ -174,7 +174,12 @@ class CausalLM(nnx.Module):
         self.config = cfg
         v, e = cfg.vocab_size, cfg.hidden_size
         vocab = mesh_lib.spec(mesh_lib.fit_axes(mesh, v), ())
-        self.embed_tokens = _param(get, "model.embed_tokens.weight", (v, e), vocab)
+        # The lookup table is split over the hidden dim: a gather then yields sharded activations, where a
+        # vocab-split table would be all-gathered whole (1 GB for Llama-3.1-8B) at every step.
+        hidden = mesh_lib.spec((), mesh_lib.fit_axes(mesh, e))
+        # (a tied table stays vocab-split: it is the output head too, where the vocab split pays)
+        self.embed_tokens = _param(get, "model.embed_tokens.weight", (v, e),
+                                   vocab if cfg.tie_embeddings else hidden)
         self.layers = nnx.List([Block(cfg, i, get, mesh) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(_param(get, "model.norm.weight", (e,), mesh_lib.spec(())), cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_embeddings else _param(get, "lm_head.weight", (v, e), vocab)

@@ -22,3 +22,18 @@ def test_bench_comm_quick_is_flat_in_context(capsys, monkeypatch):
     # the scatter combine moves fewer bytes than psum on the same mesh
     by = {(r["tp"], r["dcp"], r["variant"], r["context"]): r["collective_bytes_per_step"] for r in rows}
     assert by[(1, 8, "scatter", 4096)] < by[(1, 8, "psum", 4096)]
+
+
+def test_bench_memory_quick(capsys):
+    mod = runpy.run_path(str(SCRIPTS / "bench_memory.py"), run_name="bench_memory")
+    assert mod["main"](["--quick", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    for key in ("model", "tp", "dcp", "context", "kv_heads", "kv_bytes_per_device", "weight_bytes_per_device",
+                "temp_bytes_per_device", "fits"):
+        assert all(key in r for r in rows)
+    for r in rows:  # XLA's figure equals the exact share
+        assert r["kv_bytes_per_device"] * min(r["tp"], r["kv_heads"]) * r["dcp"] == r["kv_bytes_total"]
+        assert r["weight_bytes_per_device"] > 0 and r["temp_bytes_per_device"] > 0
+    tp_only = next(r for r in rows if r["dcp"] == 1)
+    dcp8 = next(r for r in rows if r["dcp"] == 8)
+    assert dcp8["weight_bytes_per_device"] > tp_only["weight_bytes_per_device"]  # dcp=8 does not split heads

@@ -1,0 +1,206 @@
+"""Per-device memory of real models under TP alone and TP x DCP, from XLA's own figures (no allocation).
+
+For each model (by its published shapes), each (tp, dcp) of 8 and of 16 devices and each context, the
+decode loop is compiled against abstract inputs (`jax.ShapeDtypeStruct` with shardings) and
+`compiled.memory_analysis()` gives the bytes one device holds. Layers are identical, so the loop is
+compiled with 2 layers and 1 layer: XLA's argument bytes of the two differ by exactly one layer's
+weights + KV cache, which scales to the model's depth; the temporaries come from the 2-layer program.
+The script checks XLA's per-layer figure against the arrays' shard shapes before using it. Temporaries are
+XLA:CPU's: they include float32 copies of bf16 weights that CPU dots need (e.g. the lm_head shard), which a
+GPU compile would not make, so they overstate what an H200 needs.
+
+From these: the longest context that fits one device's budget (default 141 GB, an H200; `--budget-gb`)
+at batch 1, and the largest batch at 128K.
+
+    python scripts/bench_memory.py                  # 4 models, meshes of 8 and 16, contexts 8K..1M
+    python scripts/bench_memory.py --quick --json   # one model, 8 devices, two contexts
+Writes docs/bench_memory.json and docs/bench_memory.png (context that fits vs dcp) unless --quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = {  # published shapes (config.json of each release)
+    "Llama-3.1-8B": dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
+                         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=131072),
+    "Llama-3.1-70B": dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=8192,
+                          intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                          num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=131072),
+    "Llama-3.1-405B": dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=16384,
+                           intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128,
+                           num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=131072),
+    "Qwen2.5-32B": dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=5120,
+                        intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                        num_key_value_heads=8, rope_theta=1000000.0, max_position_embeddings=131072),
+}
+CONTEXTS = [8192, 131072, 1048576]
+DTYPE = jnp.bfloat16
+
+
+def meshes(devices: int, cfg) -> list[tuple[int, int]]:
+    from dcp_jax.model import kv_replication
+
+    out = []
+    for tp in range(1, devices + 1):
+        if devices % tp:
+            continue
+        try:
+            kv_replication(cfg, tp)
+        except ValueError:
+            continue
+        out.append((tp, devices // tp))
+    return out
+
+
+def analyse(name: str, layers: int, tp: int, dcp: int, context: int, batch: int):
+    """(argument bytes, temp bytes, kv shard bytes, weight shard bytes) of the compiled decode loop."""
+    from dcp_jax import make_mesh
+    from dcp_jax.config import ModelConfig
+    from dcp_jax.engine import Engine
+    from dcp_jax.mesh import named
+    from dcp_jax.model import CausalLM
+
+    cfg = ModelConfig.from_dict(dict(MODELS[name], num_hidden_layers=layers))
+    mesh = make_mesh(tp, dcp)
+
+    def abstract(_, shape, spec, kv_rep=1):
+        return jax.ShapeDtypeStruct(shape, DTYPE, sharding=named(mesh, spec))
+
+    engine = Engine(CausalLM(cfg, abstract, mesh), mesh)
+    layout = engine.layout(context)
+    memory = engine.decode_program(batch, layout, 1).memory_analysis()
+    cache, _ = engine._specs(batch, layout)
+
+    def shard_bytes(tree):
+        return sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+    return (memory.argument_size_in_bytes, memory.temp_size_in_bytes, shard_bytes(cache),
+            shard_bytes(engine.params))
+
+
+def measure(name: str, tp: int, dcp: int, context: int, batch: int) -> dict:
+    from dcp_jax.config import ModelConfig
+    from dcp_jax.model import kv_replication
+
+    full = ModelConfig.from_dict(MODELS[name])
+    arg2, temp2, kv2, w2 = analyse(name, 2, tp, dcp, context, batch)
+    arg1, _, kv1, w1 = analyse(name, 1, tp, dcp, context, batch)
+    per_layer = arg2 - arg1  # XLA's figure for one layer's weights + KV cache on one device
+    assert per_layer == (kv2 - kv1) + (w2 - w1), (per_layer, kv2 - kv1, w2 - w1)
+    kv_layer = kv2 - kv1
+    weights = (w1 - (w2 - w1)) + full.num_layers * (w2 - w1)  # embeddings/norms + L layers
+    kv = full.num_layers * kv_layer
+    rep = kv_replication(full, tp)
+    kv_total = batch * full.num_layers * 2 * full.num_kv_heads * context * full.head_dim * 2  # logical, bf16
+    return dict(model=name, tp=tp, dcp=dcp, devices=tp * dcp, context=context, batch=batch,
+                kv_heads=full.num_kv_heads, kv_replication=rep, kv_bytes_per_device=kv,
+                kv_bytes_total=kv_total, weight_bytes_per_device=weights, temp_bytes_per_device=temp2,
+                xla_layer_bytes=per_layer)
+
+
+def fits(row, budget: float) -> dict:
+    used = row["weight_bytes_per_device"] + row["kv_bytes_per_device"] + row["temp_bytes_per_device"]
+    per_token = row["kv_bytes_per_device"] / (row["context"] * row["batch"])  # linear in context and batch
+    free = budget - row["weight_bytes_per_device"] - row["temp_bytes_per_device"]
+    return dict(row, fits=bool(used <= budget), bytes_per_device=used,
+                max_context_batch1=int(max(free, 0) // per_token) if free > 0 else 0,
+                max_batch_at_128k=int(max(free, 0) // (per_token * 131072)) if free > 0 else 0)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--budget-gb", type=float, default=141.0, help="bytes per device, in GB (1e9)")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    budget = args.budget_gb * 1e9
+
+    from dcp_jax.config import ModelConfig
+    from dcp_jax.mesh import ensure_cpu_devices
+
+    if args.quick:
+        plan = [("Llama-3.1-8B", 8, [131072])]
+    else:
+        plan = [(m, d, CONTEXTS) for m in MODELS for d in (8, 16)]
+    ensure_cpu_devices(max(d for _, d, _ in plan))
+    rows = []
+    for name, devices, contexts in plan:
+        cfg = ModelConfig.from_dict(MODELS[name])
+        for tp, dcp in meshes(devices, cfg) if not args.quick else [(1, 8), (8, 1)]:
+            for context in contexts:
+                t = time.perf_counter()
+                row = fits(measure(name, tp, dcp, context, 1), budget)
+                row["analysis_s"] = round(time.perf_counter() - t, 2)
+                # XLA's KV bytes per device are exactly total / (min(tp, kv_heads) * dcp)
+                assert row["kv_bytes_per_device"] * min(tp, cfg.num_kv_heads) * dcp == row["kv_bytes_total"], row
+                rows.append(row)
+                if not args.json:
+                    print(f"{name:15s} tp={tp:2d} dcp={dcp:2d} ctx {context:>9,}: weights "
+                          f"{row['weight_bytes_per_device'] / 1e9:7.2f} GB  KV {row['kv_bytes_per_device'] / 1e9:8.2f} GB"
+                          f"  temp {row['temp_bytes_per_device'] / 1e9:6.3f} GB  fits {row['fits']!s:5s}  "
+                          f"longest context {row['max_context_batch1']:>12,}  batch@128K {row['max_batch_at_128k']:>5,}",
+                          flush=True)
+    if args.json:
+        print(json.dumps({"rows": rows}))
+    if not args.quick:
+        (ROOT / "docs").mkdir(exist_ok=True)
+        (ROOT / "docs" / "bench_memory.json").write_text(json.dumps({"rows": rows}, indent=1))
+        summary(rows, budget)
+        plot(rows)
+    return 0
+
+
+def summary(rows, budget):
+    print(f"\nBudget {budget / 1e9:.0f} GB per device; at 128K context, batch 1:")
+    for name in MODELS:
+        for devices in (8, 16):
+            sel = [r for r in rows if r["model"] == name and r["devices"] == devices and r["context"] == 131072]
+            if not sel:
+                continue
+            tp_only = next((r for r in sel if r["dcp"] == 1), None)
+            best = max(sel, key=lambda r: (r["max_context_batch1"], r["max_batch_at_128k"]))
+            fmt = lambda r: (f"tp={r['tp']} x dcp={r['dcp']}: longest context {r['max_context_batch1']:,}, "
+                             f"largest batch at 128K {r['max_batch_at_128k']:,}")
+            print(f"  {name:15s} on {devices:2d}: TP alone {fmt(tp_only) if tp_only else 'n/a'} | best {fmt(best)}")
+
+
+def plot(rows):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG (pip install matplotlib)", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, devices in zip(axes, (8, 16)):
+        for name in MODELS:
+            sel = sorted({(r["dcp"], r["max_context_batch1"]) for r in rows
+                          if r["model"] == name and r["devices"] == devices and r["context"] == 131072})
+            if sel:
+                ax.plot([d for d, _ in sel], [max(c, 1) for _, c in sel], "o-", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("dcp (tp = devices / dcp)")
+        ax.set_title(f"{devices} H200-sized devices (141 GB)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("longest context that fits (tokens, batch 1)")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(ROOT / "docs" / "bench_memory.png", dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
