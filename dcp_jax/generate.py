@@ -23,8 +23,11 @@ USAGE_ERROR, RUN_ERROR = 2, 1
 ASSETS = Path(__file__).resolve().parent / "assets"
 DEFAULT_MODEL = ASSETS / "tiny"
 DEFAULT_PROMPT = ASSETS / "default_prompt.txt"
-DEFAULT_NEW_TOKENS = 200
-DEFAULT_MAX_SEQ_LEN = 16384  # the default run reserves a 16K-token cache, sharded over dcp
+# The embedded model was trained on 256-byte windows: its prompt + new tokens stay within them, sampled
+# (greedy decoding of a byte-level model soon repeats itself); the cache is reserved for 16K tokens.
+DEFAULT_NEW_TOKENS = 96
+DEFAULT_MAX_SEQ_LEN = 16384
+DEFAULT_SAMPLING = dict(temperature=0.7, top_k=20)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -104,9 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=_positive("--max-seq-len"), default=None,
                    help="cache capacity per sequence (default: longest prompt + max new tokens)")
     p.add_argument("--prefill-chunk", type=_positive("--prefill-chunk"), default=256)
-    p.add_argument("--temperature", type=_non_negative_float("--temperature"), default=0.0,
-                   help="0 = greedy")
-    p.add_argument("--top-k", type=lambda t: 0 if t == "0" else _positive("--top-k")(t), default=0)
+    p.add_argument("--temperature", type=_non_negative_float("--temperature"), default=None,
+                   help="0 = greedy (the default, but 0.7 with top-k 20 for the default run)")
+    p.add_argument("--top-k", type=lambda t: 0 if t == "0" else _positive("--top-k")(t), default=None)
     p.add_argument("--top-p", type=_non_negative_float("--top-p", 1.0), default=1.0)
     p.add_argument("--seed", type=lambda t: 0 if t == "0" else _positive("--seed")(t), default=0)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
@@ -191,11 +194,14 @@ def run(argv=None) -> int:
         show = _Display(llm, quiet=args.json or args.quiet or not leader,
                         stream=leader and not args.json and len(prompts) == 1)
         if show.stream and default_run and not args.prompt:
-            print(f"prompt: {len(prompts[0]):,} bytes of Python's documentation, ending: "
-                  f"...{prompts[0][-160:]!r}\n", flush=True)
+            print(f"prompt ({len(prompts[0]):,} bytes of Python's documentation, held out from training):\n"
+                  f"{prompts[0]}", end="", flush=True)
         max_seq_len = args.max_seq_len or (DEFAULT_MAX_SEQ_LEN if default_run else None)
+        sampled = default_run and args.temperature is None and args.top_k is None
+        temperature = DEFAULT_SAMPLING["temperature"] if sampled else (args.temperature or 0.0)
+        top_k = DEFAULT_SAMPLING["top_k"] if sampled else (args.top_k or 0)
         out = llm.generate(prompts, max_new_tokens=new_tokens, max_seq_len=max_seq_len,
-                           prefill_chunk=args.prefill_chunk, temperature=args.temperature, top_k=args.top_k,
+                           prefill_chunk=args.prefill_chunk, temperature=temperature, top_k=top_k,
                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
                            on_chunk=show.prefill, on_token=show.token)
         show.close()

@@ -129,8 +129,9 @@ class Attention(nnx.Module):
         q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
         if cache is None:  # training / scoring: causal attention within the block, no cache, no mesh
             kv_pos = SlotPositions.dense(t)
+            # one dense block (block_k = T): no loop with a traced trip count, so it is reverse-differentiable
             o, _ = kernels.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions, kv_pos,
-                                     kv_len, impl="reference")
+                                     kv_len, impl="reference", block_k=t)
             return _linear(o.reshape(b, t, -1), self.o_proj), None
         k_cache, v_cache = attn_lib.write_kv(*cache, k, v, positions, valid, mesh=ctx.mesh, layout=ctx.layout)
         o = attn_lib.dcp_attention(q, k_cache, v_cache, positions, kv_len, mesh=ctx.mesh, layout=ctx.layout,

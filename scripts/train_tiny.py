@@ -60,9 +60,10 @@ def corpus() -> bytes:
     return "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
 
 
-def default_prompt(held: bytes, size: int = 3000) -> str:
+def default_prompt(held: bytes, size: int = 160) -> str:
     """The default run's prompt: about `size` bytes of held-out text, from a line start, ending mid-line
-    so the model has something to continue."""
+    so the model has something to continue. Prompt + the default run's 96 new bytes stay within the
+    256-byte windows the model was trained on."""
     text = held.decode("utf-8", errors="ignore")
     start = text.index("\n", len(text) // 3) + 1
     chunk = text[start:start + size]
