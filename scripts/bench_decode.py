@@ -140,6 +140,9 @@ def ensure_checkpoint(path: Path, model: str) -> Path:
     try:
         save_file(hf_tensors(cfg), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        tmp.chmod(0o755)  # mkdtemp made it private
         if path.exists():
             path.rmdir()
         tmp.rename(path)
