@@ -39,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 DEFAULT_CHECKPOINT = Path("~/.cache/dcp_jax/bench-llama-30m").expanduser()
-DEFAULT_PEER_PYTHON = Path("/work/venv311/bin/python")
+# the Python 3.11 venv beside the checkout that scripts/make_fixtures.py's docstring sets up
+DEFAULT_PEER_PYTHON = Path(__file__).resolve().parent.parent.parent / "venv311" / "bin" / "python"
 
 # Hugging Face LlamaConfig fields of the two generated checkpoints.
 MODELS = {
