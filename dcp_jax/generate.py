@@ -17,8 +17,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dcp_jax.errors import UserError
-
 USAGE_ERROR, RUN_ERROR = 2, 1
 ASSETS = Path(__file__).resolve().parent / "assets"
 DEFAULT_MODEL = ASSETS / "tiny"
