@@ -82,8 +82,9 @@ class Generation:
 class Engine:
     """Runs a `CausalLM` on a ("tp","dcp") mesh with a KV cache sharded along the sequence."""
 
-    def __init__(self, model: CausalLM, mesh: Mesh, *, interleave: int | str = 1, impl: str | None = None):
-        self.model, self.mesh, self.interleave, self.impl = model, mesh, interleave, impl
+    def __init__(self, model: CausalLM, mesh: Mesh, *, interleave: int | str = 1, impl: str | None = None,
+                 combine: str = "auto"):
+        self.model, self.mesh, self.interleave, self.impl, self.combine = model, mesh, interleave, impl, combine
         self.graphdef, self.params = nnx.split(model)
         self.dtype = model.embed_tokens.get_value().dtype
         self.eos = tuple(model.config.eos_token_ids)
@@ -104,7 +105,7 @@ class Engine:
 
     @functools.lru_cache(maxsize=16)
     def _prefill_fn(self, layout: KVLayout):
-        ctx = AttentionContext(self.mesh, layout, self.impl)
+        ctx = AttentionContext(self.mesh, layout, self.impl, self.combine)
 
         def chunk(params, cache, last_logits, tokens, positions, valid, kv_len, last_idx, take):
             model = nnx.merge(self.graphdef, params)
@@ -128,7 +129,7 @@ class Engine:
 
     @functools.lru_cache(maxsize=16)
     def _decode_fn(self, layout: KVLayout, sampling: SamplingParams, stop_on_eos: bool, stream: bool = False):
-        ctx = AttentionContext(self.mesh, layout, self.impl)
+        ctx = AttentionContext(self.mesh, layout, self.impl, self.combine)
         eos = jnp.asarray(self.eos if stop_on_eos and self.eos else (-1,), jnp.int32)
 
         def decode(params, cache, tokens, logprobs, lengths, done, key, num_new):

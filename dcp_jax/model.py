@@ -40,6 +40,7 @@ class AttentionContext:
     mesh: Mesh
     layout: KVLayout
     impl: str | None = None
+    combine: str = "auto"
 
 
 def kv_replication(cfg: ModelConfig, tp: int) -> int:
@@ -135,7 +136,7 @@ class Attention(nnx.Module):
             return _linear(o.reshape(b, t, -1), self.o_proj), None
         k_cache, v_cache = attn_lib.write_kv(*cache, k, v, positions, valid, mesh=ctx.mesh, layout=ctx.layout)
         o = attn_lib.dcp_attention(q, k_cache, v_cache, positions, kv_len, mesh=ctx.mesh, layout=ctx.layout,
-                                   impl=ctx.impl)
+                                   impl=ctx.impl, combine=ctx.combine)
         return _linear(o.reshape(b, t, -1), self.o_proj), (k_cache, v_cache)
 
 

@@ -24,12 +24,16 @@ from dcp_jax.errors import UserError
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-def expand_kv_rows(x: np.ndarray, rep: int, head_dim: int) -> np.ndarray:
-    """Repeat each kv head's rows `rep` times along axis 0 (KV heads replicated over tp ranks)."""
+def expand_kv_rows(x, rep: int, head_dim: int):
+    """Repeat each kv head's rows `rep` times along axis 0 (KV heads replicated over tp ranks).
+
+    NumPy arrays stay NumPy (host-side loading); JAX arrays stay on device (restoring onto a mesh).
+    """
     if rep == 1:
         return x
+    xp = jnp if isinstance(x, jax.Array) else np
     heads = x.reshape((-1, head_dim) + x.shape[1:])
-    return np.repeat(heads, rep, axis=0).reshape((-1,) + x.shape[1:])
+    return xp.repeat(heads, rep, axis=0).reshape((-1,) + x.shape[1:])
 
 
 def _kv_source_rows(rows: slice, n_rows: int, rep: int, head_dim: int) -> np.ndarray:
@@ -218,16 +222,9 @@ class _DictSource:
             raise UserError(f"the checkpoint has no tensor {name!r}")
         x = self.arrays[name]
         sharding = mesh_lib.named(self.mesh, spec)
-        expand = jax.jit(lambda a: jnp.asarray(_expand_kv_jnp(a, kv_rep, self.cfg.head_dim), self.dtype),
+        expand = jax.jit(lambda a: jnp.asarray(expand_kv_rows(a, kv_rep, self.cfg.head_dim), self.dtype),
                          out_shardings=sharding)
         return expand(x)
-
-
-def _expand_kv_jnp(x, rep, head_dim):
-    if rep == 1:
-        return x
-    heads = x.reshape((-1, head_dim) + x.shape[1:])
-    return jnp.repeat(heads, rep, axis=0).reshape((-1,) + x.shape[1:])
 
 
 def load_checkpoint(path, mesh: Mesh, dtype: str = "float32"):

@@ -68,7 +68,6 @@ def collective_bytes(hlo: str) -> dict[str, int]:
 
 def step_hlo(model_name: str, layers: int, tp: int, dcp: int, context: int, combine: str, batch: int) -> str:
     from dcp_jax import make_mesh
-    from dcp_jax import attention as attn_lib
     from dcp_jax.config import ModelConfig
     from dcp_jax.engine import Engine
     from dcp_jax.mesh import named
@@ -80,26 +79,16 @@ def step_hlo(model_name: str, layers: int, tp: int, dcp: int, context: int, comb
     def abstract(name, shape, spec, kv_rep=1):
         return jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=named(mesh, spec))
 
-    model = CausalLM(cfg, abstract, mesh)
-    engine = Engine(model, mesh)
+    engine = Engine(CausalLM(cfg, abstract, mesh), mesh, combine=combine)
     layout = engine.layout(context)
     cache, logits = engine._specs(batch, layout)
-    original = attn_lib.dcp_attention
-
-    def with_combine(*a, **k):
-        return original(*a, **dict(k, combine=combine))
-
-    attn_lib.dcp_attention = with_combine
-    try:
-        step = engine._prefill_fn(layout)
-        tok = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
-        vec_i = jax.ShapeDtypeStruct((batch,), jnp.int32)
-        vec_b = jax.ShapeDtypeStruct((batch,), jnp.bool_)
-        lowered = step.lower(engine.params, cache, logits, tok, tok, jax.ShapeDtypeStruct((batch, 1), jnp.bool_),
-                             vec_i, vec_i, vec_b)
-        return lowered.compile().as_text()
-    finally:
-        attn_lib.dcp_attention = original
+    step = engine._prefill_fn(layout)  # one token through every layer: the decode step's program
+    tok = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+    vec_i = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    vec_b = jax.ShapeDtypeStruct((batch,), jnp.bool_)
+    lowered = step.lower(engine.params, cache, logits, tok, tok, jax.ShapeDtypeStruct((batch, 1), jnp.bool_),
+                         vec_i, vec_i, vec_b)
+    return lowered.compile().as_text()
 
 
 def main(argv=None):

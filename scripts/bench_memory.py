@@ -91,6 +91,7 @@ def analyse(name: str, layers: int, tp: int, dcp: int, context: int, batch: int)
 
 def measure(name: str, tp: int, dcp: int, context: int, batch: int) -> dict:
     from dcp_jax.config import ModelConfig
+    from dcp_jax.layout import kv_cache_bytes
     from dcp_jax.model import kv_replication
 
     full = ModelConfig.from_dict(MODELS[name])
@@ -102,7 +103,8 @@ def measure(name: str, tp: int, dcp: int, context: int, batch: int) -> dict:
     weights = (w1 - (w2 - w1)) + full.num_layers * (w2 - w1)  # embeddings/norms + L layers
     kv = full.num_layers * kv_layer
     rep = kv_replication(full, tp)
-    kv_total = batch * full.num_layers * 2 * full.num_kv_heads * context * full.head_dim * 2  # logical, bf16
+    kv_total = kv_cache_bytes(batch=batch, num_layers=full.num_layers, kv_heads=full.num_kv_heads,
+                              max_seq_len=context, k_dim=full.head_dim, v_dim=full.head_dim, dtype=DTYPE)
     return dict(model=name, tp=tp, dcp=dcp, devices=tp * dcp, context=context, batch=batch,
                 kv_heads=full.num_kv_heads, kv_replication=rep, kv_bytes_per_device=kv,
                 kv_bytes_total=kv_total, weight_bytes_per_device=weights, temp_bytes_per_device=temp2,
