@@ -85,6 +85,24 @@ def test_pallas_interpret_matches_reference(t, h, kh, s, dk, dv, dtype, runs, op
     check_against_oracle(o, lse, x, tol)
 
 
+@pytest.mark.parametrize("impl,opts", [("reference", dict(block_k=8)), (PALLAS, dict(block_k=16))])
+def test_values_shared_with_keys(impl, opts):
+    # MLA's latent cache: k is [latent | rope], v = k[..., :v_dim], passed as v=None (no copy).
+    x = make_inputs(2, 2, 8, 1, 40, 24, 16, runs=(2, 2, 8))
+    x["v"] = x["k"][..., :16]
+    o_ref, lse_ref = attention(**x, impl="reference")
+    shared = dict(x, v=None)
+    o, lse = attention(**shared, impl=impl, v_dim=16, **opts)
+    assert o.shape == o_ref.shape
+    assert rel_err(o, o_ref) <= 1e-5
+    assert_lse_close(lse, lse_ref, 1e-5)
+    check_against_oracle(o, lse, x, 1e-5)
+    with pytest.raises(ValueError, match="v_dim must be in 1..24"):
+        attention(**shared, impl=impl)
+    with pytest.raises(ValueError, match="v_dim is only for v=None"):
+        attention(**x, v_dim=16)
+
+
 @pytest.mark.parametrize("block_k,runs", [(4, (0, 1, 3)), (8, (8, 4, 16))])
 def test_reference_blocked_walk(block_k, runs):
     # Several blocks, ragged lengths (the walk stops early for short sequences): same as float64.
@@ -121,12 +139,15 @@ def test_bad_shapes(change, match):
 
 # --- lowering for CUDA without a GPU (DESIGN.md §5) -------------------------------------------------
 
-def lower_for_cuda(b, t, h, kh, s, dk, dv, dtype, **opts):
+def lower_for_cuda(b, t, h, kh, s, dk, dv, dtype, shared_v=False, **opts):
     f = functools.partial(triton_kernel.attention, scale=0.1, **opts)
     args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in [
         ((b, t, h, dk), dtype), ((b, kh, s, dk), dtype), ((b, kh, s, dv), dtype),
         ((b, t), jnp.int32), ((), jnp.int32), ((b,), jnp.int32)]]
     args[4] = SlotPositions(args[4], 4, 32)  # interleave 4 over 8 shards; start traced
+    if shared_v:  # the values are the keys' first dv columns (MLA latent)
+        f = functools.partial(lambda q, k, v, *rest, **kw: triton_kernel.attention(q, k, None, *rest, **kw),
+                              scale=0.1, v_dim=dv, **opts)
     gpu = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
         device_kind="NVIDIA H200", num_cores=None, platform="gpu"))
     with jax.sharding.use_abstract_mesh(gpu):
@@ -137,13 +158,13 @@ def lower_for_cuda(b, t, h, kh, s, dk, dv, dtype, **opts):
     return exported.mlir_module()
 
 
-@pytest.mark.parametrize("name,shape,dtype", [
-    ("decode-gqa", (4, 1, 32, 8, 4096, 128, 128), jnp.bfloat16),
-    ("prefill-chunk", (1, 64, 32, 8, 2048, 128, 128), jnp.bfloat16),
-    ("decode-mla-absorbed", (2, 1, 16, 1, 2048, 576, 512), jnp.bfloat16),
-    ("decode-f32-odd", (3, 1, 6, 3, 1000, 80, 80), jnp.float32),
+@pytest.mark.parametrize("name,shape,dtype,shared_v", [
+    ("decode-gqa", (4, 1, 32, 8, 4096, 128, 128), jnp.bfloat16, False),
+    ("prefill-chunk", (1, 64, 32, 8, 2048, 128, 128), jnp.bfloat16, False),
+    ("decode-mla-absorbed", (2, 1, 16, 1, 2048, 576, 512), jnp.bfloat16, True),
+    ("decode-f32-odd", (3, 1, 6, 3, 1000, 80, 80), jnp.float32, False),
 ])
-def test_pallas_lowers_for_cuda(name, shape, dtype):
-    text = lower_for_cuda(*shape, dtype)
+def test_pallas_lowers_for_cuda(name, shape, dtype, shared_v):
+    text = lower_for_cuda(*shape, dtype, shared_v=shared_v)
     assert "__gpu$xla.gpu.triton" in text
     assert "dcp_flash_decode" in text

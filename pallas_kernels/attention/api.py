@@ -22,11 +22,13 @@ def default_impl() -> str:
 
 
 def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float | None = None, impl: str | None = None,
-              **kernel_options):
+              v_dim: int | None = None, **kernel_options):
     """Attention of a query block over one KV slice, with its log-sum-exp.
 
     Args:
-      q: [B, T, H, Dk] queries.  k: [B, K, S, Dk] keys.  v: [B, K, S, Dv] values (Dv may differ from Dk).
+      q: [B, T, H, Dk] queries.  k: [B, K, S, Dk] keys.  v: [B, K, S, Dv] values (Dv may differ from Dk),
+        or None when the values are the keys' first `v_dim` features (MLA: the cached latent is the key
+        and its first kv_lora_rank features the value; nothing is copied).
       q_pos: [B, T] global positions of the queries.
       kv_pos: `SlotPositions`, the global positions held by the slots of this slice.
       kv_len: [B] valid length of each sequence; a slot is seen by a query iff
@@ -38,7 +40,7 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float | None = None, imp
       (o [B, T, H, Dv] in q.dtype, lse [B, T, H] float32, natural log). A row that sees no slot gets
       o = 0 and lse = -inf.
     """
-    check_inputs(q, k, v, q_pos, kv_pos, kv_len)
+    check_inputs(q, k, v, q_pos, kv_pos, kv_len, v_dim)
     impl = impl or default_impl()
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {IMPLEMENTATIONS}")
@@ -51,4 +53,4 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float | None = None, imp
         fn = functools.partial(reference.attention, **kernel_options)
     else:
         fn = functools.partial(triton.attention, interpret=impl == "pallas_interpret", **kernel_options)
-    return fn(q, k, v, q_pos, kv_pos, kv_len, scale=scale)
+    return fn(q, k, v, q_pos, kv_pos, kv_len, scale=scale, v_dim=v_dim)

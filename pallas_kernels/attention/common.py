@@ -46,12 +46,20 @@ class SlotPositions:
         return (x // self.stride) * self.run + jnp.minimum(x % self.stride, self.run)
 
 
-def check_inputs(q, k, v, q_pos, kv_pos, kv_len) -> None:
+def check_inputs(q, k, v, q_pos, kv_pos, kv_len, v_dim: int | None = None) -> None:
     """Shape checks (static, so they work under jit). Raises ValueError naming the problem.
 
     q [B, T, H, Dk], k [B, K, S, Dk], v [B, K, S, Dv], q_pos [B, T], kv_pos SlotPositions, kv_len [B].
+    v may be None when the values are the first `v_dim` features of the keys (MLA's shared latent).
     kv_pos may be None where the caller derives it (the DCP island).
     """
+    if v is None:
+        if not (isinstance(v_dim, int) and 1 <= v_dim <= k.shape[-1]):
+            raise ValueError(f"v=None takes the values from the keys: v_dim must be in 1..{k.shape[-1]}, "
+                             f"got {v_dim!r}")
+        v = jax.ShapeDtypeStruct(k.shape[:3] + (v_dim,), k.dtype)
+    elif v_dim is not None:
+        raise ValueError("v_dim is only for v=None (values shared with the keys)")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(
             f"expected q [B,T,H,Dk], k [B,K,S,Dk], v [B,K,S,Dv]; got ranks {q.ndim}, {k.ndim}, {v.ndim}"

@@ -22,13 +22,15 @@ def _block_size(s: int, block_k: int) -> int:
     return best if best >= min(64, block_k) else s
 
 
-def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 512):
+def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 512, v_dim: int | None = None):
     """q [B,T,H,Dk], k [B,K,S,Dk], v [B,K,S,Dv] -> (o [B,T,H,Dv] in q.dtype, lse [B,T,H] float32).
 
     kv_pos: the slice's SlotPositions. GQA groups query heads per kv head; no repeated KV is materialised.
+    v None: the values are k[..., :v_dim] (read from each key block, never copied whole).
     """
     b, t, h, dk = q.shape
-    kh, s, dv = k.shape[1], k.shape[2], v.shape[-1]
+    kh, s = k.shape[1], k.shape[2]
+    dv = v_dim if v is None else v.shape[-1]
     g = h // kh
     out_dtype = q.dtype
     bs = _block_size(s, block_k)
@@ -42,7 +44,7 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
     def step(i, carry):
         m, l, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, Dv]
         kb = lax.dynamic_slice_in_dim(k, i * bs, bs, axis=2).astype(jnp.float32)
-        vb = lax.dynamic_slice_in_dim(v, i * bs, bs, axis=2).astype(jnp.float32)
+        vb = kb[..., :dv] if v is None else lax.dynamic_slice_in_dim(v, i * bs, bs, axis=2).astype(jnp.float32)
         pos = kv_pos.at(i * bs + jnp.arange(bs, dtype=jnp.int32))
         sc = jnp.einsum("btkgd,bksd->bkgts", qg, kb) * scale
         mask = pos[None, None, :] <= limit[:, :, None]  # [B, T, bs]

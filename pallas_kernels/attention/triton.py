@@ -33,9 +33,10 @@ def _pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
-def _kernel(start_ref, q_ref, k_ref, v_ref, lim_ref, o_ref, lse_ref, *, scale, block_k, precision, run,
-            stride, num_slots):
-    # start_ref []; q_ref [R, Dk]; k_ref [L, Dk]; v_ref [L, Dv]; lim_ref [R]; o_ref [R, Dv]; lse_ref [R]
+def _kernel(start_ref, q_ref, k_ref, *refs, scale, block_k, precision, run, stride, num_slots, shared_v):
+    # start_ref []; q_ref [R, Dk]; k_ref [L, Dk]; v_ref [L, Dv] (absent when the values are k's first Dv
+    # columns); lim_ref [R]; o_ref [R, Dv]; lse_ref [R]
+    v_ref, lim_ref, o_ref, lse_ref = (None, *refs) if shared_v else refs
     positions = SlotPositions(start_ref[()], run, stride)
     q = q_ref[...]
     lim = lim_ref[...]
@@ -51,7 +52,7 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, lim_ref, o_ref, lse_ref, *, scale, b
         slots = first + i * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         pos = positions.at(slots)
         k = k_ref[sl, :]
-        v = v_ref[sl, :]
+        v = k_ref[sl, :dv] if shared_v else v_ref[sl, :]
         s = _dot(q, k, trans_b=True, precision=precision).astype(jnp.float32) * scale
         mask = (pos[None, :] <= lim[:, None]) & (slots[None, :] < num_slots)
         s = jnp.where(mask, s, -jnp.inf)
@@ -76,14 +77,18 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, lim_ref, o_ref, lse_ref, *, scale, b
 
 def attention(
     q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 64, num_splits: int | None = None,
-    num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
+    num_warps: int = 4, num_stages: int = 2, interpret: bool = False, v_dim: int | None = None,
 ):
     """Same contract as `reference.attention`: (o [B,T,H,Dv] in q.dtype, lse [B,T,H] float32)."""
     b, t, h, dk = q.shape
-    kh, s, dv = k.shape[1], k.shape[2], v.shape[-1]
+    kh, s = k.shape[1], k.shape[2]
+    shared_v = v is None
+    dv = v_dim if shared_v else v.shape[-1]
     g = h // kh
     rows = _pow2(t * g, 16)
     dk_p, dv_p = _pow2(dk, 16), _pow2(dv, 16)
+    if shared_v and dv_p != dv:  # the kernel reads the values as k's first Dv columns: no padding there
+        raise ValueError(f"values shared with the keys need a power-of-two v_dim, got {dv}")
     block_k = _pow2(min(block_k, s), 16)
     num_blocks = math.ceil(s / block_k)
     if num_splits is None:
@@ -100,20 +105,21 @@ def attention(
     lim = jnp.repeat(row_limits(q_pos, kv_len), g, axis=1)  # [B, T·G]
     lim = jnp.pad(lim, ((0, 0), (0, rows - t * g)), constant_values=-1)
     kp = jnp.pad(k, ((0, 0), (0, 0), (0, s_pad - s), (0, dk_p - dk)))
-    vp = jnp.pad(v, ((0, 0), (0, 0), (0, s_pad - s), (0, dv_p - dv)))
+    vp = None if shared_v else jnp.pad(v, ((0, 0), (0, 0), (0, s_pad - s), (0, dv_p - dv)))
     start = jnp.asarray(kv_pos.start, jnp.int32)
 
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(_kernel, scale=scale, block_k=block_k, precision=precision, run=kv_pos.run,
-                               stride=kv_pos.stride, num_slots=s)
+                               stride=kv_pos.stride, num_slots=s, shared_v=shared_v)
+    kv_block = lambda d: pl.BlockSpec((None, None, split_len, d), lambda i, j, c: (i, j, c, 0))  # noqa: E731
     o, lse = pl.pallas_call(
         kernel,
         grid=(b, kh, num_splits),
         in_specs=[
             pl.BlockSpec((), lambda i, j, c: ()),
             pl.BlockSpec((None, None, rows, dk_p), lambda i, j, c: (i, j, 0, 0)),
-            pl.BlockSpec((None, None, split_len, dk_p), lambda i, j, c: (i, j, c, 0)),
-            pl.BlockSpec((None, None, split_len, dv_p), lambda i, j, c: (i, j, c, 0)),
+            kv_block(dk_p),
+            *([] if shared_v else [kv_block(dv_p)]),
             pl.BlockSpec((None, rows), lambda i, j, c: (i, 0)),
         ],
         out_specs=[
@@ -127,7 +133,7 @@ def attention(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="dcp_flash_decode",
-    )(start, qg, kp, vp, lim)
+    )(start, qg, kp, *([] if shared_v else [vp]), lim)
 
     o, lse = merge_partials(o, lse, axis=2)  # [B, K, R, Dv_p], [B, K, R]
     o = o[:, :, : t * g, :dv].reshape(b, kh, t, g, dv).transpose(0, 2, 1, 3, 4).reshape(b, t, h, dv)
