@@ -67,6 +67,7 @@ def dcp_attention(
     impl: str | None = None,
     combine: str = "auto",
     return_lse: bool = False,
+    v_dim: int | None = None,
     **kernel_options,
 ):
     """Exact attention of queries over a KV cache sharded along the sequence.
@@ -74,7 +75,8 @@ def dcp_attention(
     Args:
       q: [B, T, H, Dk] queries (global view; heads split over `head_axes`).
       k_cache: [B, K, S, Dk], v_cache: [B, K, S, Dv], S = layout.max_seq_len, placed by `layout`
-        (slots over `context_axes`, kv heads over `head_axes`).
+        (slots over `context_axes`, kv heads over `head_axes`). v_cache None: the values are the keys'
+        first `v_dim` features (MLA's latent cache).
       q_pos: [B, T] global positions of the queries. kv_len: [B] valid cache length per sequence.
       layout: the KV placement; its num_shards must equal the size of `context_axes`.
       combine: "auto" (psum_scatter when heads divide, else psum), "scatter" or "psum".
@@ -82,7 +84,7 @@ def dcp_attention(
     Returns:
       out [B, T, H, Dv] in q.dtype, sharded per `mesh.attn_out_spec` (and the LSE if asked).
     """
-    check_inputs(q, k_cache, v_cache, q_pos, None, kv_len)
+    check_inputs(q, k_cache, v_cache, q_pos, None, kv_len, v_dim)
     n_heads_shards = mesh_lib.axis_size(mesh, head_axes)
     n_ctx = mesh_lib.axis_size(mesh, context_axes)
     h, kh, s = q.shape[2], k_cache.shape[1], k_cache.shape[2]
@@ -104,10 +106,14 @@ def dcp_attention(
     impl = impl or kernels.default_impl()
     scattered = resolve_combine(h // n_heads_shards, n_ctx, combine)
 
-    def body(q, k, v, q_pos, kv_len):
+    shared_v = v_cache is None
+
+    def body(q, k, *rest):
+        v, q_pos, kv_len = (None, *rest) if shared_v else rest
         rank = lax.axis_index(context_axes)
         o, lse = kernels.attention(
-            q, k, v, q_pos, layout.slice_positions(rank), kv_len, scale=scale, impl=impl, **kernel_options
+            q, k, v, q_pos, layout.slice_positions(rank), kv_len, scale=scale, impl=impl, v_dim=v_dim,
+            **kernel_options
         )
         lse_all = lax.all_gather(lse, context_axes, axis=0)  # [N, B, T, H_local]
         lse_total, w = merge_weights(lse_all, axis=0)
@@ -120,16 +126,13 @@ def dcp_attention(
         # claim to prove to shard_map) and keep rank 0's copy.
         return out.astype(q.dtype), lse_total[None]
 
+    cache_spec = mesh_lib.kv_cache_spec(head_axes, context_axes)
+    caches = (k_cache,) if shared_v else (k_cache, v_cache)
     out, lse = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(
-            mesh_lib.q_spec(head_axes),
-            mesh_lib.kv_cache_spec(head_axes, context_axes),
-            mesh_lib.kv_cache_spec(head_axes, context_axes),
-            mesh_lib.lengths_spec(),
-            mesh_lib.lengths_spec(),
-        ),
+        in_specs=(mesh_lib.q_spec(head_axes), *(cache_spec for _ in caches), mesh_lib.lengths_spec(),
+                  mesh_lib.lengths_spec()),
         out_specs=(
             mesh_lib.attn_out_spec(head_axes, context_axes, scattered),
             mesh_lib.stacked_lse_spec(head_axes, context_axes),
@@ -137,15 +140,13 @@ def dcp_attention(
         # A pallas_call (in interpret mode on CPU for certain) does not carry shard_map's
         # varying-manual-axes annotations, so those checks are off for the kernel; the reference keeps them.
         check_vma=not impl.startswith("pallas"),
-    )(q, k_cache, v_cache, q_pos, kv_len)
+    )(q, *caches, q_pos, kv_len)
     return (out, lse[0]) if return_lse else out
 
 
 def write_kv(
-    k_cache,
-    v_cache,
-    k_new,
-    v_new,
+    caches: tuple,
+    new: tuple,
     positions,
     valid,
     *,
@@ -154,28 +155,29 @@ def write_kv(
     head_axes: tuple[str, ...] = (mesh_lib.TP,),
     context_axes: tuple[str, ...] = (mesh_lib.DCP,),
 ):
-    """Write new tokens' keys/values into the cache shards that own their positions, in place.
+    """Write new tokens' entries into the cache shards that own their positions, in place.
 
-    k_new [B, T, K, Dk], v_new [B, T, K, Dv] (replicated over the context axes), positions [B, T],
-    valid [B, T] (padding tokens of a ragged chunk are not written). Each context rank scatters only the
-    tokens it owns; every other index is dropped, so no cache-sized temporary is made.
+    caches: a tuple of caches [B, K, S, D_i] ((k, v), or MLA's single latent cache); new: the matching
+    tuple of new entries [B, T, K, D_i] (replicated over the context axes); positions [B, T]; valid [B, T]
+    (padding tokens of a ragged chunk are not written). Each context rank scatters only the tokens it
+    owns; every other index is dropped, so no cache-sized temporary is made. Returns the new caches.
     """
     b, t = positions.shape
+    n = len(caches)
 
-    def body(kc, vc, kn, vn, pos, ok):
+    def body(*args):
+        cs, ns, (pos, ok) = args[:n], args[n:2 * n], args[2 * n:]
         rank = lax.axis_index(context_axes)
         mine = ok & (layout.rank_of(pos) == rank)
         slot = jnp.where(mine, layout.slot_of(pos), layout.slots_per_shard)  # out of range: dropped
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-        kc = kc.at[rows, :, slot].set(kn.astype(kc.dtype), mode="drop")
-        vc = vc.at[rows, :, slot].set(vn.astype(vc.dtype), mode="drop")
-        return kc, vc
+        return tuple(c.at[rows, :, slot].set(x.astype(c.dtype), mode="drop") for c, x in zip(cs, ns))
 
     cache_spec = mesh_lib.kv_cache_spec(head_axes, context_axes)
     return jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(cache_spec, cache_spec, mesh_lib.q_spec(head_axes), mesh_lib.q_spec(head_axes),
-                  mesh_lib.lengths_spec(), mesh_lib.lengths_spec()),
-        out_specs=(cache_spec, cache_spec),
-    )(k_cache, v_cache, k_new, v_new, positions, valid)
+        in_specs=(*(cache_spec,) * n, *(mesh_lib.q_spec(head_axes),) * n, mesh_lib.lengths_spec(),
+                  mesh_lib.lengths_spec()),
+        out_specs=(cache_spec,) * n,
+    )(*caches, *new, positions, valid)

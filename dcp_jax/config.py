@@ -1,4 +1,8 @@
-"""Model configuration read from a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3 families)."""
+"""Model configuration read from a Hugging Face `config.json`.
+
+Families: Llama, Mistral, Qwen2, Qwen3 (grouped-query attention), DeepSeek-V2/V3 (multi-head latent
+attention, dense and mixture-of-experts layers).
+"""
 
 from __future__ import annotations
 
@@ -17,8 +21,15 @@ FAMILIES = {
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
+    "DeepseekV2ForCausalLM": (False, False),
+    "DeepseekV3ForCausalLM": (False, False),
 }
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+MLA_FAMILIES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +40,29 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def cos_sin_factor(self) -> float:
+        """The factor yarn applies to cos/sin (so to q·k's rotary part squared); 1 otherwise."""
+        if self.type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    def softmax_scale_factor(self) -> float:
+        """DeepSeek's correction of the softmax scale under scaled RoPE: mscale(factor, mscale_all_dim)^2."""
+        if self.type == "default" or not self.mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
 
     def inv_freq(self, head_dim: int, max_seq_len: int) -> np.ndarray:
         """Inverse frequencies [head_dim/2] (float64), with the configured scaling applied.
@@ -54,7 +88,68 @@ class RopeConfig:
             scaled = np.where(wavelen > low_wavelen, inv / self.factor, inv)
             mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
             inv = np.where(mid, (1 - smooth) * inv / self.factor + smooth * inv, scaled)
+        elif self.type == "yarn":
+            inv = self._yarn(inv, head_dim)
         return inv
+
+    def _yarn(self, inv: np.ndarray, dim: int) -> np.ndarray:
+        """YaRN: interpolate low frequencies by `factor`, keep high ones, blend linearly in between."""
+        orig = self.original_max_position_embeddings
+
+        def correction_dim(rotations):
+            return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(self.theta))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+        keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide by factor)
+        return inv / self.factor * (1 - keep) + inv * keep
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): one latent of kv_lora_rank + qk_rope_head_dim per token."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of the cached latent (the key of absorbed attention); its first kv_lora_rank are the value."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """DeepSeek mixture of experts: routed experts picked per token, plus always-on shared experts."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    num_shared: int
+    first_dense: int  # layers [0, first_dense) are dense
+    layer_freq: int
+    scoring: str  # "sigmoid" (V3) or "softmax" (V2)
+    topk_method: str  # "noaux_tc" (V3: group score = sum of top-2, bias-corrected), "greedy", "group_limited_greedy"
+    num_groups: int
+    topk_groups: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+
+    def is_moe_layer(self, index: int) -> bool:
+        return index >= self.first_dense and index % self.layer_freq == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +169,8 @@ class ModelConfig:
     qk_norm: bool
     max_position_embeddings: int
     sliding_window: int | None = None
+    mla: "MLAConfig | None" = None
+    moe: "MoEConfig | None" = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     hf_config: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -88,6 +185,7 @@ class ModelConfig:
         qkv_bias, qk_norm = FAMILIES[arch]
         try:
             hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+            mla = _mla(d) if arch in MLA_FAMILIES else None
             cfg = cls(
                 architecture=arch,
                 vocab_size=int(d["vocab_size"]),
@@ -95,8 +193,9 @@ class ModelConfig:
                 intermediate_size=int(d["intermediate_size"]),
                 num_layers=int(d["num_hidden_layers"]),
                 num_heads=heads,
-                num_kv_heads=int(d.get("num_key_value_heads") or heads),
-                head_dim=int(d.get("head_dim") or hidden // heads),
+                # MLA caches one latent per token: one "kv head" of the latent's width
+                num_kv_heads=1 if mla else int(d.get("num_key_value_heads") or heads),
+                head_dim=mla.latent_dim if mla else int(d.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 rope=_rope(d),
                 tie_embeddings=bool(d.get("tie_word_embeddings", False)),
@@ -104,6 +203,8 @@ class ModelConfig:
                 qk_norm=qk_norm,
                 max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
                 sliding_window=_sliding_window(d),
+                mla=mla,
+                moe=_moe(d, arch) if mla else None,
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=_ids(d.get("eos_token_id")),
                 hf_config=dict(d),
@@ -112,11 +213,23 @@ class ModelConfig:
             raise UserError(f"config.json lacks required field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
             raise UserError(f"config.json has a malformed field: {e}") from None
+        if d.get("hidden_act", "silu") != "silu":
+            raise UserError(f"config.json: hidden_act {d.get('hidden_act')!r} is not supported (silu only)")
         if cfg.num_heads % cfg.num_kv_heads:
             raise UserError(
                 f"config.json: num_attention_heads ({cfg.num_heads}) is not a multiple of "
                 f"num_key_value_heads ({cfg.num_kv_heads})")
         return cfg
+
+    @property
+    def rope_dim(self) -> int:
+        """Width of the rotary part of q and k."""
+        return self.mla.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        qk = self.mla.qk_head_dim if self.mla else self.head_dim
+        return qk ** -0.5 * self.rope.softmax_scale_factor()
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
@@ -145,6 +258,49 @@ def _sliding_window(d: dict) -> int | None:
     return int(w) if w else None
 
 
+def _mla(d: dict) -> MLAConfig:
+    q_lora = d.get("q_lora_rank")
+    return MLAConfig(
+        q_lora_rank=int(q_lora) if q_lora else None,
+        kv_lora_rank=int(d["kv_lora_rank"]),
+        qk_nope_head_dim=int(d["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(d["qk_rope_head_dim"]),
+        v_head_dim=int(d["v_head_dim"]),
+        rope_interleave=bool(d.get("rope_interleave", True)),
+    )
+
+
+def _moe(d: dict, arch: str) -> MoEConfig | None:
+    experts = d.get("n_routed_experts")
+    if not experts:
+        return None
+    v3 = arch == "DeepseekV3ForCausalLM"
+    method = "noaux_tc" if v3 else (d.get("topk_method") or "greedy")
+    if method not in ("noaux_tc", "greedy", "group_limited_greedy"):
+        raise UserError(f"config.json: topk_method {method!r} is not supported")
+    grouped = method != "greedy"
+    moe = MoEConfig(
+        num_experts=int(experts),
+        top_k=int(d["num_experts_per_tok"]),
+        intermediate_size=int(d["moe_intermediate_size"]),
+        num_shared=int(d.get("n_shared_experts") or 0),
+        first_dense=int(d.get("first_k_dense_replace") or 0),
+        layer_freq=int(d.get("moe_layer_freq") or 1),
+        scoring="sigmoid" if v3 else "softmax",
+        topk_method=method,
+        num_groups=int(d.get("n_group") or 1) if grouped else 1,
+        topk_groups=int(d.get("topk_group") or 1) if grouped else 1,
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+    )
+    if moe.num_experts % moe.num_groups or not 1 <= moe.topk_groups <= moe.num_groups:
+        raise UserError(f"config.json: {moe.num_experts} experts do not split into n_group={moe.num_groups} "
+                        f"groups with topk_group={moe.topk_groups}")
+    if moe.top_k > moe.num_experts:
+        raise UserError(f"config.json: num_experts_per_tok={moe.top_k} exceeds n_routed_experts={moe.num_experts}")
+    return moe
+
+
 def _rope(d: dict) -> RopeConfig:
     """Both config styles: `rope_theta` + `rope_scaling` (older) or `rope_parameters` (newer)."""
     params = d.get("rope_parameters")
@@ -158,8 +314,12 @@ def _rope(d: dict) -> RopeConfig:
     orig = scaling.get("original_max_position_embeddings")
     if rope_type == "dynamic" and orig is None:
         orig = d.get("max_position_embeddings")
-    if rope_type == "llama3" and orig is None:
-        raise UserError("llama3 rope scaling needs original_max_position_embeddings in config.json")
+    if rope_type in ("llama3", "yarn") and orig is None:
+        raise UserError(f"{rope_type} rope scaling needs original_max_position_embeddings in config.json")
+
+    def opt(name):
+        return None if scaling.get(name) is None else float(scaling[name])
+
     return RopeConfig(
         theta=theta,
         type=rope_type,
@@ -167,4 +327,10 @@ def _rope(d: dict) -> RopeConfig:
         low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
         high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(orig) if orig else None,
+        beta_fast=opt("beta_fast") or 32.0,
+        beta_slow=opt("beta_slow") or 1.0,
+        mscale=opt("mscale"),
+        mscale_all_dim=opt("mscale_all_dim"),
+        attention_factor=opt("attention_factor"),
+        truncate=bool(scaling.get("truncate", True)),
     )

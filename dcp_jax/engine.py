@@ -101,7 +101,7 @@ class Engine:
 
     # --- compiled programs, cached by their static configuration -----------------------------------
     def layout(self, max_seq_len: int) -> KVLayout:
-        return KVLayout.create(max_seq_len, self.mesh.shape[mesh_lib.DCP], self.interleave)
+        return KVLayout.create(max_seq_len, mesh_lib.axis_size(self.mesh, self.model.context_axes), self.interleave)
 
     @functools.lru_cache(maxsize=16)
     def _prefill_fn(self, layout: KVLayout):
@@ -113,7 +113,7 @@ class Engine:
             return cache, jnp.where(take[:, None], logits, last_logits)
 
         replicated = mesh_lib.named(self.mesh, mesh_lib.spec())
-        cache_out = model_lib.cache_sharding(self.mesh)
+        cache_out = model_lib.cache_sharding(self.model, self.mesh)
         return jax.jit(chunk, donate_argnames=("cache", "last_logits"),
                        out_shardings=(cache_out, replicated))
 
@@ -162,11 +162,11 @@ class Engine:
 
         replicated = mesh_lib.named(self.mesh, mesh_lib.spec())
         return jax.jit(decode, donate_argnames=("cache", "tokens", "logprobs", "lengths"),
-                       out_shardings=(model_lib.cache_sharding(self.mesh), replicated, replicated, replicated))
+                       out_shardings=(model_lib.cache_sharding(self.model, self.mesh), replicated, replicated, replicated))
 
     def _specs(self, batch: int, layout: KVLayout):
         """Abstract cache (with its sharding) and last-logits buffer: nothing allocated."""
-        sharding = model_lib.cache_sharding(self.mesh)
+        sharding = model_lib.cache_sharding(self.model, self.mesh)
         cache = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
             jax.eval_shape(lambda: init_cache(self.model, batch, layout, self.mesh, self.dtype)))

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from dcp_jax import mesh as mesh_lib
 from dcp_jax.config import ModelConfig
 from dcp_jax.errors import UserError
+from dcp_jax.layers import stack_names
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -58,30 +59,44 @@ class SafetensorsSource:
             except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
                 raise UserError(f"cannot read weights file {path}: {e} (truncated or corrupt?)") from None
 
-    def __call__(self, name: str, shape, spec, kv_rep: int = 1) -> jax.Array:
+    def _tensor(self, name: str, expected: tuple):
         if name not in self.files:
             raise UserError(f"the checkpoint has no tensor {name!r}; is it a {self.cfg.architecture}?")
         tensor = self._handles[self.files[name]].get_slice(name)
         stored = tuple(tensor.get_shape())
-        expected = (shape[0] // kv_rep,) + tuple(shape[1:])
         if stored != expected:
             raise UserError(f"tensor {name} has shape {stored}, config.json implies {expected}")
+        return tensor
+
+    def __call__(self, name: str, shape, spec, kv_rep: int = 1) -> jax.Array:
+        shape = tuple(shape)
         dtype = self.dtype
+        if "*" in name:  # a stack (e.g. the experts): each device reads only its members, by slice
+            tensors = [self._tensor(n, shape[1:]) for n in stack_names(name, shape[0])]
 
-        def read(index):
-            try:
-                if kv_rep == 1:
-                    block = tensor[index]
-                else:
-                    src = _kv_source_rows(index[0], shape[0], kv_rep, self.cfg.head_dim)
-                    lo, hi = int(src.min()), int(src.max()) + 1
-                    block = np.asarray(tensor[(slice(lo, hi),) + tuple(index[1:])])[src - lo]
-            except Exception as e:  # noqa: BLE001
-                raise UserError(f"cannot read tensor {name}: {e} (truncated or corrupt weights?)") from None
-            return np.asarray(block).astype(dtype)
+            def read(index):
+                members = range(shape[0])[index[0]]
+                try:
+                    block = np.stack([np.asarray(tensors[j][tuple(index[1:])]) for j in members])
+                except Exception as e:  # noqa: BLE001
+                    raise UserError(f"cannot read tensor {name}: {e} (truncated or corrupt weights?)") from None
+                return block.astype(dtype)
+        else:
+            tensor = self._tensor(name, (shape[0] // kv_rep,) + shape[1:])
 
-        return jax.make_array_from_callback(tuple(shape), mesh_lib.named(self.mesh, spec), read,
-                                            dtype=jnp.dtype(dtype))
+            def read(index):
+                try:
+                    if kv_rep == 1:
+                        block = tensor[index]
+                    else:
+                        src = _kv_source_rows(index[0], shape[0], kv_rep, self.cfg.head_dim)
+                        lo, hi = int(src.min()), int(src.max()) + 1
+                        block = np.asarray(tensor[(slice(lo, hi),) + tuple(index[1:])])[src - lo]
+                except Exception as e:  # noqa: BLE001
+                    raise UserError(f"cannot read tensor {name}: {e} (truncated or corrupt weights?)") from None
+                return np.asarray(block).astype(dtype)
+
+        return jax.make_array_from_callback(shape, mesh_lib.named(self.mesh, spec), read, dtype=jnp.dtype(dtype))
 
 
 def _weight_map(model_dir: Path) -> dict[str, str]:

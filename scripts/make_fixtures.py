@@ -35,7 +35,8 @@ Weights are random with a large init (``initializer_range=0.5``) so logits
 are well separated, except q_proj/k_proj which are then scaled by QK_SCALE so
 attention stays soft (not one-hot) and the softmax is really exercised; biases (Qwen2 q/k/v) are re-drawn with std 0.1 and Qwen3
 q_norm/k_norm weights uniformly in [0.5, 1.5] so they matter.  All other norm
-weights stay at ones.  For each fixture the seed is looped deterministically
+weights stay at ones.  DeepSeek-V3 (MLA): q_proj/q_b_proj, kv_a_proj_with_mqa and kv_b_proj are scaled
+like q/k, and the router's e_score_correction_bias is drawn with std 0.1.  For each fixture the seed is looped deterministically
 until ``min_margin >= MIN_MARGIN``.
 
 The greedy reference is a manual loop with the KV cache (eager attention); it
@@ -55,6 +56,10 @@ import numpy as np
 import torch
 import transformers
 from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     DynamicCache,
     GenerationConfig,
     LlamaConfig,
@@ -103,6 +108,27 @@ LLAMA_GQA = dict(
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 16,
     },
+)
+
+DEEPSEEK_V3 = dict(
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=8,
+    n_group=4,
+    topk_group=2,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
 
 # name -> (config class, model class, extra config kwargs, base seed)
@@ -155,6 +181,43 @@ FIXTURES = {
         5000,
     ),
     "llama-tokenizer": (LlamaConfig, LlamaForCausalLM, dict(LLAMA_GQA), 6000),
+    # MLA + MoE: layer 0 dense, layer 1 MoE (8 routed experts in 4 groups, top-2 of the best 2 groups,
+    # one shared expert); with q_lora_rank and default RoPE ...
+    "deepseek-v3": (DeepseekV3Config, DeepseekV3ForCausalLM, dict(DEEPSEEK_V3), 7000),
+    # ... and without q_lora_rank, with YaRN scaling (mscale != mscale_all_dim, so both the cos/sin
+    # factor and the softmax-scale correction are exercised).
+    "deepseek-v3-yarn": (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        dict(
+            DEEPSEEK_V3,
+            q_lora_rank=None,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+            },
+        ),
+        8000,
+    ),
+    # DeepSeek-V2: the same MLA; softmax router scores, group-limited greedy top-k, no score bias.
+    "deepseek-v2": (
+        DeepseekV2Config,
+        DeepseekV2ForCausalLM,
+        dict(
+            {k: v for k, v in DEEPSEEK_V3.items() if k != "norm_topk_prob"},
+            q_lora_rank=None,
+            topk_method="group_limited_greedy",
+            norm_topk_prob=False,
+            routed_scaling_factor=1.5,
+        ),
+        9000,
+    ),
 }
 
 PROMPT_TEXTS = [
@@ -236,12 +299,16 @@ def build_model(cfg_cls, model_cls, extra: dict, seed: int, bos_eos=None):
     g = torch.Generator().manual_seed(seed + 7)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
+            if name.endswith(("q_proj.weight", "k_proj.weight", "q_b_proj.weight", "kv_b_proj.weight",
+                              "kv_a_proj_with_mqa.weight")):
                 p.mul_(QK_SCALE)
             if name.endswith(".bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(0.5 + torch.rand(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3 routing bias: make it matter
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
     return model
 
 
@@ -285,6 +352,7 @@ def cross_check(model, prompt: list[int], tokens: list[int], first_logprobs: tor
     gcfg = GenerationConfig(
         do_sample=False, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=None, pad_token_id=0
     )
+    model.generation_config.eos_token_id = None  # EOS never stops the reference (as in greedy_reference)
     gen = model.generate(
         torch.tensor([prompt]), attention_mask=torch.ones(1, n, dtype=torch.long), generation_config=gcfg
     )

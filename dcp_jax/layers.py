@@ -1,0 +1,97 @@
+"""Building blocks every model family shares: weights by Hugging Face name, norms, RoPE, the gated MLP.
+
+Weights keep Hugging Face's [out, in] orientation, so loading never transposes. A model is built
+from a `WeightSource`: a callable `(name, shape, spec, kv_rep) -> jax.Array` that returns the named
+Hugging Face tensor already placed with sharding `spec` (safetensors, orbax or random init). A name
+with a `*` stands for a stack: tensor j of the stack is the name with `*` replaced by j (the experts
+of a mixture-of-experts layer are one [E, ...] weight, sharded over E).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from dcp_jax import mesh as mesh_lib
+from dcp_jax.layout import KVLayout
+
+WeightSource = Callable[..., jax.Array]
+
+
+def stack_names(name: str, count: int) -> list[str]:
+    """The Hugging Face names behind a stacked weight's `*` name."""
+    return [name.replace("*", str(j)) for j in range(count)] if "*" in name else [name]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionContext:
+    """What the attention island needs besides arrays: the mesh, the KV placement and the kernel."""
+
+    mesh: Mesh
+    layout: KVLayout
+    impl: str | None = None
+    combine: str = "auto"
+
+
+def param(get: WeightSource, name: str, shape, spec, kv_rep: int = 1) -> nnx.Param:
+    """A weight from the source, tagged with its Hugging Face name (checkpoints are keyed by it)."""
+    return nnx.Param(get(name, tuple(shape), spec, kv_rep=kv_rep), hf_name=name, kv_rep=kv_rep)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, weight: nnx.Param, eps: float):
+        self.weight = weight
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * y.astype(x.dtype)
+
+
+def norm(get: WeightSource, name: str, size: int, eps: float) -> RMSNorm:
+    return RMSNorm(param(get, name, (size,), mesh_lib.spec(())), eps)
+
+
+def linear(x, w, b=None):
+    """x [..., in] @ w[out, in].T (+ b)."""
+    y = jnp.einsum("...i,oi->...o", x, w[...])
+    return y if b is None else y + b[...]
+
+
+def rope(x, positions, inv_freq, *, interleaved: bool = False, factor: float = 1.0):
+    """Rotary embedding. x [B, T, H, D], positions [B, T].
+
+    Half-split ("rotate_half") pairs (i, i + D/2) by default; `interleaved` pairs (2i, 2i + 1) as
+    DeepSeek lays them out (the output is then in half-split order: q and k get the same order, so
+    their dot products are unchanged). `factor` scales cos and sin (YaRN's attention factor).
+    """
+    freqs = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+    cos = jnp.cos(freqs)[:, :, None, :] * factor
+    sin = jnp.sin(freqs)[:, :, None, :] * factor
+    x32 = x.astype(jnp.float32)
+    if interleaved:
+        x1, x2 = x32[..., 0::2], x32[..., 1::2]
+    else:
+        x1, x2 = jnp.split(x32, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """The gated SiLU MLP, its intermediate dim sharded over as much of ("tp","dcp") as divides it."""
+
+    def __init__(self, prefix: str, get: WeightSource, mesh: Mesh, hidden: int, intermediate: int):
+        i, e = intermediate, hidden
+        axes = mesh_lib.fit_axes(mesh, i)
+        self.gate_proj = param(get, f"{prefix}.gate_proj.weight", (i, e), mesh_lib.spec(axes, ()))
+        self.up_proj = param(get, f"{prefix}.up_proj.weight", (i, e), mesh_lib.spec(axes, ()))
+        self.down_proj = param(get, f"{prefix}.down_proj.weight", (e, i), mesh_lib.spec((), axes))
+
+    def __call__(self, x):
+        return linear(jax.nn.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj)
