@@ -169,8 +169,8 @@ class ModelConfig:
     qk_norm: bool
     max_position_embeddings: int
     sliding_window: int | None = None
-    mla: "MLAConfig | None" = None
-    moe: "MoEConfig | None" = None
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     hf_config: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)

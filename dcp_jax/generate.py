@@ -278,7 +278,8 @@ def report(s: dict, kv_heads: int, source: str) -> str:
         f"context     {s['prompt_tokens']:,} prompt + {s['generated_tokens']:,} generated tokens, "
         f"cache of {s['max_seq_len']:,} slots x {s['batch']} sequence(s)",
         f"KV cache    {mib(s['kv_bytes_per_device'])} per device; TP alone on {n} devices would hold "
-        f"{mib(tp_only)} per device ({kv_heads} kv heads: {tp_only / s['kv_bytes_per_device']:.1f}x more); "
+        f"{mib(tp_only)} per device ({'the MLA latent has no head axis' if kv_heads == 1 else f'{kv_heads} kv heads'}: "
+        f"{tp_only / s['kv_bytes_per_device']:.1f}x more); "
         f"whole cache {mib(s['kv_bytes_total'])}",
         f"speed       TTFT {s['ttft_s']:.3f} s, decode {s['decode_tokens_per_s']:.1f} tokens/s "
         f"(compile {s['compile_s']:.1f} s, not included)",
@@ -315,7 +316,8 @@ class _Display:
             self.decode_bar.update(1)
         if self.stream and tokens[0] >= 0:
             self.ids.append(int(tokens[0]))
-            text = self.llm.decode(self.ids) if self.llm.tokenizer is not None else f"{self.ids}"
+            # without a tokenizer the ids stream as space-separated numbers (each text extends the last)
+            text = self.llm.decode(self.ids) if self.llm.tokenizer is not None else " ".join(map(str, self.ids))
             if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
                 return
             new = text[len(self.shown):] if text.startswith(self.shown) else "\n" + text

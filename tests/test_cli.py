@@ -51,6 +51,28 @@ def test_single_prompt_streams(capsys):
     assert not out.startswith("[0]") and "TTFT" in out and "model       Hugging Face checkpoint" in out
 
 
+def test_ids_stream_without_a_tokenizer(capsys):
+    exp = json.loads((FIX / "llama-gqa" / "expected.json").read_text())
+    code, out, err = cli(capsys, "--model", LLAMA, "--prompt-ids", ",".join(map(str, exp["prompts"][0])),
+                         "--max-new-tokens", "8", "--ignore-eos")
+    assert code == 0, err
+    assert out.splitlines()[0] == " ".join(map(str, exp["greedy"][0]))  # one line, each id once
+
+
+def test_deepseek_report(capsys):
+    exp = json.loads((FIX / "deepseek-v3" / "expected.json").read_text())
+    code, out, err = cli(capsys, "--model", FIX / "deepseek-v3", "--mesh", "tp=2,dcp=4", "--prompt-ids",
+                         ",".join(map(str, exp["prompts"][1])), "--max-new-tokens", "8", "--ignore-eos", "--json")
+    assert code == 0, err
+    obj = json.loads(out)
+    assert obj["tokens"] == [exp["greedy"][1]]
+    assert obj["stats"]["kv_bytes_per_device"] * 8 == obj["stats"]["kv_bytes_total"]
+    code, out, err = cli(capsys, "--model", FIX / "deepseek-v3", "--mesh", "tp=8,dcp=1", "--prompt-ids", "1,2",
+                         "--max-new-tokens", "2")
+    assert code == 0, err
+    assert "the MLA latent has no head axis: 8.0x more" in out
+
+
 def _broken(tmp_path, edit):
     d = tmp_path / "model"
     shutil.copytree(LLAMA, d)

@@ -104,3 +104,25 @@ def test_router_matches_a_direct_reading_of_the_rules():
         want[chosen] = s[chosen] / s[chosen].sum() * 2.5
         np.testing.assert_allclose(row, want, rtol=1e-5, atol=1e-6)
         assert (row > 0).sum() == 2
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: c.pop("kv_lora_rank"), "config.json lacks required field 'kv_lora_rank'"),
+    (lambda c: c.update(n_group=3), "8 experts do not split into n_group=3 groups"),
+    (lambda c: c.update(num_experts_per_tok=9), "num_experts_per_tok=9 exceeds n_routed_experts=8"),
+    (lambda c: c.update(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+    (lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "needs original_max_position"),
+])
+def test_config_errors_are_one_line(tmp_path, capsys, edit, message):
+    import shutil
+
+    from dcp_jax.generate import run as cli
+
+    d = tmp_path / "m"
+    shutil.copytree(FIXTURES / "deepseek-v3", d)
+    cfg = json.loads((d / "config.json").read_text())
+    edit(cfg)
+    (d / "config.json").write_text(json.dumps(cfg))
+    code = cli(["--model", str(d), "--prompt-ids", "1,2", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert code != 0 and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
