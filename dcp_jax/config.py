@@ -209,6 +209,8 @@ class ModelConfig:
                 eos_token_ids=_ids(d.get("eos_token_id")),
                 hf_config=dict(d),
             )
+        except UserError:
+            raise
         except KeyError as e:
             raise UserError(f"config.json lacks required field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:

@@ -126,3 +126,4 @@ def test_config_errors_are_one_line(tmp_path, capsys, edit, message):
     code = cli(["--model", str(d), "--prompt-ids", "1,2", "--max-new-tokens", "2"])
     err = capsys.readouterr().err
     assert code != 0 and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "malformed field: config.json" not in err  # said once
