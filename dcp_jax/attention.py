@@ -110,11 +110,13 @@ def dcp_attention(
 
     def body(q, k, *rest):
         v, q_pos, kv_len = (None, *rest) if shared_v else rest
-        rank = lax.axis_index(context_axes)
+        rank = lax.axis_index(context_axes) if context_axes else 0
         o, lse = kernels.attention(
             q, k, v, q_pos, layout.slice_positions(rank), kv_len, scale=scale, impl=impl, v_dim=v_dim,
             **kernel_options
         )
+        if not context_axes:  # one whole copy of the cache: nothing to combine
+            return o, lse[None]
         lse_all = lax.all_gather(lse, context_axes, axis=0)  # [N, B, T, H_local]
         lse_total, w = merge_weights(lse_all, axis=0)
         ow = o.astype(jnp.float32) * w[rank][..., None]
@@ -167,7 +169,7 @@ def write_kv(
 
     def body(*args):
         cs, ns, (pos, ok) = args[:n], args[n:2 * n], args[2 * n:]
-        rank = lax.axis_index(context_axes)
+        rank = lax.axis_index(context_axes) if context_axes else 0
         mine = ok & (layout.rank_of(pos) == rank)
         slot = jnp.where(mine, layout.slot_of(pos), layout.slots_per_shard)  # out of range: dropped
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))

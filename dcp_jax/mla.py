@@ -44,18 +44,20 @@ from dcp_jax.layers import MLP, AttentionContext, WeightSource, linear, norm, pa
 from pallas_kernels.attention import SlotPositions
 from pallas_kernels.attention import api as kernels
 
-# The latent cache has no head axis: sequence slots over the whole mesh.
+# The latent cache has no head axis: sequence slots over the whole mesh. (context axes () keep a whole
+# replicated copy on every device, as tensor parallelism alone does: the baseline of the memory benchmark.)
 HEAD_AXES: tuple[str, ...] = ()
 CONTEXT_AXES = mesh_lib.AXES
 
 
 class MLAttention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, prefix: str, get: WeightSource, mesh: Mesh):
+    def __init__(self, cfg: ModelConfig, prefix: str, get: WeightSource, mesh: Mesh,
+                 context_axes: tuple[str, ...] = CONTEXT_AXES):
         m = cfg.mla
         if cfg.hf_config.get("attention_bias"):
             raise UserError("config.json: MLA with attention_bias=true is not supported")
         h, e = cfg.num_heads, cfg.hidden_size
-        self.cfg = cfg
+        self.cfg, self.context_axes = cfg, tuple(context_axes)
         rep = mesh_lib.spec(())
         # q and the kv up-projection by heads over as much of the mesh as divides them; XLA gathers
         # q (small: one row per token) before the attention island, which wants all heads everywhere.
@@ -74,8 +76,8 @@ class MLAttention(nnx.Module):
                                (h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank), heads)
         # After the combine each device holds its share of heads (psum_scatter over the mesh) or all of
         # them (psum, when heads do not divide): o_proj's input rows follow.
-        self.scattered = attn_lib.resolve_combine(h, mesh_lib.axis_size(mesh, CONTEXT_AXES))
-        o_spec = (mesh_lib.spec((), CONTEXT_AXES) if self.scattered
+        scattered = self.context_axes and attn_lib.resolve_combine(h, mesh_lib.axis_size(mesh, self.context_axes))
+        o_spec = (mesh_lib.spec((), self.context_axes) if scattered
                   else mesh_lib.spec(mesh_lib.fit_axes(mesh, e), ()))
         self.o_proj = param(get, f"{prefix}.o_proj.weight", (e, h * m.v_head_dim), o_spec)
 
@@ -103,7 +105,7 @@ class MLAttention(nnx.Module):
             o, _ = kernels.attention(q_abs, latent.transpose(0, 2, 1, 3), None, positions,
                                      SlotPositions.dense(t), kv_len, impl="reference", block_k=t, **opts)
         else:
-            axes = dict(head_axes=HEAD_AXES, context_axes=CONTEXT_AXES)
+            axes = dict(head_axes=HEAD_AXES, context_axes=self.context_axes)
             cache = attn_lib.write_kv(cache, (latent,), positions, valid, mesh=ctx.mesh, layout=ctx.layout, **axes)
             o = attn_lib.dcp_attention(q_abs, cache[0], None, positions, kv_len, mesh=ctx.mesh, layout=ctx.layout,
                                        impl=ctx.impl, combine=ctx.combine, **axes, **opts)

@@ -103,11 +103,14 @@ class Attention(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, index: int, get: WeightSource, mesh: Mesh):
+    def __init__(self, cfg: ModelConfig, index: int, get: WeightSource, mesh: Mesh, latent_axes=mla.CONTEXT_AXES):
         p = f"model.layers.{index}"
         e = cfg.hidden_size
         self.input_layernorm = norm(get, f"{p}.input_layernorm.weight", e, cfg.rms_norm_eps)
-        self.self_attn = (mla.MLAttention if cfg.mla else Attention)(cfg, f"{p}.self_attn", get, mesh)
+        if cfg.mla:
+            self.self_attn = mla.MLAttention(cfg, f"{p}.self_attn", get, mesh, latent_axes)
+        else:
+            self.self_attn = Attention(cfg, f"{p}.self_attn", get, mesh)
         self.post_attention_layernorm = norm(get, f"{p}.post_attention_layernorm.weight", e, cfg.rms_norm_eps)
         if cfg.moe and cfg.moe.is_moe_layer(index):
             self.mlp = mla.MoE(cfg, f"{p}.mlp", get, mesh)
@@ -121,9 +124,13 @@ class Block(nnx.Module):
 
 
 class CausalLM(nnx.Module):
-    """Decoder-only LM. `__call__` runs a block of T tokens per sequence against the sharded cache."""
+    """Decoder-only LM. `__call__` runs a block of T tokens per sequence against the sharded cache.
 
-    def __init__(self, cfg: ModelConfig, get: WeightSource, mesh: Mesh):
+    `latent_axes` (MLA only): the mesh axes the latent cache's slots are sharded over; the default is the
+    whole mesh, () keeps a replicated copy per device (tensor parallelism alone: a baseline).
+    """
+
+    def __init__(self, cfg: ModelConfig, get: WeightSource, mesh: Mesh, latent_axes=mla.CONTEXT_AXES):
         self.config = cfg
         v, e = cfg.vocab_size, cfg.hidden_size
         vocab = mesh_lib.spec(mesh_lib.fit_axes(mesh, v), ())
@@ -133,14 +140,14 @@ class CausalLM(nnx.Module):
         # (a tied table stays vocab-split: it is the output head too, where the vocab split pays)
         self.embed_tokens = param(get, "model.embed_tokens.weight", (v, e),
                                    vocab if cfg.tie_embeddings else hidden)
-        self.layers = nnx.List([Block(cfg, i, get, mesh) for i in range(cfg.num_layers)])
+        self.layers = nnx.List([Block(cfg, i, get, mesh, latent_axes) for i in range(cfg.num_layers)])
         self.norm = norm(get, "model.norm.weight", e, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_embeddings else param(get, "lm_head.weight", (v, e), vocab)
         self.kv_replication = kv_replication(cfg, mesh.shape[TP])
         self.kv_heads = cfg.num_kv_heads * self.kv_replication  # heads the cache stores
         # where the cache lives: kv heads over head_axes, sequence slots over context_axes
         if cfg.mla:
-            self.head_axes, self.context_axes = mla.HEAD_AXES, mla.CONTEXT_AXES
+            self.head_axes, self.context_axes = mla.HEAD_AXES, tuple(latent_axes)
         else:
             self.head_axes, self.context_axes = (TP,), (DCP,)
 

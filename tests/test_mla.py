@@ -127,3 +127,17 @@ def test_config_errors_are_one_line(tmp_path, capsys, edit, message):
     err = capsys.readouterr().err
     assert code != 0 and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert "malformed field: config.json" not in err  # said once
+
+
+def test_replicated_latent_baseline():
+    # The TP-alone layout the memory benchmark compares against: a whole latent cache on every device.
+    from dcp_jax.model import CausalLM
+    from dcp_jax.weights import SafetensorsSource
+
+    exp = expected("deepseek-v3")
+    mesh = make_mesh(2, 4)
+    cfg = ModelConfig.from_file(FIXTURES / "deepseek-v3" / "config.json")
+    model = CausalLM(cfg, SafetensorsSource(FIXTURES / "deepseek-v3", cfg, mesh, np.float32), mesh, latent_axes=())
+    out = Engine(model, mesh).generate(exp["prompts"], max_new_tokens=8, ignore_eos=True, max_seq_len=64)
+    assert out.tokens == exp["greedy"]
+    assert out.stats["kv_bytes_per_device"] == out.stats["kv_bytes_total"]
