@@ -59,8 +59,8 @@ def norm(get: WeightSource, name: str, size: int, eps: float) -> RMSNorm:
 
 
 def linear(x, w, b=None):
-    """x [..., in] @ w[out, in].T (+ b)."""
-    y = jnp.einsum("...i,oi->...o", x, w[...])
+    """x [..., in] @ w[out, in].T (+ b), in x's dtype (weights stored narrower, e.g. float8, are widened)."""
+    y = jnp.einsum("...i,oi->...o", x, w[...].astype(x.dtype))
     return y if b is None else y + b[...]
 
 

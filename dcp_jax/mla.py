@@ -95,7 +95,7 @@ class MLAttention(nnx.Module):
         rot = dict(interleaved=m.rope_interleave, factor=cfg.rope.cos_sin_factor())
         q_pe = rope(q[..., nope:], positions, inv_freq, **rot)
         k_pe = rope(kv[:, :, None, lora:], positions, inv_freq, **rot)[:, :, 0]
-        w = self.kv_b_proj[...].reshape(h, nope + m.v_head_dim, lora)
+        w = self.kv_b_proj[...].astype(x.dtype).reshape(h, nope + m.v_head_dim, lora)
         w_uk, w_uv = w[:, :nope], w[:, nope:]
         q_lat = jnp.einsum("bthn,hnc->bthc", q[..., :nope], w_uk)
         q_abs = jnp.concatenate([q_lat, q_pe], axis=-1)  # [B, T, H, lora + rope]
@@ -162,7 +162,7 @@ class MoE(nnx.Module):
         logits = jnp.einsum("...e,ne->...n", x.astype(jnp.float32), self.gate[...].astype(jnp.float32))
         bias = None if self.bias is None else self.bias[...].astype(jnp.float32)
         w = route(logits, bias, self.moe).astype(x.dtype)  # [B, T, E]
-        h = jax.nn.silu(jnp.einsum("bte,nie->btni", x, self.gate_proj[...]))
-        h = h * jnp.einsum("bte,nie->btni", x, self.up_proj[...]) * w[..., None]
-        y = jnp.einsum("btni,nei->bte", h, self.down_proj[...])
+        gate, up, down = (p[...].astype(x.dtype) for p in (self.gate_proj, self.up_proj, self.down_proj))
+        h = jax.nn.silu(jnp.einsum("bte,nie->btni", x, gate)) * jnp.einsum("bte,nie->btni", x, up) * w[..., None]
+        y = jnp.einsum("btni,nei->bte", h, down)
         return y if self.shared is None else y + self.shared(x)

@@ -43,9 +43,23 @@ MODELS = {  # published shapes (config.json of each release)
     "Qwen2.5-32B": dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=5120,
                         intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
                         num_key_value_heads=8, rope_theta=1000000.0, max_position_embeddings=131072),
+    # MLA + MoE: 3 dense layers then 58 MoE layers (256 routed experts, top-8, one shared expert).
+    "DeepSeek-V3": dict(architectures=["DeepseekV3ForCausalLM"], vocab_size=129280, hidden_size=7168,
+                        intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+                        num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+                        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256,
+                        n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+                        first_k_dense_replace=3, routed_scaling_factor=2.5, norm_topk_prob=True,
+                        max_position_embeddings=163840,
+                        rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096,
+                                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
 }
 CONTEXTS = [8192, 131072, 1048576]
 DTYPE = jnp.bfloat16
+# DeepSeek-V3 is published with float8 (e4m3) projection and expert weights (embeddings, norms, router
+# and lm_head in bf16); its rows store those weights in float8 (the per-block scales, ~0.02%, are not
+# modelled), computing in bf16. Other models: bf16 throughout.
+FP8_WEIGHTS = {"DeepSeek-V3"}
 
 
 def meshes(devices: int, cfg) -> list[tuple[int, int]]:
@@ -63,21 +77,32 @@ def meshes(devices: int, cfg) -> list[tuple[int, int]]:
     return out
 
 
-def analyse(name: str, layers: int, tp: int, dcp: int, context: int, batch: int):
-    """(argument bytes, temp bytes, kv shard bytes, weight shard bytes) of the compiled decode loop."""
+def analyse(name: str, layers: int, tp: int, dcp: int, context: int, batch: int, latent: str = "sharded",
+            first_dense: int | None = None):
+    """(argument bytes, temp bytes, kv shard bytes, weight shard bytes) of the compiled decode loop.
+
+    latent (MLA): "sharded" over the whole mesh (dcp_jax) or "replicated" on every device (TP alone).
+    first_dense (MoE): how many of the `layers` are dense.
+    """
     from dcp_jax import make_mesh
     from dcp_jax.config import ModelConfig
     from dcp_jax.engine import Engine
-    from dcp_jax.mesh import named
+    from dcp_jax.mesh import AXES, named
     from dcp_jax.model import CausalLM
 
-    cfg = ModelConfig.from_dict(dict(MODELS[name], num_hidden_layers=layers))
+    overrides = dict(num_hidden_layers=layers)
+    if first_dense is not None:
+        overrides["first_k_dense_replace"] = first_dense
+    cfg = ModelConfig.from_dict(dict(MODELS[name], **overrides))
     mesh = make_mesh(tp, dcp)
+    fp8 = name in FP8_WEIGHTS
 
-    def abstract(_, shape, spec, kv_rep=1):
-        return jax.ShapeDtypeStruct(shape, DTYPE, sharding=named(mesh, spec))
+    def abstract(hf_name, shape, spec, kv_rep=1):
+        dtype = jnp.float8_e4m3fn if fp8 and hf_name.endswith("proj.weight") else DTYPE
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=named(mesh, spec))
 
-    engine = Engine(CausalLM(cfg, abstract, mesh), mesh)
+    model = CausalLM(cfg, abstract, mesh, latent_axes=AXES if latent == "sharded" else ())
+    engine = Engine(model, mesh)
     layout = engine.layout(context)
     memory = engine.decode_program(batch, layout, 1).memory_analysis()
     cache, _ = engine._specs(batch, layout)
@@ -89,26 +114,53 @@ def analyse(name: str, layers: int, tp: int, dcp: int, context: int, batch: int)
             shard_bytes(engine.params))
 
 
-def measure(name: str, tp: int, dcp: int, context: int, batch: int) -> dict:
+def measure(name: str, tp: int, dcp: int, context: int, batch: int, latent: str = "sharded") -> dict:
     from dcp_jax.config import ModelConfig
     from dcp_jax.layout import kv_cache_bytes
     from dcp_jax.model import kv_replication
 
     full = ModelConfig.from_dict(MODELS[name])
-    arg2, temp2, kv2, w2 = analyse(name, 2, tp, dcp, context, batch)
-    arg1, _, kv1, w1 = analyse(name, 1, tp, dcp, context, batch)
-    per_layer = arg2 - arg1  # XLA's figure for one layer's weights + KV cache on one device
+    run = lambda layers, **kw: analyse(name, layers, tp, dcp, context, batch, latent, **kw)  # noqa: E731
+    moe = full.moe is not None and full.moe.first_dense > 0
+    # one layer, then two: XLA's argument bytes differ by one layer's weights + KV cache on one device
+    arg1, _, kv1, w1 = run(1, **(dict(first_dense=1) if moe else {}))
+    arg2, temp2, kv2, w2 = run(2, **(dict(first_dense=1) if moe else {}))  # (MoE: dense + MoE layer)
+    per_layer = arg2 - arg1
     assert per_layer == (kv2 - kv1) + (w2 - w1), (per_layer, kv2 - kv1, w2 - w1)
     kv_layer = kv2 - kv1
-    weights = (w1 - (w2 - w1)) + full.num_layers * (w2 - w1)  # embeddings/norms + L layers
+    if moe:  # dense layers weigh differently: two dense layers against one
+        arg_dd, temp_dd, kv_dd, w_dd = run(2, first_dense=2)
+        assert arg_dd - arg1 == (kv_dd - kv1) + (w_dd - w1)
+        dense_w, moe_w = w_dd - w1, w2 - w1
+        weights = (w1 - dense_w) + full.moe.first_dense * dense_w + (full.num_layers - full.moe.first_dense) * moe_w
+        temp2 = max(temp2, temp_dd)
+    else:
+        weights = (w1 - (w2 - w1)) + full.num_layers * (w2 - w1)  # embeddings/norms + L layers
     kv = full.num_layers * kv_layer
     rep = kv_replication(full, tp)
-    kv_total = kv_cache_bytes(batch=batch, num_layers=full.num_layers, kv_heads=full.num_kv_heads,
-                              max_seq_len=context, k_dim=full.head_dim, v_dim=full.head_dim, dtype=DTYPE)
+    if full.mla:  # one latent per token: key = [c_kv | k_pe], value = its first kv_lora_rank (not stored twice)
+        kv_total = kv_cache_bytes(batch=batch, num_layers=full.num_layers, kv_heads=1, max_seq_len=context,
+                                  k_dim=full.mla.latent_dim, v_dim=0, dtype=DTYPE)
+    else:
+        kv_total = kv_cache_bytes(batch=batch, num_layers=full.num_layers, kv_heads=full.num_kv_heads,
+                                  max_seq_len=context, k_dim=full.head_dim, v_dim=full.head_dim, dtype=DTYPE)
     return dict(model=name, tp=tp, dcp=dcp, devices=tp * dcp, context=context, batch=batch,
                 kv_heads=full.num_kv_heads, kv_replication=rep, kv_bytes_per_device=kv,
                 kv_bytes_total=kv_total, weight_bytes_per_device=weights, temp_bytes_per_device=temp2,
-                xla_layer_bytes=per_layer)
+                xla_layer_bytes=per_layer, layout=layout_name(full, latent))
+
+
+def layout_name(cfg, latent: str) -> str:
+    if not cfg.mla:
+        return "kv heads over tp, sequence over dcp"
+    return "latent sequence over tp x dcp" if latent == "sharded" else "latent replicated (TP alone)"
+
+
+def kv_shards(cfg, tp: int, dcp: int, latent: str) -> int:
+    """Into how many parts the layout splits the cache (what XLA's per-device figure must show)."""
+    if cfg.mla:
+        return tp * dcp if latent == "sharded" else 1
+    return min(tp, cfg.num_kv_heads) * dcp
 
 
 def fits(row, budget: float) -> dict:
@@ -125,6 +177,7 @@ def main(argv=None):
     p.add_argument("--budget-gb", type=float, default=141.0, help="bytes per device, in GB (1e9)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--models", nargs="+", choices=sorted(MODELS), help="a subset of the models (default: all)")
     args = p.parse_args(argv)
     budget = args.budget_gb * 1e9
 
@@ -134,21 +187,25 @@ def main(argv=None):
     if args.quick:
         plan = [("Llama-3.1-8B", 8, [131072])]
     else:
-        plan = [(m, d, CONTEXTS) for m in MODELS for d in (8, 16)]
+        plan = [(m, d, CONTEXTS) for m in (args.models or MODELS) for d in (8, 16)]
     ensure_cpu_devices(max(d for _, d, _ in plan))
     rows = []
     for name, devices, contexts in plan:
         cfg = ModelConfig.from_dict(MODELS[name])
-        for tp, dcp in meshes(devices, cfg) if not args.quick else [(1, 8), (8, 1)]:
+        layouts = [(tp, dcp, "sharded") for tp, dcp in (meshes(devices, cfg) if not args.quick else [(1, 8), (8, 1)])]
+        if cfg.mla:  # the TP-alone baseline: the latent replicated on every device
+            layouts.insert(0, (devices, 1, "replicated"))
+        for tp, dcp, latent in layouts:
             for context in contexts:
                 t = time.perf_counter()
-                row = fits(measure(name, tp, dcp, context, 1), budget)
+                row = fits(measure(name, tp, dcp, context, 1, latent), budget)
                 row["analysis_s"] = round(time.perf_counter() - t, 2)
-                # XLA's KV bytes per device are exactly total / (min(tp, kv_heads) * dcp)
-                assert row["kv_bytes_per_device"] * min(tp, cfg.num_kv_heads) * dcp == row["kv_bytes_total"], row
+                # XLA's KV bytes per device are exactly total / (min(tp, kv_heads) * dcp); MLA: / (tp * dcp)
+                assert row["kv_bytes_per_device"] * kv_shards(cfg, tp, dcp, latent) == row["kv_bytes_total"], row
                 rows.append(row)
                 if not args.json:
-                    print(f"{name:15s} tp={tp:2d} dcp={dcp:2d} ctx {context:>9,}: weights "
+                    print(f"{name:15s} tp={tp:2d} dcp={dcp:2d}{' (replicated latent)' if latent == 'replicated' else ''}"
+                          f" ctx {context:>9,}: weights "
                           f"{row['weight_bytes_per_device'] / 1e9:7.2f} GB  KV {row['kv_bytes_per_device'] / 1e9:8.2f} GB"
                           f"  temp {row['temp_bytes_per_device'] / 1e9:6.3f} GB  fits {row['fits']!s:5s}  "
                           f"longest context {row['max_context_batch1']:>12,}  batch@128K {row['max_batch_at_128k']:>5,}",
@@ -157,7 +214,11 @@ def main(argv=None):
         print(json.dumps({"rows": rows}))
     if not args.quick:
         (ROOT / "docs").mkdir(exist_ok=True)
-        (ROOT / "docs" / "bench_memory.json").write_text(json.dumps({"rows": rows}, indent=1))
+        out = ROOT / "docs" / "bench_memory.json"
+        if args.models and out.exists():  # a subset re-measured: keep the other models' rows
+            done = {r["model"] for r in rows}
+            rows = [r for r in json.loads(out.read_text())["rows"] if r["model"] not in done] + rows
+        out.write_text(json.dumps({"rows": rows}, indent=1))
         summary(rows, budget)
         plot(rows)
     return 0
@@ -170,7 +231,8 @@ def summary(rows, budget):
             sel = [r for r in rows if r["model"] == name and r["devices"] == devices and r["context"] == 131072]
             if not sel:
                 continue
-            tp_only = next((r for r in sel if r["dcp"] == 1), None)
+            tp_only = next((r for r in sel if r["dcp"] == 1 and "replicated" in r["layout"]), None) or next(
+                (r for r in sel if r["dcp"] == 1), None)
             best = max(sel, key=lambda r: (r["max_context_batch1"], r["max_batch_at_128k"]))
             fmt = lambda r: (f"tp={r['tp']} x dcp={r['dcp']}: longest context {r['max_context_batch1']:,}, "
                              f"largest batch at 128K {r['max_batch_at_128k']:,}")
@@ -189,10 +251,14 @@ def plot(rows):
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, devices in zip(axes, (8, 16)):
         for name in MODELS:
-            sel = sorted({(r["dcp"], r["max_context_batch1"]) for r in rows
-                          if r["model"] == name and r["devices"] == devices and r["context"] == 131072})
-            if sel:
-                ax.plot([d for d, _ in sel], [max(c, 1) for _, c in sel], "o-", label=name)
+            for layout in sorted({r.get("layout", "") for r in rows if r["model"] == name}):
+                sel = sorted({(r["dcp"], r["max_context_batch1"]) for r in rows
+                              if r["model"] == name and r["devices"] == devices and r["context"] == 131072
+                              and r.get("layout", "") == layout})
+                replicated = "replicated" in layout
+                if sel:
+                    ax.plot([d for d, _ in sel], [max(c, 1) for _, c in sel], "x" if replicated else "o-",
+                            label=f"{name} ({layout})" if "latent" in layout else name)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log", base=2)
         ax.set_xlabel("dcp (tp = devices / dcp)")

@@ -14,15 +14,22 @@ from dcp_jax.engine import Engine, SamplingParams
 from dcp_jax.model import init_cache
 from dcp_jax.weights import load_hf
 
-FIX = Path(__file__).parent / "fixtures" / "llama-gqa"
+FIXTURES = Path(__file__).parent / "fixtures"
 B, N = 3, 8
+# Two cache sizes with 1024 and 4096 slots per device (several attention blocks each), and the per-device
+# cache shard at the larger on (2, 4): GQA (k, v) [B, K/tp, S/dcp, D]; MLA one latent
+# [B, 1, S/(tp·dcp), kv_lora_rank + rope].
+SIZES = {"llama-gqa": (4096, 16384), "deepseek-v3": (8192, 32768)}
+SHARDS = {"llama-gqa": "f32[3,1,4096,8]", "deepseek-v3": "f32[3,1,4096,40]"}
 
 
-@pytest.fixture(scope="module")
-def engine():
+@pytest.fixture(scope="module", params=sorted(SHARDS))
+def engine(request):
     mesh = make_mesh(2, 4)
-    model, _ = load_hf(FIX, mesh)
-    return Engine(model, mesh)
+    model, _ = load_hf(FIXTURES / request.param, mesh)
+    eng = Engine(model, mesh)
+    eng.fixture = request.param
+    return eng
 
 
 def cache_shard_bytes(engine, layout):
@@ -41,7 +48,8 @@ def loop_bodies(hlo: str):
 
 def test_decode_aliases_cache_and_temp_is_flat(engine):
     stats = {}
-    for s in (4096, 16384):  # 1024 and 4096 slots per dcp shard: several attention blocks each
+    small, large = SIZES[engine.fixture]
+    for s in (small, large):
         layout = engine.layout(s)
         prog = engine.decode_program(B, layout, N, SamplingParams(), True)
         ma = prog.memory_analysis()
@@ -49,15 +57,15 @@ def test_decode_aliases_cache_and_temp_is_flat(engine):
         assert ma.alias_size_in_bytes >= shard, (ma.alias_size_in_bytes, shard)
         leaf = jax.tree.leaves(engine._specs(B, layout)[0])[0]
         stats[s] = (ma.temp_size_in_bytes, shard, prog.as_text(), leaf.sharding.shard_shape(leaf.shape))
-    assert stats[16384][1] == 4 * stats[4096][1]  # the cache did grow 4x ...
-    assert stats[16384][0] == stats[4096][0]  # ... the temporaries did not
+    assert stats[large][1] == 4 * stats[small][1]  # the cache did grow 4x ...
+    assert stats[large][0] == stats[small][0]  # ... the temporaries did not
 
-    # No cache-shaped copy in the loop body: a per-device cache shard is f32[B, K/tp, S/dcp, D].
-    hlo = stats[16384][2]
+    # No cache-shaped copy in the loop body (a per-device cache shard, see SHARDS).
+    hlo = stats[large][2]
     bodies = loop_bodies(hlo)
     assert bodies, "no while loop found in the decode program"
-    shard_shape = "f32[%s]" % ",".join(map(str, stats[16384][3]))
-    assert shard_shape == "f32[3,1,4096,8]"
+    shard_shape = "f32[%s]" % ",".join(map(str, stats[large][3]))
+    assert shard_shape == SHARDS[engine.fixture]
     assert shard_shape in hlo
     for body in bodies:
         for line in body.splitlines():
