@@ -141,3 +141,37 @@ def test_replicated_latent_baseline():
     out = Engine(model, mesh).generate(exp["prompts"], max_new_tokens=8, ignore_eos=True, max_seq_len=64)
     assert out.tokens == exp["greedy"]
     assert out.stats["kv_bytes_per_device"] == out.stats["kv_bytes_total"]
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas_interpret"])
+def test_latent_attention_island_matches_float64(impl):
+    # dcp_attention as MLA calls it: all heads on every device, one latent "kv head" sharded over
+    # ("tp","dcp"), values = the latent's first v_dim features (v_cache=None, nothing copied).
+    import jax.numpy as jnp
+
+    from dcp_jax import KVLayout, dcp_attention
+    from tests.util import assert_lse_close, dense_attention, place, rel_err
+
+    mesh = make_mesh(2, 4)
+    layout = KVLayout.create(64, 8, 2)
+    rng = np.random.default_rng(0)
+    lengths = np.asarray([64, 11, 3], np.int32)  # the last: most shards hold nothing
+    q = rng.standard_normal((3, 2, 8, 40)).astype(np.float32)
+    latent = rng.standard_normal((3, 1, 64, 40)).astype(np.float32)
+    q_pos = (np.maximum(lengths, 1)[:, None] - 2 + np.arange(2)).astype(np.int32)
+    ref_o, ref_lse = dense_attention(q, latent, latent[..., :32], q_pos, lengths, 0.3)
+    o, lse = jax.jit(lambda q, c, p, n: dcp_attention(
+        q, c, None, p, n, mesh=mesh, layout=layout, head_axes=(), context_axes=("tp", "dcp"), scale=0.3,
+        v_dim=32, impl=impl, return_lse=True))(jnp.asarray(q), jnp.asarray(place(latent, layout)),
+                                                 jnp.asarray(q_pos), jnp.asarray(lengths))
+    assert o.shape == (3, 2, 8, 32) and o.sharding.spec[2] == ("tp", "dcp")
+    assert rel_err(o, ref_o) <= 1e-5
+    assert_lse_close(lse, ref_lse, 1e-5)
+
+
+def test_bfloat16_keeps_the_first_greedy_ids():
+    mesh = make_mesh(1, 8)
+    model, _ = load_hf(FIXTURES / "deepseek-v3", mesh, "bfloat16")
+    exp = expected("deepseek-v3")
+    out = Engine(model, mesh).generate(exp["prompts"], max_new_tokens=4, ignore_eos=True)
+    assert [t[:3] for t in out.tokens] == [t[:3] for t in exp["greedy"]]
