@@ -218,7 +218,7 @@ class Ours:
             return cache, jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32), length + 1
 
         replicated = mesh_lib.named(self.mesh, mesh_lib.spec())
-        return jax.jit(step, out_shardings=(cache_sharding(self.mesh), replicated, replicated))
+        return jax.jit(step, out_shardings=(cache_sharding(self.engine.model, self.mesh), replicated, replicated))
 
     def naive(self, prompt: list[int], new_tokens: int, prefill_chunk: int) -> tuple[list[int], dict]:
         from dcp_jax import mesh as mesh_lib
@@ -273,7 +273,7 @@ class Ours:
         """Seconds to copy the whole cache once (what a step without donation adds at least)."""
         from dcp_jax.model import cache_sharding
 
-        sharding = cache_sharding(self.mesh)
+        sharding = cache_sharding(self.engine.model, self.mesh)
         copy = jax.jit(lambda c: jax.tree.map(jnp.copy, c),
                        out_shardings=jax.tree.map(lambda _: sharding, cache)).lower(cache).compile()
         jax.block_until_ready(copy(cache))
