@@ -152,6 +152,11 @@ def attn_out_spec(head_axes: AxisNames, context_axes: AxisNames, scattered: bool
     return P(None, None, _group(axes), None)
 
 
+def attn_lse_spec(head_axes: AxisNames, context_axes: AxisNames) -> P:
+    """Merged LSE [B, T, H] after an all_to_all combine: heads over head_axes + context_axes, like the output."""
+    return P(None, None, _group(tuple(head_axes) + tuple(context_axes)))
+
+
 def stacked_lse_spec(head_axes: AxisNames, context_axes: AxisNames) -> P:
     """Merged LSE stacked over context ranks [N, B, T, H]: one copy per rank, heads over `head_axes`."""
     return P(_group(context_axes), None, None, _group(head_axes))
