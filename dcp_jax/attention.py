@@ -11,8 +11,9 @@ When a device's head count does not divide by the number of context shards, `psu
 every context rank keeps all of its heads.
 
 `combine="all_to_all"` reaches the same head-scattered result another way: each context rank sends every
-other rank the slice of heads that rank will own (o_r and its LSE) with one `all_to_all`, then merges the
-N partials of its own heads locally (`merge_partials`). Its output sharding is that of "scatter".
+other rank the slice of heads that rank will own (`all_to_all` of o_r, and of its LSE), then merges the
+N partials of its own heads locally (`merge_partials`). Its output sharding is that of "scatter"; it sends
+each rank 1/N of the LSEs that "scatter" all-gathers.
 
 Standard attention: heads over ("tp",), context over ("dcp",). MLA (one latent per token, no head axis):
 heads over (), context over ("tp", "dcp"): the island takes its axes as parameters.
