@@ -56,13 +56,15 @@ _RING = {"all-reduce": 2}
 
 def collective_bytes(hlo: str) -> dict[str, int]:
     """Bytes per collective kind in an HLO module (ring cost, see the module docstring)."""
+    # XLA prints /*index=5*/ inside long tuples: drop comments, or their "=" hides the tuple's first elements
+    lines = [re.sub(r"/\*.*?\*/", "", line) for line in hlo.splitlines()]
     shapes = {}
-    for line in hlo.splitlines():
+    for line in lines:
         m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ([^ ]+)", line)
         if m:
             shapes[m.group(1)] = m.group(2)
     out: dict[str, int] = {}
-    for line in hlo.splitlines():
+    for line in lines:
         m = _COLLECTIVE.search(line)
         if not m or "-done" in line:
             continue

@@ -30,6 +30,15 @@ def test_bench_comm_quick_is_flat_in_context(capsys, monkeypatch):
     assert "bytes_reduce_scatter" not in by[(2, 4, "all_to_all", 4096)]
 
 
+def test_bench_comm_counts_every_element_of_a_long_tuple():
+    mod = runpy.run_path(str(SCRIPTS / "bench_comm.py"), run_name="bench_comm")
+    parts = [f"%p.{i} = f32[1,4]{{1,0}} parameter({i})" for i in range(8)]
+    elems = ", ".join(("/*index=5*/" if i == 5 else "") + "f32[1,4]{1,0}" for i in range(8))
+    ops = ", ".join(("/*index=5*/" if i == 5 else "") + f"%p.{i}" for i in range(8))
+    hlo = "\n".join(parts + [f"%all-to-all = ({elems}) all-to-all({ops}), channel_id=1"])
+    assert mod["collective_bytes"](hlo) == {"all-to-all": 8 * 16}
+
+
 def test_bench_memory_quick(capsys):
     mod = runpy.run_path(str(SCRIPTS / "bench_memory.py"), run_name="bench_memory")
     assert mod["main"](["--quick", "--json"]) == 0
