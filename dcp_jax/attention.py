@@ -10,6 +10,11 @@ partial output and its LSE. Combine over the context axes:
 When a device's head count does not divide by the number of context shards, `psum` is used instead and
 every context rank keeps all of its heads.
 
+`combine="all_to_all"` reaches the same head-scattered result another way: each context rank sends every
+other rank the slice of heads that rank will own (`all_to_all` of o_r, and of its LSE), then merges the
+N partials of its own heads locally (`merge_partials`). Its output sharding is that of "scatter"; it sends
+each rank 1/N of the LSEs that "scatter" all-gathers.
+
 Standard attention: heads over ("tp",), context over ("dcp",). MLA (one latent per token, no head axis):
 heads over (), context over ("tp", "dcp"): the island takes its axes as parameters.
 """
@@ -24,9 +29,9 @@ from jax.sharding import Mesh
 from dcp_jax import mesh as mesh_lib
 from dcp_jax.layout import KVLayout
 from pallas_kernels.attention import api as kernels
-from pallas_kernels.attention.common import check_inputs, merge_weights
+from pallas_kernels.attention.common import check_inputs, merge_partials, merge_weights
 
-COMBINES = ("auto", "scatter", "psum")
+COMBINES = ("auto", "scatter", "psum", "all_to_all")
 
 
 def _concrete(x):
@@ -40,16 +45,17 @@ def _concrete(x):
 
 
 def resolve_combine(local_heads: int, num_shards: int, combine: str = "auto") -> bool:
-    """True when the combine scatters heads over the context axes (psum_scatter), False for psum."""
+    """True when the combine leaves heads scattered over the context axes ("scatter", "all_to_all"),
+    False when every context rank keeps all of its heads ("psum")."""
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
     divisible = local_heads % num_shards == 0
-    if combine == "scatter" and not divisible:
+    if combine in ("scatter", "all_to_all") and not divisible:
         raise ValueError(
-            f"combine='scatter' needs the {local_heads} heads per device to divide by the "
+            f"combine={combine!r} needs the {local_heads} heads per device to divide by the "
             f"{num_shards} context shards; use combine='psum' or 'auto'"
         )
-    return divisible if combine == "auto" else combine == "scatter"
+    return divisible if combine == "auto" else combine != "psum"
 
 
 def dcp_attention(
@@ -79,7 +85,7 @@ def dcp_attention(
         first `v_dim` features (MLA's latent cache).
       q_pos: [B, T] global positions of the queries. kv_len: [B] valid cache length per sequence.
       layout: the KV placement; its num_shards must equal the size of `context_axes`.
-      combine: "auto" (psum_scatter when heads divide, else psum), "scatter" or "psum".
+      combine: "auto" (psum_scatter when heads divide, else psum), "scatter", "psum" or "all_to_all".
       return_lse: also return the merged LSE [B, T, H] (float32).
     Returns:
       out [B, T, H, Dv] in q.dtype, sharded per `mesh.attn_out_spec` (and the LSE if asked).
@@ -105,6 +111,7 @@ def dcp_attention(
 
     impl = impl or kernels.default_impl()
     scattered = resolve_combine(h // n_heads_shards, n_ctx, combine)
+    exchanged = combine == "all_to_all"
 
     shared_v = v_cache is None
 
@@ -116,7 +123,15 @@ def dcp_attention(
             **kernel_options
         )
         if not context_axes:  # one whole copy of the cache: nothing to combine
-            return o, lse[None]
+            return o, (lse if exchanged else lse[None])
+        if exchanged:
+            # Heads [H_local] -> [N, H_local/N]: slice j goes to context rank j, which receives the N
+            # ranks' partials of its heads stacked on the same axis (source rank order) and merges them.
+            b_, t_, hl, dv = o.shape
+            o_parts = lax.all_to_all(o.reshape(b_, t_, n_ctx, hl // n_ctx, dv), context_axes, 2, 2)
+            lse_parts = lax.all_to_all(lse.reshape(b_, t_, n_ctx, hl // n_ctx), context_axes, 2, 2)
+            out, lse_mine = merge_partials(o_parts, lse_parts, axis=2)  # [B, T, H_local/N, Dv]
+            return out.astype(q.dtype), lse_mine
         lse_all = lax.all_gather(lse, context_axes, axis=0)  # [N, B, T, H_local]
         lse_total, w = merge_weights(lse_all, axis=0)
         ow = o.astype(jnp.float32) * w[rank][..., None]
@@ -137,12 +152,15 @@ def dcp_attention(
                   mesh_lib.lengths_spec()),
         out_specs=(
             mesh_lib.attn_out_spec(head_axes, context_axes, scattered),
-            mesh_lib.stacked_lse_spec(head_axes, context_axes),
+            (mesh_lib.attn_lse_spec(head_axes, context_axes) if exchanged
+             else mesh_lib.stacked_lse_spec(head_axes, context_axes)),
         ),
         # A pallas_call (in interpret mode on CPU for certain) does not carry shard_map's
         # varying-manual-axes annotations, so those checks are off for the kernel; the reference keeps them.
         check_vma=not impl.startswith("pallas"),
     )(q, *caches, q_pos, kv_len)
+    if exchanged:
+        return (out, lse) if return_lse else out
     return (out, lse[0]) if return_lse else out
 
 

@@ -126,6 +126,16 @@ def spec(*dims) -> P:
 # Shapes use B (batch), T (query tokens), S (sequence slots), H (heads), K (kv heads), D (head dim).
 
 
+def q_proj_axes(q_gather: bool = False) -> AxisNames:
+    """Axes splitting q_proj's output rows (the query heads).
+
+    Default ("tp",): every dcp rank computes q for its tp group's heads, so q is replicated over "dcp" with
+    no communication. With `q_gather`, ("tp", "dcp"): each rank computes 1/dcp of those heads and XLA
+    all-gathers q over "dcp" where the attention island asks for heads over "tp" alone (`q_spec`).
+    """
+    return AXES if q_gather else (TP,)
+
+
 def q_spec(head_axes: AxisNames = (TP,)) -> P:
     """Queries / per-head activations [B, T, H, D]: heads over `head_axes`."""
     return P(None, None, _group(head_axes), None)
@@ -150,6 +160,11 @@ def attn_out_spec(head_axes: AxisNames, context_axes: AxisNames, scattered: bool
     """
     axes = tuple(head_axes) + (tuple(context_axes) if scattered else ())
     return P(None, None, _group(axes), None)
+
+
+def attn_lse_spec(head_axes: AxisNames, context_axes: AxisNames) -> P:
+    """Merged LSE [B, T, H] after an all_to_all combine: heads over head_axes + context_axes, like the output."""
+    return P(None, None, _group(tuple(head_axes) + tuple(context_axes)))
 
 
 def stacked_lse_spec(head_axes: AxisNames, context_axes: AxisNames) -> P:

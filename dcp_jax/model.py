@@ -54,7 +54,7 @@ def kv_replication(cfg: ModelConfig, tp: int) -> int:
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, prefix: str, get: WeightSource, mesh: Mesh):
+    def __init__(self, cfg: ModelConfig, prefix: str, get: WeightSource, mesh: Mesh, q_gather: bool = False):
         tp = mesh.shape[TP]
         self.rep = kv_replication(cfg, tp)
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
@@ -65,12 +65,17 @@ class Attention(nnx.Module):
         # o_proj's input rows follow the attention output: heads over ("tp","dcp") when the combine
         # scatters heads over dcp, over "tp" alone when it falls back to psum.
         out_axes = AXES if attn_lib.resolve_combine(h // tp, mesh.shape[DCP]) else (TP,)
-        self.q_proj = param(get, f"{prefix}.q_proj.weight", (h * d, e), heads)
+        q_axes = mesh_lib.q_proj_axes(q_gather)
+        if h % mesh_lib.axis_size(mesh, q_axes):
+            raise UserError(f"q_gather needs the {h} attention heads to divide by tp x dcp = "
+                            f"{mesh_lib.axis_size(mesh, q_axes)}")
+        self.q_proj = param(get, f"{prefix}.q_proj.weight", (h * d, e), mesh_lib.spec(q_axes, ()))
         self.k_proj = param(get, f"{prefix}.k_proj.weight", (k * d, e), heads, kv_rep=self.rep)
         self.v_proj = param(get, f"{prefix}.v_proj.weight", (k * d, e), heads, kv_rep=self.rep)
         self.o_proj = param(get, f"{prefix}.o_proj.weight", (e, h * d), mesh_lib.spec((), out_axes))
         bias = mesh_lib.spec((TP,))
-        self.q_bias = param(get, f"{prefix}.q_proj.bias", (h * d,), bias) if cfg.qkv_bias else None
+        self.q_bias = (param(get, f"{prefix}.q_proj.bias", (h * d,), mesh_lib.spec(q_axes))
+                       if cfg.qkv_bias else None)
         self.k_bias = (param(get, f"{prefix}.k_proj.bias", (k * d,), bias, kv_rep=self.rep)
                        if cfg.qkv_bias else None)
         self.v_bias = (param(get, f"{prefix}.v_proj.bias", (k * d,), bias, kv_rep=self.rep)
@@ -103,14 +108,15 @@ class Attention(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, index: int, get: WeightSource, mesh: Mesh, latent_axes=mla.CONTEXT_AXES):
+    def __init__(self, cfg: ModelConfig, index: int, get: WeightSource, mesh: Mesh, *,
+                 latent_axes=mla.CONTEXT_AXES, q_gather: bool = False):
         p = f"model.layers.{index}"
         e = cfg.hidden_size
         self.input_layernorm = norm(get, f"{p}.input_layernorm.weight", e, cfg.rms_norm_eps)
         if cfg.mla:
             self.self_attn = mla.MLAttention(cfg, f"{p}.self_attn", get, mesh, latent_axes)
         else:
-            self.self_attn = Attention(cfg, f"{p}.self_attn", get, mesh)
+            self.self_attn = Attention(cfg, f"{p}.self_attn", get, mesh, q_gather)
         self.post_attention_layernorm = norm(get, f"{p}.post_attention_layernorm.weight", e, cfg.rms_norm_eps)
         if cfg.moe and cfg.moe.is_moe_layer(index):
             self.mlp = mla.MoE(cfg, f"{p}.mlp", get, mesh)
@@ -128,9 +134,14 @@ class CausalLM(nnx.Module):
 
     `latent_axes` (MLA only): the mesh axes the latent cache's slots are sharded over; the default is the
     whole mesh, () keeps a replicated copy per device (tensor parallelism alone: a baseline).
+    `q_gather` (GQA only): compute each dcp rank's 1/dcp share of the query heads and all-gather q over
+    "dcp" before attention, instead of computing all of the tp group's heads on every dcp rank
+    (`mesh.q_proj_axes`). Same numbers either way; it trades q_proj compute and weight memory for one
+    all-gather of q per layer.
     """
 
-    def __init__(self, cfg: ModelConfig, get: WeightSource, mesh: Mesh, latent_axes=mla.CONTEXT_AXES):
+    def __init__(self, cfg: ModelConfig, get: WeightSource, mesh: Mesh, *, latent_axes=mla.CONTEXT_AXES,
+                 q_gather: bool = False):
         self.config = cfg
         v, e = cfg.vocab_size, cfg.hidden_size
         vocab = mesh_lib.spec(mesh_lib.fit_axes(mesh, v), ())
@@ -140,7 +151,8 @@ class CausalLM(nnx.Module):
         # (a tied table stays vocab-split: it is the output head too, where the vocab split pays)
         self.embed_tokens = param(get, "model.embed_tokens.weight", (v, e),
                                    vocab if cfg.tie_embeddings else hidden)
-        self.layers = nnx.List([Block(cfg, i, get, mesh, latent_axes) for i in range(cfg.num_layers)])
+        self.layers = nnx.List([Block(cfg, i, get, mesh, latent_axes=latent_axes, q_gather=q_gather)
+                                for i in range(cfg.num_layers)])
         self.norm = norm(get, "model.norm.weight", e, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_embeddings else param(get, "lm_head.weight", (v, e), vocab)
         self.kv_replication = kv_replication(cfg, mesh.shape[TP])

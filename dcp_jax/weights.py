@@ -142,15 +142,16 @@ def load_tokenizer(model_dir: Path):
         raise UserError(f"cannot read {path}: {e}") from None
 
 
-def load_hf(model_dir, mesh: Mesh, dtype: str = "float32"):
-    """(model, tokenizer or None) from a Hugging Face checkpoint directory, placed on `mesh`."""
+def load_hf(model_dir, mesh: Mesh, dtype: str = "float32", *, q_gather: bool = False):
+    """(model, tokenizer or None) from a Hugging Face checkpoint directory, placed on `mesh`
+    (`q_gather`: see `CausalLM`)."""
     from dcp_jax.model import CausalLM
 
     if dtype not in DTYPES:
         raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     path = check_model_dir(model_dir)
     cfg = ModelConfig.from_file(path / "config.json")
-    model = CausalLM(cfg, SafetensorsSource(path, cfg, mesh, DTYPES[dtype]), mesh)
+    model = CausalLM(cfg, SafetensorsSource(path, cfg, mesh, DTYPES[dtype]), mesh, q_gather=q_gather)
     return model, load_tokenizer(path)
 
 

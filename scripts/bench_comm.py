@@ -8,10 +8,16 @@ operand of a reduce-scatter or all-to-all, twice the operand of an all-reduce (a
 an all-gather). DCP's claim: this does not grow with the context.
 
     python scripts/bench_comm.py            # meshes of 8 devices, contexts 4K .. 1M
-    python scripts/bench_comm.py --quick --json
+    python scripts/bench_comm.py --quick --json   # tiny model, tp=2 x dcp=4, every variant, 4K and 64K
 
-Variants compared: the combine as `psum_scatter` of the outputs over heads ("scatter", the default)
-against a `psum` of the full outputs ("psum").
+Variants compared (on every mesh with dcp > 1; with dcp = 1 there is nothing to combine and only
+"scatter" is measured):
+  scatter             all_gather of the LSE, `psum_scatter` of the weighted outputs over heads (the default)
+  psum                all_gather of the LSE, `psum` of the full weighted outputs (every rank keeps all heads)
+  all_to_all          one `all_to_all` of each rank's outputs and LSE, sliced by the heads each rank will
+                      own, then a local merge (`merge_partials`); same output sharding as scatter
+  scatter+q_gather    scatter, with q_proj split over ("tp","dcp") and q all-gathered over "dcp"
+                      (`CausalLM(q_gather=True)`) instead of every dcp rank computing its tp group's q
 """
 
 from __future__ import annotations
@@ -50,13 +56,15 @@ _RING = {"all-reduce": 2}
 
 def collective_bytes(hlo: str) -> dict[str, int]:
     """Bytes per collective kind in an HLO module (ring cost, see the module docstring)."""
+    # XLA prints /*index=5*/ inside long tuples: drop comments, or their "=" hides the tuple's first elements
+    lines = [re.sub(r"/\*.*?\*/", "", line) for line in hlo.splitlines()]
     shapes = {}
-    for line in hlo.splitlines():
+    for line in lines:
         m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ([^ ]+)", line)
         if m:
             shapes[m.group(1)] = m.group(2)
     out: dict[str, int] = {}
-    for line in hlo.splitlines():
+    for line in lines:
         m = _COLLECTIVE.search(line)
         if not m or "-done" in line:
             continue
@@ -66,7 +74,10 @@ def collective_bytes(hlo: str) -> dict[str, int]:
     return out
 
 
-def step_hlo(model_name: str, layers: int, tp: int, dcp: int, context: int, combine: str, batch: int) -> str:
+VARIANTS = ("scatter", "psum", "all_to_all", "scatter+q_gather")
+
+
+def step_hlo(model_name: str, layers: int, tp: int, dcp: int, context: int, variant: str, batch: int) -> str:
     from dcp_jax import make_mesh
     from dcp_jax.config import ModelConfig
     from dcp_jax.engine import Engine
@@ -79,7 +90,8 @@ def step_hlo(model_name: str, layers: int, tp: int, dcp: int, context: int, comb
     def abstract(name, shape, spec, kv_rep=1):
         return jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=named(mesh, spec))
 
-    engine = Engine(CausalLM(cfg, abstract, mesh), mesh, combine=combine)
+    combine, _, option = variant.partition("+")
+    engine = Engine(CausalLM(cfg, abstract, mesh, q_gather=option == "q_gather"), mesh, combine=combine)
     layout = engine.layout(context)
     cache, logits = engine._specs(batch, layout)
     step = engine._prefill_fn(layout)  # one token through every layer: the decode step's program
@@ -96,7 +108,8 @@ def main(argv=None):
     p.add_argument("--model", choices=sorted(MODELS), default="llama-3.1-8b")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--quick", action="store_true", help="tiny model, two contexts, two meshes")
+    p.add_argument("--quick", action="store_true", help="tiny model, two contexts, the 2 x 4 mesh")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
@@ -104,25 +117,25 @@ def main(argv=None):
 
     ensure_cpu_devices(8)
     if args.quick:
-        model, meshes, contexts = "tiny", [(2, 4), (1, 8)], [4096, 65536]
+        model, meshes, contexts = "tiny", [(2, 4)], [4096, 65536]
     else:
         model, meshes = args.model, [(8, 1), (4, 2), (2, 4), (1, 8)]
         contexts = [4096, 16384, 65536, 262144, 1048576]
     rows = []
     for tp, dcp in meshes:
-        for combine in ("scatter", "psum"):
-            if dcp == 1 and combine == "psum":
+        for variant in args.variants:
+            if dcp == 1 and variant != "scatter":  # one context rank: every variant is the same program
                 continue
             for context in contexts:
                 t = time.perf_counter()
-                kinds = collective_bytes(step_hlo(model, args.layers, tp, dcp, context, combine, args.batch))
+                kinds = collective_bytes(step_hlo(model, args.layers, tp, dcp, context, variant, args.batch))
                 rows.append(dict(model=model, layers=args.layers, batch=args.batch, tp=tp, dcp=dcp, context=context,
-                                 variant=combine, collective_bytes_per_step=sum(kinds.values()),
+                                 variant=variant, collective_bytes_per_step=sum(kinds.values()),
                                  **{f"bytes_{k.replace('-', '_')}": v for k, v in sorted(kinds.items())},
                                  compile_s=round(time.perf_counter() - t, 2)))
                 if not args.json:
                     r = rows[-1]
-                    print(f"tp={tp} dcp={dcp} {combine:7s} context {context:>8,}: "
+                    print(f"tp={tp} dcp={dcp} {variant:16s} context {context:>8,}: "
                           f"{r['collective_bytes_per_step']:>12,} B/step  {kinds}", flush=True)
     # the claim: flat in context, per mesh and variant
     spread = {}

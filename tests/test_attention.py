@@ -67,25 +67,44 @@ def test_dcp_matches_dense_bfloat16(tp, dcp, interleave):
     run_case(tp, dcp, 4, interleave, 1, dtype=jnp.bfloat16)
 
 
-@pytest.mark.parametrize("tp,dcp", [(1, 8), (2, 4), (1, 3)])
-def test_empty_shards_give_no_nan(tp, dcp):
-    # Lengths shorter than dcp (and zero): most shards own no valid token.
-    o = run_case(tp, dcp, 4, 1, 1, lengths=[1, 0, 2])
+@pytest.mark.parametrize("tp,dcp,combine", [(1, 8, "auto"), (2, 4, "auto"), (1, 3, "auto"),
+                                             (1, 8, "all_to_all"), (2, 4, "all_to_all"), (2, 4, "psum")])
+def test_empty_shards_give_no_nan(tp, dcp, combine):
+    # Lengths shorter than dcp (and zero): most shards own no valid token (weight exactly 0).
+    o = run_case(tp, dcp, 4, 1, 1, lengths=[1, 0, 2], combine=combine)
     np.testing.assert_array_equal(np.asarray(o[1]), 0.0)
 
 
-@pytest.mark.parametrize("combine", ["scatter", "psum"])
-def test_both_combines(combine):
-    # 2 kv heads x gqa 4 = 8 heads per tp rank on (1, 8): divisible, so both combines apply.
-    run_case(1, 8, 4, 1, 16, combine=combine)
+COMBINE_NAMES = ["scatter", "psum", "all_to_all"]
+
+
+@pytest.mark.parametrize("combine", COMBINE_NAMES)
+@pytest.mark.parametrize("tp,dcp,t", [(1, 8, 16), (2, 4, 1), (4, 2, 16)])
+def test_every_combine(combine, tp, dcp, t):
+    # 8 heads per tp rank on (1, 8) and 4 per tp rank on (2, 4), (4, 2): divisible, so every combine applies.
+    run_case(tp, dcp, 4, 1, t, combine=combine)
+
+
+@pytest.mark.parametrize("tp,dcp", [(1, 8), (2, 4)])
+def test_combines_agree(tp, dcp):
+    # The three combines are exact and agree with each other (lengths leave some ranks empty).
+    outs = [run_case(tp, dcp, 4, 1, 1, lengths=[48, 3, 0], combine=c) for c in COMBINE_NAMES]
+    for o in outs[1:]:
+        np.testing.assert_allclose(np.asarray(o), np.asarray(outs[0]), rtol=1e-5, atol=1e-6)
+
+
+def test_all_to_all_on_both_context_axes():
+    # MLA-style: heads not split over a head axis, context over ("tp", "dcp") together.
+    run_case(2, 4, 8, 1, 1, head_axes=(), context_axes=("tp", "dcp"), kv_heads=1, combine="all_to_all")
 
 
 def test_psum_fallback_when_heads_do_not_divide():
     # (1, 3): 8 heads do not divide by 3 context shards -> auto falls back to psum.
     assert resolve_combine(8, 3) is False and resolve_combine(9, 3) is True
     run_case(1, 3, 4, 1, 1, combine="auto")
-    with pytest.raises(ValueError, match="combine='scatter' needs"):
-        run_case(1, 3, 4, 1, 1, combine="scatter")
+    for combine in ("scatter", "all_to_all"):
+        with pytest.raises(ValueError, match=f"combine='{combine}' needs"):
+            run_case(1, 3, 4, 1, 1, combine=combine)
 
 
 def test_output_sharding_follows_combine():
@@ -98,6 +117,10 @@ def test_output_sharding_follows_combine():
     assert out.addressable_shards[0].data.shape == (1, 1, 2, 8)
     out = jax.jit(lambda *a: dcp_attention(*a, mesh=mesh, layout=layout, combine="psum"))(*args)
     assert out.addressable_shards[0].data.shape == (1, 1, 8, 8)
+    out, lse = jax.jit(lambda *a: dcp_attention(*a, mesh=mesh, layout=layout, combine="all_to_all",
+                                                return_lse=True))(*args)
+    assert out.sharding.spec[2] == ("tp", "dcp") and lse.sharding.spec[2] == ("tp", "dcp")
+    assert out.addressable_shards[0].data.shape == (1, 1, 2, 8)
 
 
 @pytest.mark.parametrize("tp,dcp", [(2, 4), (8, 1)])

@@ -28,9 +28,9 @@ def valid_mesh(name, tp):
 
 def run(name, tp, dcp, **kw):
     mesh = make_mesh(tp, dcp)
-    model, _ = load_hf(FIXTURES / name, mesh)
+    model, _ = load_hf(FIXTURES / name, mesh, q_gather=kw.pop("q_gather", False))
     exp = expected(name)
-    eng = Engine(model, mesh, interleave=kw.pop("interleave", 1))
+    eng = Engine(model, mesh, interleave=kw.pop("interleave", 1), combine=kw.pop("combine", "auto"))
     return eng.generate(exp["prompts"], max_new_tokens=exp["max_new_tokens"], ignore_eos=True, **kw), exp
 
 
@@ -58,6 +58,26 @@ SAME = [((1, 8), 1, 1), ((1, 8), "contiguous", 7), ((1, 8), 1, 256),
 def test_same_tokens_on_every_mesh(mesh, interleave, chunk):
     out, exp = run("llama-gqa", *mesh, interleave=interleave, prefill_chunk=chunk, max_seq_len=40)
     assert out.tokens == exp["greedy"]
+
+
+# qwen2 has q/k/v biases: the q bias follows q_proj's rows.
+@pytest.mark.parametrize("name,mesh,q_gather,combine", [("llama-gqa", (2, 4), True, "auto"),
+                                                        ("qwen2", (2, 2), True, "auto"),
+                                                        ("llama-gqa", (2, 4), False, "all_to_all")])
+def test_comm_variants_generate_the_same(name, mesh, q_gather, combine):
+    base, exp = run(name, *mesh)
+    out, _ = run(name, *mesh, q_gather=q_gather, combine=combine)
+    assert out.tokens == base.tokens == exp["greedy"]
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(base.logprobs), rtol=0, atol=1e-5)
+
+
+def test_q_gather_splits_q_proj_over_the_whole_mesh():
+    mesh = make_mesh(2, 4)
+    model, _ = load_hf(FIXTURES / "llama-gqa", mesh, q_gather=True)
+    q = model.layers[0].self_attn.q_proj[...]
+    assert q.addressable_shards[0].data.shape == (q.shape[0] // 8, q.shape[1])
+    with pytest.raises(Exception, match="q_gather needs the 8 attention heads to divide by tp x dcp = 3"):
+        load_hf(FIXTURES / "llama-gqa", make_mesh(1, 3), q_gather=True)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -16,12 +16,27 @@ def test_bench_comm_quick_is_flat_in_context(capsys, monkeypatch):
     rows = out["rows"]
     for key in ("tp", "dcp", "context", "variant", "collective_bytes_per_step"):
         assert all(key in r for r in rows)
-    assert {r["variant"] for r in rows} == {"scatter", "psum"}
+    assert {r["variant"] for r in rows} == {"scatter", "psum", "all_to_all", "scatter+q_gather"}
     assert all(r["collective_bytes_per_step"] > 0 for r in rows)
     assert out["max_relative_change_over_context"] < 0.01
-    # the scatter combine moves fewer bytes than psum on the same mesh
-    by = {(r["tp"], r["dcp"], r["variant"], r["context"]): r["collective_bytes_per_step"] for r in rows}
-    assert by[(1, 8, "scatter", 4096)] < by[(1, 8, "psum", 4096)]
+    by = {(r["tp"], r["dcp"], r["variant"], r["context"]): r for r in rows}
+    total = {v: by[(2, 4, v, 4096)]["collective_bytes_per_step"] for v in ("scatter", "psum", "all_to_all",
+                                                                            "scatter+q_gather")}
+    # scatter moves fewer bytes than psum; all_to_all sends 1/dcp of the LSEs the scatter all-gathers;
+    # q_gather adds an all-gather of q
+    assert total["all_to_all"] < total["scatter"] < total["psum"]
+    assert total["scatter"] < total["scatter+q_gather"]
+    assert by[(2, 4, "all_to_all", 4096)]["bytes_all_to_all"] > 0
+    assert "bytes_reduce_scatter" not in by[(2, 4, "all_to_all", 4096)]
+
+
+def test_bench_comm_counts_every_element_of_a_long_tuple():
+    mod = runpy.run_path(str(SCRIPTS / "bench_comm.py"), run_name="bench_comm")
+    parts = [f"%p.{i} = f32[1,4]{{1,0}} parameter({i})" for i in range(8)]
+    elems = ", ".join(("/*index=5*/" if i == 5 else "") + "f32[1,4]{1,0}" for i in range(8))
+    ops = ", ".join(("/*index=5*/" if i == 5 else "") + f"%p.{i}" for i in range(8))
+    hlo = "\n".join(parts + [f"%all-to-all = ({elems}) all-to-all({ops}), channel_id=1"])
+    assert mod["collective_bytes"](hlo) == {"all-to-all": 8 * 16}
 
 
 def test_bench_memory_quick(capsys):
