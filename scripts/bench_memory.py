@@ -231,7 +231,7 @@ def summary(rows, budget):
             sel = [r for r in rows if r["model"] == name and r["devices"] == devices and r["context"] == 131072]
             if not sel:
                 continue
-            tp_only = next((r for r in sel if r["dcp"] == 1 and "replicated" in r["layout"]), None) or next(
+            tp_only = next((r for r in sel if r["dcp"] == 1 and "replicated" in r.get("layout", "")), None) or next(
                 (r for r in sel if r["dcp"] == 1), None)
             best = max(sel, key=lambda r: (r["max_context_batch1"], r["max_batch_at_128k"]))
             fmt = lambda r: (f"tp={r['tp']} x dcp={r['dcp']}: longest context {r['max_context_batch1']:,}, "
