@@ -1,9 +1,6 @@
 """End-to-end generation against transformers' greedy ids and logprobs (tests/fixtures, made by
 scripts/make_fixtures.py), across meshes, interleaves and prefill chunk sizes."""
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -11,27 +8,16 @@ from dcp_jax import LLM, make_mesh
 from dcp_jax.config import ModelConfig
 from dcp_jax.engine import Engine, SamplingParams, sample
 from dcp_jax.weights import load_hf
+from tests.util import FIXTURES, expected
+from tests.util import run_fixture as run
 
-FIXTURES = Path(__file__).parent / "fixtures"
 FAMILIES = ["llama-gqa", "llama-mha-tied", "mistral", "qwen2", "qwen3", "llama-tokenizer"]
 MESHES = [(1, 1), (1, 8), (2, 4), (4, 2), (1, 3)]
-
-
-def expected(name):
-    return json.loads((FIXTURES / name / "expected.json").read_text())
 
 
 def valid_mesh(name, tp):
     cfg = ModelConfig.from_file(FIXTURES / name / "config.json")
     return cfg.num_heads % tp == 0 and (tp <= cfg.num_kv_heads or tp % cfg.num_kv_heads == 0)
-
-
-def run(name, tp, dcp, **kw):
-    mesh = make_mesh(tp, dcp)
-    model, _ = load_hf(FIXTURES / name, mesh, q_gather=kw.pop("q_gather", False))
-    exp = expected(name)
-    eng = Engine(model, mesh, interleave=kw.pop("interleave", 1), combine=kw.pop("combine", "auto"))
-    return eng.generate(exp["prompts"], max_new_tokens=exp["max_new_tokens"], ignore_eos=True, **kw), exp
 
 
 CASES = [(n, m) for n in FAMILIES for m in MESHES if valid_mesh(n, m[0])]

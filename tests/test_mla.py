@@ -2,7 +2,6 @@
 made by scripts/make_fixtures.py), with the latent cache sharded over the whole mesh."""
 
 import json
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -13,24 +12,13 @@ from dcp_jax.config import ModelConfig
 from dcp_jax.engine import Engine
 from dcp_jax.mla import route
 from dcp_jax.weights import load_hf
+from tests.util import FIXTURES, expected
+from tests.util import run_fixture as run
 
-FIXTURES = Path(__file__).parent / "fixtures"
 # deepseek-v3: q_lora_rank, default RoPE; deepseek-v3-yarn: no q_lora_rank, YaRN; deepseek-v2: softmax
 # router, group-limited greedy. All: layer 0 dense, layer 1 MoE (8 experts, top-2, a shared expert).
 NAMES = ["deepseek-v3", "deepseek-v3-yarn", "deepseek-v2"]
 MESHES = [(1, 1), (1, 8), (2, 4), (8, 1)]
-
-
-def expected(name):
-    return json.loads((FIXTURES / name / "expected.json").read_text())
-
-
-def run(name, tp, dcp, **kw):
-    mesh = make_mesh(tp, dcp)
-    model, _ = load_hf(FIXTURES / name, mesh)
-    exp = expected(name)
-    eng = Engine(model, mesh, interleave=kw.pop("interleave", 1))
-    return eng.generate(exp["prompts"], max_new_tokens=exp["max_new_tokens"], ignore_eos=True, **kw), exp
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -1,10 +1,37 @@
-"""Shared test helpers: a float64 NumPy oracle and cache placement through the layout."""
+"""Shared test helpers: a float64 NumPy oracle, cache placement through the layout, and generation on
+the transformers fixtures (tests/fixtures, made by scripts/make_fixtures.py)."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 
 from dcp_jax.layout import KVLayout
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def expected(name):
+    """The fixture's reference outputs from transformers (see scripts/make_fixtures.py)."""
+    return json.loads((FIXTURES / name / "expected.json").read_text())
+
+
+def run_fixture(name, tp, dcp, **kw):
+    """Greedy generation of the fixture's prompts on a (tp, dcp) mesh -> (Generation, expected).
+
+    Keywords: q_gather, interleave, combine (model/engine options); the rest go to Engine.generate.
+    """
+    from dcp_jax import make_mesh
+    from dcp_jax.engine import Engine
+    from dcp_jax.weights import load_hf
+
+    mesh = make_mesh(tp, dcp)
+    model, _ = load_hf(FIXTURES / name, mesh, q_gather=kw.pop("q_gather", False))
+    exp = expected(name)
+    eng = Engine(model, mesh, interleave=kw.pop("interleave", 1), combine=kw.pop("combine", "auto"))
+    return eng.generate(exp["prompts"], max_new_tokens=exp["max_new_tokens"], ignore_eos=True, **kw), exp
 
 
 def dense_attention(q, k, v, q_pos, lengths, scale, kv_pos=None):
