@@ -8,9 +8,11 @@ the cache costs, not its capacity. With one block this is plain dense softmax at
 Layout for XLA:CPU: the queries of the G heads sharing a kv head are folded into the rows of one
 matrix [B, K, G·T, Dk] (transposed and scaled once, outside the loop), so each block is two plain
 batched GEMMs whose outputs need no transpose. Blocks every query sees whole (below the smallest row
-limit: in a prefill chunk, all blocks before its diagonal) run a second loop body without the mask.
-The last block is shifted back to end at the slice's end instead of reading past it; the slots it
-shares with the block before are masked out, so any block size works.
+limit: in a prefill chunk, all blocks before its diagonal) run in `block_k` slots through a loop body
+without the mask; the rest, up to the last visible slot, in `block_k_masked` slots with it (smaller:
+on a dcp shard a chunk's new slots fill only part of a block). A masked block that would read past
+the slice is shifted back to end at its end, and the slots it shares with earlier blocks are masked
+out, so any block size works.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from jax import lax
 from pallas_kernels.attention.common import row_limits
 
 
-def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 512):
+def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 512, block_k_masked: int = 128):
     """q [B,T,H,Dk], k [B,K,S,Dk], v [B,K,S,Dv] -> (o [B,T,H,Dv] in q.dtype, lse [B,T,H] float32).
 
     kv_pos: the slice's SlotPositions. GQA groups query heads per kv head; no repeated KV is materialised.
@@ -32,6 +34,8 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
     rows = g * t
     out_dtype = q.dtype
     bs = min(block_k, s)
+    # blocks that need the mask: few, often only partly visible, so smaller (one block when bs covers s)
+    bm = s if bs == s else min(block_k_masked, bs)
     # XLA:CPU has no bf16 x bf16 -> f32 dot; compute in float32 (a no-op for float32 inputs).
     qg = (q.astype(jnp.float32) * scale).reshape(b, t, kh, g, dk)
     qg = jnp.transpose(qg, (0, 2, 3, 1, 4)).reshape(b, kh, rows, dk)  # row r = (group r // T, query r % T)
@@ -40,14 +44,14 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
     # first slot that some query may not see need no mask.
     visible = jnp.minimum(kv_pos.count_upto(jnp.max(limit)), s)
     seen_by_all = jnp.minimum(kv_pos.count_upto(jnp.min(limit)), s)
-    num_blocks = (visible + bs - 1) // bs
-    num_unmasked = seen_by_all // bs  # these blocks lie inside the slice: never shifted
+    num_unmasked = seen_by_all // bs  # blocks of bs slots from slot 0: inside the slice, never shifted
+    unmasked_end = num_unmasked * bs  # then blocks of bm slots from there up to the last visible slot
+    num_masked = jnp.maximum(visible - unmasked_end + bm - 1, 0) // bm
 
-    def block(i):
-        start = jnp.minimum(i * bs, s - bs)  # the last block ends at the slice's end
-        kb = lax.dynamic_slice_in_dim(k, start, bs, axis=2).astype(jnp.float32)
-        vb = lax.dynamic_slice_in_dim(v, start, bs, axis=2).astype(jnp.float32)
-        return start, jnp.einsum("bkrd,bksd->bkrs", qg, kb), vb
+    def block(start, n):
+        kb = lax.dynamic_slice_in_dim(k, start, n, axis=2).astype(jnp.float32)
+        vb = lax.dynamic_slice_in_dim(v, start, n, axis=2).astype(jnp.float32)
+        return jnp.einsum("bkrd,bksd->bkrs", qg, kb), vb
 
     def update(carry, sc, vb, m_safe_fn):
         m, l, acc = carry  # [B, K, R], [B, K, R], [B, K, R, Dv]
@@ -58,16 +62,18 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
         acc = acc * alpha[..., None] + jnp.einsum("bkrs,bksd->bkrd", p, vb)
         return m_new, l * alpha + jnp.sum(p, axis=-1), acc
 
-    def masked_step(i, carry):
-        start, sc, vb = block(i)
-        slot = start + jnp.arange(bs, dtype=jnp.int32)
+    def masked_step(j, carry):
+        first = unmasked_end + j * bm
+        start = jnp.minimum(first, s - bm)  # the last block ends at the slice's end
+        sc, vb = block(start, bm)
+        slot = start + jnp.arange(bm, dtype=jnp.int32)
         pos = kv_pos.at(slot)
-        mask = (pos[None, None, :] <= limit[:, :, None]) & (slot >= i * bs)  # [B, T, bs]
-        sc = jnp.where(mask[:, None, None], sc.reshape(b, kh, g, t, bs), -jnp.inf).reshape(b, kh, rows, bs)
+        mask = (pos[None, None, :] <= limit[:, :, None]) & (slot >= first)  # [B, T, bm]
+        sc = jnp.where(mask[:, None, None], sc.reshape(b, kh, g, t, bm), -jnp.inf).reshape(b, kh, rows, bm)
         return update(carry, sc, vb, lambda m: jnp.where(jnp.isfinite(m), m, 0.0))
 
     def unmasked_step(i, carry):
-        _, sc, vb = block(i)
+        sc, vb = block(i * bs, bs)
         return update(carry, sc, vb, lambda m: m)  # every score is finite: so is the running max
 
     init = (
@@ -75,13 +81,13 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
         jnp.zeros((b, kh, rows), jnp.float32),
         jnp.zeros((b, kh, rows, dv), jnp.float32),
     )
-    # Block 0 is peeled: the loop carry then derives from the inputs (and, inside shard_map, varies over
-    # the same mesh axes as they do); a block that sees nothing leaves the running state unchanged.
+    # The first masked block is peeled: the loop carry then derives from the inputs (and, inside shard_map,
+    # varies over the same mesh axes as they do); a block that sees nothing leaves the running state
+    # unchanged, and the order blocks are folded in does not matter.
     carry = masked_step(0, init)
-    if bs < s:  # (one block needs no loop, which keeps the single-block form reverse-differentiable)
-        split = jnp.maximum(num_unmasked, 1)
-        carry = lax.fori_loop(1, split, unmasked_step, carry)
-        carry = lax.fori_loop(split, num_blocks, masked_step, carry)
+    if bm < s:  # (one block needs no loop, which keeps the single-block form reverse-differentiable)
+        carry = lax.fori_loop(0, num_unmasked, unmasked_step, carry)
+        carry = lax.fori_loop(1, num_masked, masked_step, carry)
     m, l, acc = carry
     has = l > 0
     safe_l = jnp.where(has, l, 1.0)
