@@ -95,10 +95,12 @@ def test_reference_blocked_walk(block_k, runs):
 
 @pytest.mark.parametrize("block_k,block_k_masked", [(8, 8), (8, 3), (16, 5), (64, 7)])
 @pytest.mark.parametrize("runs", [(0, 1, 1), (2, 2, 6)])
-def test_reference_unmasked_and_masked_blocks(block_k, block_k_masked, runs):
-    # One long sequence and a prefill-like query block: the blocks before the diagonal take the
-    # unmasked loop body, the rest the masked one in smaller blocks, the last of them shifted back.
-    x = make_inputs(1, 6, 4, 2, 40, 8, 8, runs=runs)
+@pytest.mark.parametrize("t", [1, 6])
+def test_reference_unmasked_and_masked_blocks(block_k, block_k_masked, runs, t):
+    # One long sequence and a query block (t=1: decode, every slot seen by every query): the blocks
+    # before the diagonal take the unmasked loop body, the rest the masked one in smaller blocks, the
+    # last of them shifted back; block_k >= S is a single masked block.
+    x = make_inputs(1, t, 4, 2, 40, 8, 8, runs=runs)
     o, lse = attention(**x, impl="reference", block_k=block_k, block_k_masked=block_k_masked)
     check_against_oracle(o, lse, x, 1e-5)
 

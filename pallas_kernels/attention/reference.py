@@ -44,7 +44,8 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
     # first slot that some query may not see need no mask.
     visible = jnp.minimum(kv_pos.count_upto(jnp.max(limit)), s)
     seen_by_all = jnp.minimum(kv_pos.count_upto(jnp.min(limit)), s)
-    num_unmasked = seen_by_all // bs  # blocks of bs slots from slot 0: inside the slice, never shifted
+    # blocks of bs slots from slot 0: inside the slice, never shifted (none when one masked block is all)
+    num_unmasked = seen_by_all // bs if bm < s else 0
     unmasked_end = num_unmasked * bs  # then blocks of bm slots from there up to the last visible slot
     num_masked = jnp.maximum(visible - unmasked_end + bm - 1, 0) // bm
 
