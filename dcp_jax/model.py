@@ -53,6 +53,19 @@ def kv_replication(cfg: ModelConfig, tp: int) -> int:
     return tp // cfg.num_kv_heads
 
 
+def _split_tokens(x, mesh: Mesh):
+    """x [B, T, E] with its tokens split over "dcp" (when T divides), for the q/k/v projections.
+
+    Their weights are split over "tp" only, so every dcp rank would otherwise project every token of
+    a prefill chunk: dcp-fold redundant work. Split over tokens, each rank projects T / dcp of them
+    and XLA all-gathers q, k and v where the attention island and the cache write need them whole.
+    """
+    n = mesh.shape[DCP]
+    if n == 1 or x.shape[1] % n:
+        return x
+    return jax.lax.with_sharding_constraint(x, mesh_lib.named(mesh, mesh_lib.spec((), (DCP,), ())))
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, prefix: str, get: WeightSource, mesh: Mesh, q_gather: bool = False):
         tp = mesh.shape[TP]
@@ -88,6 +101,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, valid, kv_len, inv_freq, cache, ctx: AttentionContext):
         b, t, _ = x.shape
+        if cache is not None and t > 1:
+            x = _split_tokens(x, ctx.mesh)
         q = linear(x, self.q_proj, self.q_bias).reshape(b, t, self.num_heads, self.head_dim)
         k = linear(x, self.k_proj, self.k_bias).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = linear(x, self.v_proj, self.v_bias).reshape(b, t, self.num_kv_heads, self.head_dim)

@@ -111,11 +111,23 @@ def test_reference_blocked_walk(block_k, runs):
     check_against_oracle(o, lse, x, 1e-5)
 
 
+@pytest.mark.parametrize("block_k,block_k_masked", [(8, 8), (8, 3), (16, 5), (64, 7)])
+@pytest.mark.parametrize("runs", [(0, 1, 1), (2, 2, 6)])
+@pytest.mark.parametrize("t", [1, 6])
+def test_reference_unmasked_and_masked_blocks(block_k, block_k_masked, runs, t):
+    # One long sequence and a query block (t=1: decode, every slot seen by every query): the blocks
+    # before the diagonal take the unmasked loop body, the rest the masked one in smaller blocks, the
+    # last of them shifted back; block_k >= S is a single masked block.
+    x = make_inputs(1, t, 4, 2, 40, 8, 8, runs=runs)
+    o, lse = attention(**x, impl="reference", block_k=block_k, block_k_masked=block_k_masked)
+    check_against_oracle(o, lse, x, 1e-5)
+
+
 def test_unknown_impl_and_bad_options():
     x = make_inputs(1, 1, 2, 2, 8, 8, 8)
     with pytest.raises(ValueError, match="unknown attention impl"):
         attention(**x, impl="cuda")
-    with pytest.raises(ValueError, match=r"takes kernel options \['block_k'\], got \['num_splits'\]"):
+    with pytest.raises(ValueError, match=r"takes kernel options \['block_k', 'block_k_masked'\], got \['num_splits'\]"):
         attention(**x, impl="reference", num_splits=2)
 
 

@@ -4,6 +4,15 @@ The slice is walked in blocks of `block_k` slots with an online softmax (float32
 block-sized and do not grow with the cache; the loop stops after the last block holding a slot that
 any query may see (slot positions increase along a slice), so a step costs what the filled part of
 the cache costs, not its capacity. With one block this is plain dense softmax attention.
+
+Layout for XLA:CPU: the queries of the G heads sharing a kv head are folded into the rows of one
+matrix [B, K, G·T, Dk] (transposed and scaled once, outside the loop), so each block is two plain
+batched GEMMs whose outputs need no transpose. Blocks every query sees whole (below the smallest row
+limit: in a prefill chunk, all blocks before its diagonal) run in `block_k` slots through a loop body
+without the mask; the rest, up to the last visible slot, in `block_k_masked` slots with it (smaller:
+on a dcp shard a chunk's new slots fill only part of a block). A masked block that would read past
+the slice is shifted back to end at its end, and the slots it shares with earlier blocks are masked
+out, so any block size works.
 """
 
 from __future__ import annotations
@@ -14,15 +23,8 @@ from jax import lax
 from pallas_kernels.attention.common import row_limits
 
 
-def _block_size(s: int, block_k: int) -> int:
-    """The largest divisor of s that is <= block_k (so blocks never read past the slice), or s."""
-    if s <= block_k:
-        return s
-    best = max(d for d in range(1, block_k + 1) if s % d == 0)
-    return best if best >= min(64, block_k) else s
-
-
-def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 512, v_dim: int | None = None):
+def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 512, block_k_masked: int = 128,
+              v_dim: int | None = None):
     """q [B,T,H,Dk], k [B,K,S,Dk], v [B,K,S,Dv] -> (o [B,T,H,Dv] in q.dtype, lse [B,T,H] float32).
 
     kv_pos: the slice's SlotPositions. GQA groups query heads per kv head; no repeated KV is materialised.
@@ -32,45 +34,69 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
     kh, s = k.shape[1], k.shape[2]
     dv = v_dim if v is None else v.shape[-1]
     g = h // kh
+    rows = g * t
     out_dtype = q.dtype
-    bs = _block_size(s, block_k)
+    bs = min(block_k, s)
+    # blocks that need the mask: few, often only partly visible, so smaller (one block when bs covers s)
+    bm = s if bs == s else min(block_k_masked, bs)
     # XLA:CPU has no bf16 x bf16 -> f32 dot; compute in float32 (a no-op for float32 inputs).
-    qg = q.astype(jnp.float32).reshape(b, t, kh, g, dk)
+    qg = (q.astype(jnp.float32) * scale).reshape(b, t, kh, g, dk)
+    qg = jnp.transpose(qg, (0, 2, 3, 1, 4)).reshape(b, kh, rows, dk)  # row r = (group r // T, query r % T)
     limit = row_limits(q_pos, kv_len)  # [B, T]
-    # Blocks to visit: up to the last slot that the most advanced query may see.
+    # Blocks to visit: up to the last slot that the most advanced query may see; blocks wholly below the
+    # first slot that some query may not see need no mask.
     visible = jnp.minimum(kv_pos.count_upto(jnp.max(limit)), s)
-    num_blocks = (visible + bs - 1) // bs
+    seen_by_all = jnp.minimum(kv_pos.count_upto(jnp.min(limit)), s)
+    # blocks of bs slots from slot 0: inside the slice, never shifted (none when one masked block is all)
+    num_unmasked = seen_by_all // bs if bm < s else 0
+    unmasked_end = num_unmasked * bs  # then blocks of bm slots from there up to the last visible slot
+    num_masked = jnp.maximum(visible - unmasked_end + bm - 1, 0) // bm
 
-    def step(i, carry):
-        m, l, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, Dv]
-        kb = lax.dynamic_slice_in_dim(k, i * bs, bs, axis=2).astype(jnp.float32)
-        vb = kb[..., :dv] if v is None else lax.dynamic_slice_in_dim(v, i * bs, bs, axis=2).astype(jnp.float32)
-        pos = kv_pos.at(i * bs + jnp.arange(bs, dtype=jnp.int32))
-        sc = jnp.einsum("btkgd,bksd->bkgts", qg, kb) * scale
-        mask = pos[None, None, :] <= limit[:, :, None]  # [B, T, bs]
-        sc = jnp.where(mask[:, None, None], sc, -jnp.inf)
+    def block(start, n):
+        kb = lax.dynamic_slice_in_dim(k, start, n, axis=2).astype(jnp.float32)
+        vb = kb[..., :dv] if v is None else lax.dynamic_slice_in_dim(v, start, n, axis=2).astype(jnp.float32)
+        return jnp.einsum("bkrd,bksd->bkrs", qg, kb), vb
+
+    def update(carry, sc, vb, m_safe_fn):
+        m, l, acc = carry  # [B, K, R], [B, K, R], [B, K, R, Dv]
         m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        m_safe = m_safe_fn(m_new)
         alpha = jnp.exp(m - m_safe)
         p = jnp.exp(sc - m_safe[..., None])
-        acc = acc * alpha[..., None] + jnp.einsum("bkgts,bksd->bkgtd", p, vb)
+        acc = acc * alpha[..., None] + jnp.einsum("bkrs,bksd->bkrd", p, vb)
         return m_new, l * alpha + jnp.sum(p, axis=-1), acc
 
+    def masked_step(j, carry):
+        first = unmasked_end + j * bm
+        start = jnp.minimum(first, s - bm)  # the last block ends at the slice's end
+        sc, vb = block(start, bm)
+        slot = start + jnp.arange(bm, dtype=jnp.int32)
+        pos = kv_pos.at(slot)
+        mask = (pos[None, None, :] <= limit[:, :, None]) & (slot >= first)  # [B, T, bm]
+        sc = jnp.where(mask[:, None, None], sc.reshape(b, kh, g, t, bm), -jnp.inf).reshape(b, kh, rows, bm)
+        return update(carry, sc, vb, lambda m: jnp.where(jnp.isfinite(m), m, 0.0))
+
+    def unmasked_step(i, carry):
+        sc, vb = block(i * bs, bs)
+        return update(carry, sc, vb, lambda m: m)  # every score is finite: so is the running max
+
     init = (
-        jnp.full((b, kh, g, t), -jnp.inf, jnp.float32),
-        jnp.zeros((b, kh, g, t), jnp.float32),
-        jnp.zeros((b, kh, g, t, dv), jnp.float32),
+        jnp.full((b, kh, rows), -jnp.inf, jnp.float32),
+        jnp.zeros((b, kh, rows), jnp.float32),
+        jnp.zeros((b, kh, rows, dv), jnp.float32),
     )
-    # Block 0 is peeled: the loop carry then derives from the inputs (and, inside shard_map, varies over
-    # the same mesh axes as they do); a block that sees nothing leaves the running state unchanged.
-    m, l, acc = step(0, init)
-    if bs < s:  # (one block needs no loop, which keeps the single-block form reverse-differentiable)
-        m, l, acc = lax.fori_loop(1, num_blocks, step, (m, l, acc))
+    # The first masked block is peeled: the loop carry then derives from the inputs (and, inside shard_map,
+    # varies over the same mesh axes as they do); a block that sees nothing leaves the running state
+    # unchanged, and the order blocks are folded in does not matter.
+    carry = masked_step(0, init)
+    if bm < s:  # (one block needs no loop, which keeps the single-block form reverse-differentiable)
+        carry = lax.fori_loop(0, num_unmasked, unmasked_step, carry)
+        carry = lax.fori_loop(1, num_masked, masked_step, carry)
+    m, l, acc = carry
     has = l > 0
     safe_l = jnp.where(has, l, 1.0)
     o = acc / safe_l[..., None]
     lse = jnp.where(has, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(safe_l), -jnp.inf)
-    o = jnp.transpose(o, (0, 3, 1, 2, 4)).reshape(b, t, h, dv)
-    lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, h)
+    o = jnp.transpose(o.reshape(b, kh, g, t, dv), (0, 3, 1, 2, 4)).reshape(b, t, h, dv)
+    lse = jnp.transpose(lse.reshape(b, kh, g, t), (0, 3, 1, 2)).reshape(b, t, h)
     return o.astype(out_dtype), lse
-
