@@ -123,7 +123,7 @@ RUNTIME = [
     (lambda d: (d / "config.json").unlink(), [], "neither a Hugging Face checkpoint (no config.json)"),
     (lambda d: (d / "config.json").write_text("{not json"), [], "cannot read"),
     (_set_config(architectures=["GPT2LMHeadModel"]), [], "unsupported architecture ['GPT2LMHeadModel']"),
-    (_set_config(rope_parameters={"rope_type": "yarn", "factor": 2.0}), [], "unsupported rope scaling 'yarn'"),
+    (_set_config(rope_parameters={"rope_type": "longrope", "factor": 2.0}), [], "unsupported rope scaling 'longrope'"),
     (_set_config(hidden_size=None), [], "malformed field"),
     (lambda d: (d / "model.safetensors").unlink(), [], "no *.safetensors weights"),
     (_truncate, [], "truncated or corrupt"),
