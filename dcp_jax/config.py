@@ -280,6 +280,10 @@ def _moe(d: dict, arch: str) -> MoEConfig | None:
     method = "noaux_tc" if v3 else (d.get("topk_method") or "greedy")
     if method not in ("noaux_tc", "greedy", "group_limited_greedy"):
         raise UserError(f"config.json: topk_method {method!r} is not supported")
+    if not v3 and d.get("norm_topk_prob"):
+        # transformers ignores it for V2; DeepSeek's own V2 code then skips routed_scaling_factor
+        raise UserError("config.json: DeepSeek-V2 with norm_topk_prob=true is not supported (implementations "
+                        "disagree on it; the published V2 models use false)")
     grouped = method != "greedy"
     moe = MoEConfig(
         num_experts=int(experts),

@@ -118,7 +118,8 @@ def route(logits, bias, moe: MoEConfig):
 
     V3: sigmoid scores; experts are chosen on score + bias, groups by the sum of their two best; the
     weights are the unbiased scores of the chosen, normalised if norm_topk_prob. V2: softmax scores,
-    greedy or group-limited (groups by their best score) top-k. Both scale by routed_scaling_factor.
+    greedy or group-limited (groups by their best score) top-k, never normalised (config.py refuses
+    norm_topk_prob there). Both scale by routed_scaling_factor.
     """
     n = moe.num_experts
     scores = jax.nn.sigmoid(logits) if moe.scoring == "sigmoid" else jax.nn.softmax(logits, axis=-1)

@@ -99,6 +99,7 @@ def test_router_matches_a_direct_reading_of_the_rules():
     (lambda c: c.update(n_group=3), "8 experts do not split into n_group=3 groups"),
     (lambda c: c.update(num_experts_per_tok=9), "num_experts_per_tok=9 exceeds n_routed_experts=8"),
     (lambda c: c.update(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+    (lambda c: c.update(architectures=["DeepseekV2ForCausalLM"]), "DeepSeek-V2 with norm_topk_prob=true"),
     (lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "needs original_max_position"),
 ])
 def test_config_errors_are_one_line(tmp_path, capsys, edit, message):
