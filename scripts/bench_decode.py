@@ -317,7 +317,7 @@ def main(argv=None):
                    help="comma-separated prompt lengths (default 4096,16384,32768)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens to generate (default 32)")
     p.add_argument("--meshes", default="1x1,1x8", help="comma-separated TPxDCP meshes (default 1x1,1x8)")
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--prefill-chunk", type=int, default=256, help="the engine's default (fastest on CPU: 4K prefill 3.8 s at 256, 4.6 s at 512, 5.4 s at 1024)")
     p.add_argument("--checkpoint", type=Path, default=None,
                    help=f"HF checkpoint dir, created when missing (default {DEFAULT_CHECKPOINT})")
     p.add_argument("--peer-python", default=None,
