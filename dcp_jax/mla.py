@@ -76,7 +76,7 @@ class MLAttention(nnx.Module):
                                (h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank), heads)
         # After the combine each device holds its share of heads (psum_scatter over the mesh) or all of
         # them (psum, when heads do not divide): o_proj's input rows follow.
-        scattered = self.context_axes and attn_lib.resolve_combine(h, mesh_lib.axis_size(mesh, self.context_axes))
+        scattered = bool(self.context_axes) and attn_lib.resolve_combine(h, mesh_lib.axis_size(mesh, self.context_axes))
         o_spec = (mesh_lib.spec((), self.context_axes) if scattered
                   else mesh_lib.spec(mesh_lib.fit_axes(mesh, e), ()))
         self.o_proj = param(get, f"{prefix}.o_proj.weight", (e, h * m.v_head_dim), o_spec)

@@ -164,3 +164,14 @@ def test_bfloat16_keeps_the_first_greedy_ids():
     exp = expected("deepseek-v3")
     out = Engine(model, mesh).generate(exp["prompts"], max_new_tokens=4, ignore_eos=True)
     assert [t[:3] for t in out.tokens] == [t[:3] for t in exp["greedy"]]
+
+
+def test_cache_free_forward_matches_transformers():
+    # CausalLM.forward (training / scoring: no cache, no mesh island) runs the absorbed attention densely.
+    exp = expected("deepseek-v3-yarn")
+    mesh = make_mesh(1, 1)
+    model, _ = load_hf(FIXTURES / "deepseek-v3-yarn", mesh)
+    prompt = exp["prompts"][2]
+    logits = np.asarray(model.forward(np.asarray([prompt], np.int32)))[0, -1].astype(np.float64)
+    logprobs = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+    np.testing.assert_allclose(logprobs, exp["first_logprobs"][2], atol=2e-4)
