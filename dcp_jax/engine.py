@@ -161,8 +161,9 @@ class Engine:
             return cache, tokens, logprobs, lengths
 
         replicated = mesh_lib.named(self.mesh, mesh_lib.spec())
+        cache_out = model_lib.cache_sharding(self.model, self.mesh)
         return jax.jit(decode, donate_argnames=("cache", "tokens", "logprobs", "lengths"),
-                       out_shardings=(model_lib.cache_sharding(self.model, self.mesh), replicated, replicated, replicated))
+                       out_shardings=(cache_out, replicated, replicated, replicated))
 
     def _specs(self, batch: int, layout: KVLayout):
         """Abstract cache (with its sharding) and last-logits buffer: nothing allocated."""

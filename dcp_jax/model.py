@@ -185,8 +185,8 @@ class CausalLM(nnx.Module):
 
     def __call__(self, tokens, positions, valid, kv_len, cache, ctx: AttentionContext, logits_at=None):
         """tokens, positions, valid [B, T]; kv_len [B] cache length after this block is written;
-        cache: tuple over layers of (k, v) [B, K, S, D] (MLA: (latent,)). Returns (logits, cache): logits [B, T, V], or
-        [B, V] at index `logits_at` [B] of each sequence when given (prefill needs only the last one).
+        cache: tuple over layers of (k, v) [B, K, S, D] (MLA: (latent,)). Returns (logits, cache): logits
+        [B, T, V], or [B, V] at index `logits_at` [B] of each sequence when given (prefill needs only the last).
         """
         x, new_cache = self._trunk(tokens, positions, valid, kv_len, cache, ctx, ctx.layout.max_seq_len)
         if logits_at is not None:

@@ -204,8 +204,8 @@ def main(argv=None):
                 assert row["kv_bytes_per_device"] * kv_shards(cfg, tp, dcp, latent) == row["kv_bytes_total"], row
                 rows.append(row)
                 if not args.json:
-                    print(f"{name:15s} tp={tp:2d} dcp={dcp:2d}{' (replicated latent)' if latent == 'replicated' else ''}"
-                          f" ctx {context:>9,}: weights "
+                    tag = " (replicated latent)" if latent == "replicated" else ""
+                    print(f"{name:15s} tp={tp:2d} dcp={dcp:2d}{tag} ctx {context:>9,}: weights "
                           f"{row['weight_bytes_per_device'] / 1e9:7.2f} GB  KV {row['kv_bytes_per_device'] / 1e9:8.2f} GB"
                           f"  temp {row['temp_bytes_per_device'] / 1e9:6.3f} GB  fits {row['fits']!s:5s}  "
                           f"longest context {row['max_context_batch1']:>12,}  batch@128K {row['max_batch_at_128k']:>5,}",
