@@ -230,8 +230,11 @@ class ModelConfig:
 
     @property
     def softmax_scale(self) -> float:
-        qk = self.mla.qk_head_dim if self.mla else self.head_dim
-        return qk ** -0.5 * self.rope.softmax_scale_factor()
+        """1/sqrt(q·k width); for MLA with DeepSeek's mscale correction under scaled RoPE (the Llama family
+        has none: there YaRN only scales cos/sin)."""
+        if self.mla:
+            return self.mla.qk_head_dim ** -0.5 * self.rope.softmax_scale_factor()
+        return self.head_dim ** -0.5
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":

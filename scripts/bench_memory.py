@@ -30,16 +30,15 @@ import jax.numpy as jnp
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+LLAMA_31 = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, num_key_value_heads=8, rope_theta=500000.0,
+                max_position_embeddings=131072)
 MODELS = {  # published shapes (config.json of each release)
-    "Llama-3.1-8B": dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
-                         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=131072),
-    "Llama-3.1-70B": dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=8192,
-                          intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                          num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=131072),
-    "Llama-3.1-405B": dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=16384,
-                           intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128,
-                           num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=131072),
+    "Llama-3.1-8B": dict(LLAMA_31, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32),
+    "Llama-3.1-70B": dict(LLAMA_31, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64),
+    "Llama-3.1-405B": dict(LLAMA_31, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                           num_attention_heads=128),
     "Qwen2.5-32B": dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=5120,
                         intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
                         num_key_value_heads=8, rope_theta=1000000.0, max_position_embeddings=131072),
