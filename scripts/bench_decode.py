@@ -17,6 +17,16 @@ random weights) is written once with NumPy + safetensors under Hugging Face's Ll
 is used as it is, so any Llama-family checkpoint works. Timings exclude compilation; `prefill_s` is
 the engine's ttft_s (prefill + first token).
 
+Each mesh is measured in its own interpreter that sees exactly tp·dcp devices, as
+`python -m dcp_jax.generate --mesh ...` does: XLA's CPU client sizes its thread pool to
+max(cores, devices), so simulating 8 devices for a 1-device mesh puts 8 threads on the cores and
+halves the dcp=1 decode speed on a 2-core machine (measured: 16K step 96-101 ms vs 47-53 ms).
+
+`prefill_floor_s` is the least time any exact float32 prefill can take here: the prompt's
+matmul FLOPs (`prefill_flops`: projections and MLP for every token, causal attention, one lm_head
+row) at the fastest float32 GEMM rate measured in the same run (`gemm_gflops`: XLA, NumPy and, in
+the peer, torch; the best of square products of 1024 and 2048).
+
     python scripts/bench_decode.py                 # contexts 4K, 16K, 32K; dcp=1 and dcp=8 meshes
     python scripts/bench_decode.py --quick --json  # tiny checkpoint in a temp dir, context 512
 """
@@ -65,6 +75,14 @@ try:
 except TypeError:  # transformers < 4.56 spells it torch_dtype
     model = AutoModelForCausalLM.from_pretrained(args["checkpoint"], torch_dtype=torch.float32, **kw)
 model.eval()
+gemm = 0.0
+for size in (1024, 2048):  # torch's float32 GEMM rate on these threads, for the prefill floor
+    a = torch.randn(size, size)
+    a @ a
+    for _ in range(3):
+        t = time.perf_counter()
+        a @ a
+        gemm = max(gemm, 2 * size**3 / (time.perf_counter() - t) / 1e9)
 ids = torch.tensor([args["prompt"]], dtype=torch.long)
 n = args["new_tokens"]
 with torch.inference_mode():
@@ -85,7 +103,8 @@ with torch.inference_mode():
 print(json.dumps(dict(peer_prefill_s=prefill_s, peer_decode_s=decode_s,
                       peer_tokens_per_s=(n - 1) / decode_s if decode_s > 0 else None,
                       peer_tokens=tokens, peer_cache=type(past).__name__, peer_attn=args["attn"],
-                      peer_threads=torch.get_num_threads(), torch_version=torch.__version__,
+                      peer_threads=torch.get_num_threads(), peer_gemm_gflops=gemm,
+                      torch_version=torch.__version__,
                       transformers_version=transformers.__version__)))
 '''
 
@@ -161,6 +180,32 @@ def count_params(path: Path) -> int:
             for name in st.keys():
                 total += int(np.prod(st.get_slice(name).get_shape()))
     return total
+
+
+def prefill_flops(cfg: dict, t: int) -> int:
+    """FLOPs (2 per multiply-add) that any exact prefill of `t` tokens does: every token through the
+    q/k/v/o projections and the MLP, causal attention (query i meets i + 1 keys, in QK^T and in PV)
+    and the lm_head row of the last token. Norms, RoPE and the softmax are left out, so the floor
+    they give is lower still than what is reachable."""
+    e, i, v, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    h, k = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or e // h
+    per_token = n * (2 * e * h * d + 2 * e * k * d + 3 * e * i)  # q and o, k and v, gate/up/down
+    attention = n * h * 4 * d * (t * (t + 1) // 2)
+    return 2 * t * per_token + attention + 2 * e * v
+
+
+def gemm_gflops(put, matmul) -> float:
+    """The best float32 GEMM rate `matmul(a)` (= a @ a) reaches on square products of 1024 and 2048."""
+    best = 0.0
+    for size in (1024, 2048):
+        a = put(np.random.default_rng(0).standard_normal((size, size), dtype=np.float32))
+        matmul(a)
+        for _ in range(3):
+            t = time.perf_counter()
+            matmul(a)
+            best = max(best, 2 * size**3 / (time.perf_counter() - t) / 1e9)
+    return best
 
 
 # --- the peer --------------------------------------------------------------------------------------
@@ -285,6 +330,43 @@ class Ours:
         return best
 
 
+def measure_mesh(spec: dict) -> dict:
+    """One mesh's measurements; runs in the mesh's own interpreter (`run_mesh`), which first asks for
+    exactly tp·dcp devices."""
+    from dcp_jax.mesh import ensure_cpu_devices
+
+    tp, dcp = spec["tp"], spec["dcp"]
+    ensure_cpu_devices(tp * dcp)
+    ours = Ours(Path(spec["checkpoint"]), tp, dcp)
+    results = []
+    for c, prompt in spec["prompts"]:
+        t = time.perf_counter()
+        donated_tokens, stats = ours.donated(prompt, spec["new_tokens"], spec["prefill_chunk"])
+        naive_tokens, naive = None, {}
+        if spec["naive"]:
+            naive_tokens, naive = ours.naive(prompt, spec["new_tokens"], spec["prefill_chunk"])
+        results.append(dict(context=c, donated_tokens=donated_tokens, stats=stats, naive_tokens=naive_tokens,
+                            naive=naive))
+        naive_tps = naive.get("naive_tokens_per_s")
+        print(f"tp={tp} dcp={dcp} context {c:>6}: donated {stats['decode_tokens_per_s']:.2f} tok/s, naive "
+              f"{naive_tps if naive_tps is None else round(naive_tps, 2)} tok/s, prefill "
+              f"{stats['ttft_s']:.2f} s ({time.perf_counter() - t:.0f} s)", file=sys.stderr, flush=True)
+    square = jax.jit(lambda a: a @ a)
+    return dict(results=results, devices=len(jax.devices()),
+                gemm_gflops=gemm_gflops(jnp.asarray, lambda a: square(a).block_until_ready()))
+
+
+def run_mesh(spec: dict) -> dict:
+    """`measure_mesh(spec)` in a fresh interpreter: this script again, with `--worker`."""
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker"], input=json.dumps(spec),
+                          stdout=subprocess.PIPE, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"error: measuring tp={spec['tp']} dcp={spec['dcp']} failed (exit {proc.returncode}); "
+                         "its error is printed above")
+    return json.loads(lines[-1])
+
+
 def ratio(a, b):
     return a / b if a is not None and b else None
 
@@ -294,7 +376,7 @@ def table(rows: list[dict]) -> str:
         return "-" if x is None else format(x, spec)
 
     head = (f"{'context':>8} {'tp':>2} {'dcp':>3} {'donated':>9} {'naive':>9} {'ratio':>6} {'peer':>9} "
-            f"{'peer_r':>6} {'prefill':>8} {'peer_pf':>8} {'pf_r':>6} {'cacheMB':>8} {'copy_ms':>8} "
+            f"{'peer_r':>6} {'prefill':>8} {'peer_pf':>8} {'pf_r':>6} {'floor':>6} {'cacheMB':>8} {'copy_ms':>8} "
             f"{'step_ms d/n':>13} same peer_same")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -303,11 +385,12 @@ def table(rows: list[dict]) -> str:
             f"{r['context']:>8} {r['tp']:>2} {r['dcp']:>3} {f(r['donated_tokens_per_s'], '9.2f')} "
             f"{f(r['naive_tokens_per_s'], '9.2f'):>9} {f(r['ratio'], '6.2f'):>6} "
             f"{f(r['peer_tokens_per_s'], '9.2f'):>9} {f(r['peer_ratio'], '6.2f'):>6} {f(r['prefill_s'], '8.2f')} "
-            f"{f(r['peer_prefill_s'], '8.2f'):>8} {f(r['prefill_ratio'], '6.2f'):>6} "
+            f"{f(r['peer_prefill_s'], '8.2f'):>8} {f(r['prefill_ratio'], '6.2f'):>6} {f(r['prefill_floor_s'], '6.2f')} "
             f"{r['kv_bytes_total'] / 2**20:>8.1f} {f(r['cache_copy_ms'], '8.1f'):>8} {steps:>13} "
             f"{str(r['same_tokens']):>4} {str(r['peer_same_tokens']):>9}")
     lines.append("tokens/s in decode (first token excluded); ratio = donated/naive, peer_r = donated/peer, "
-                 "pf_r = peer_prefill_s/prefill_s; prefill = prefill + first token, seconds")
+                 "pf_r = peer_prefill_s/prefill_s;\nprefill = prefill + first token, seconds; floor = the prompt's "
+                 "FLOPs at the fastest float32 GEMM rate measured (no exact prefill can be faster)")
     return "\n".join(lines)
 
 
@@ -317,7 +400,8 @@ def main(argv=None):
                    help="comma-separated prompt lengths (default 4096,16384,32768)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens to generate (default 32)")
     p.add_argument("--meshes", default="1x1,1x8", help="comma-separated TPxDCP meshes (default 1x1,1x8)")
-    p.add_argument("--prefill-chunk", type=int, default=256, help="the engine's default (fastest on CPU: 4K prefill 3.8 s at 256, 4.6 s at 512, 5.4 s at 1024)")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="the engine's default (fastest on CPU: 4K prefill 3.8 s at 256, 4.6 s at 512, 5.4 s at 1024)")
     p.add_argument("--checkpoint", type=Path, default=None,
                    help=f"HF checkpoint dir, created when missing (default {DEFAULT_CHECKPOINT})")
     p.add_argument("--peer-python", default=None,
@@ -330,11 +414,11 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids")
     p.add_argument("--quick", action="store_true", help="tiny checkpoint in a temp dir, context 512, 8 tokens")
     p.add_argument("--json", action="store_true", help='print one JSON object {"rows": [...]}')
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # run_mesh's child: spec on stdin
     args = p.parse_args(argv)
-
-    from dcp_jax.mesh import ensure_cpu_devices
-
-    ensure_cpu_devices(8)  # before anything touches devices: the dcp=8 mesh on a CPU-only machine
+    if args.worker:
+        print(json.dumps(measure_mesh(json.load(sys.stdin))))
+        return 0
 
     meshes = [tuple(int(x) for x in m.lower().split("x")) for m in args.meshes.split(",")]
     contexts = args.contexts or ([512] if args.quick else [4096, 16384, 32768])
@@ -370,15 +454,24 @@ def main(argv=None):
             else:
                 peers[c] = {}
 
-        rows = []
+        cfg = json.loads((checkpoint / "config.json").read_text())
+        rows, rates = [], {"numpy": gemm_gflops(lambda a: a, lambda a: a @ a)}
+        for c in contexts:
+            if peers[c].get("peer_gemm_gflops"):
+                rates["torch"] = max(rates.get("torch", 0.0), peers[c]["peer_gemm_gflops"])
+        measured = []
         for tp, dcp in meshes:
-            ours = Ours(checkpoint, tp, dcp)
-            for c in contexts:
-                t = time.perf_counter()
-                donated_tokens, stats = ours.donated(prompts[c], new_tokens, args.prefill_chunk)
-                naive_tokens, naive = None, {}
-                if dcp == 1 or args.naive_all_meshes:
-                    naive_tokens, naive = ours.naive(prompts[c], new_tokens, args.prefill_chunk)
+            out = run_mesh(dict(checkpoint=str(checkpoint), tp=tp, dcp=dcp, new_tokens=new_tokens,
+                                prefill_chunk=args.prefill_chunk, naive=dcp == 1 or args.naive_all_meshes,
+                                prompts=[[c, prompts[c]] for c in contexts]))
+            rates[f"xla_{tp * dcp}dev"] = out["gemm_gflops"]
+            measured.append((tp, dcp, out))
+        best_rate = max(rates.values())
+        log("float32 GEMM GFLOP/s: " + ", ".join(f"{k} {v:.0f}" for k, v in rates.items()))
+        for tp, dcp, out in measured:
+            for res in out["results"]:
+                c, stats, naive, donated_tokens = res["context"], res["stats"], res["naive"], res["donated_tokens"]
+                naive_tokens = res["naive_tokens"]
                 peer = peers[c]
                 donated_tps = stats["decode_tokens_per_s"]
                 naive_tps = naive.get("naive_tokens_per_s")
@@ -388,15 +481,18 @@ def main(argv=None):
                     log(f"WARNING: tp={tp} dcp={dcp} context {c}: naive and donated greedy tokens differ: "
                         f"{naive_tokens} vs {donated_tokens}")
                 peer_tokens = peer.get("peer_tokens")
+                flops = prefill_flops(cfg, c)
                 row = dict(
-                    context=c, new_tokens=new_tokens, batch=1, tp=tp, dcp=dcp, params=params,
-                    prefill_chunk=args.prefill_chunk,
+                    context=c, new_tokens=new_tokens, batch=1, tp=tp, dcp=dcp, devices=out["devices"],
+                    params=params, prefill_chunk=args.prefill_chunk,
                     donated_tokens_per_s=donated_tps, naive_tokens_per_s=naive_tps,
                     ratio=ratio(donated_tps, naive_tps), peer_tokens_per_s=peer_tps,
                     peer_ratio=ratio(donated_tps, peer_tps),
                     prefill_s=stats["ttft_s"], peer_prefill_s=peer.get("peer_prefill_s"),
                     prefill_ratio=ratio(peer.get("peer_prefill_s"), stats["ttft_s"]),
                     naive_prefill_s=naive.get("naive_prefill_s"),
+                    prefill_flops=flops, gemm_gflops=best_rate, gemm_gflops_by=rates,
+                    prefill_floor_s=flops / (best_rate * 1e9),
                     donated_step_ms=1e3 / donated_tps if donated_tps else None,
                     naive_step_ms=1e3 / naive_tps if naive_tps else None,
                     peer_step_ms=1e3 / peer_tps if peer_tps else None,
@@ -410,10 +506,6 @@ def main(argv=None):
                     peer_attn=peer.get("peer_attn"), peer_cache=peer.get("peer_cache"),
                 )
                 rows.append(row)
-                log(f"tp={tp} dcp={dcp} context {c:>6}: donated {donated_tps:.2f} tok/s, naive "
-                    f"{naive_tps if naive_tps is None else round(naive_tps, 2)} tok/s, prefill "
-                    f"{stats['ttft_s']:.2f} s, same tokens {same} ({time.perf_counter() - t:.0f} s)")
-            del ours
     finally:
         if tmp is not None:
             tmp.cleanup()

@@ -23,6 +23,9 @@ def test_bench_decode_quick(capsys, monkeypatch):
         assert r["donated_tokens_per_s"] > 0 and r["naive_tokens_per_s"] > 0
         assert r["prefill_s"] > 0 and r["ratio"] > 0
         assert r["same_tokens"] is True
+        # each mesh ran in its own interpreter with exactly its devices (as the CLI does)
+        assert r["devices"] == r["tp"] * r["dcp"]
+        assert r["gemm_gflops"] > 0 and r["prefill_floor_s"] == r["prefill_flops"] / (r["gemm_gflops"] * 1e9)
         # --quick runs no peer unless --peer-python is given
         assert r["peer_tokens_per_s"] is None and r["peer_ratio"] is None and r["prefill_ratio"] is None
         assert len(r["tokens"]) == r["new_tokens"] == 8
@@ -38,3 +41,29 @@ def test_checkpoint_uses_hf_llama_names(tmp_path):
             "model.layers.0.input_layernorm.weight"} <= set(names)
     assert names["model.layers.0.mlp.down_proj.weight"].shape == (16, 8)  # [out, in]
     assert mod["count_params"](mod["ensure_checkpoint"](tmp_path / "ck", "tiny")) > 0
+
+
+def test_prefill_flops_matches_xla_cost_analysis():
+    """The floor's FLOP count against XLA's own count of a cache-free forward on the tiny checkpoint's
+    shapes, which also computes the upper attention triangle and every token's logits."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dcp_jax import make_mesh
+    from dcp_jax.config import ModelConfig
+    from dcp_jax.model import CausalLM, random_source
+
+    mod = runpy.run_path(str(SCRIPTS / "bench_decode.py"), run_name="bench_decode")
+    hf = mod["hf_config"]("tiny")
+    cfg = ModelConfig.from_dict(hf)
+    mesh = make_mesh(1, 1)
+    graphdef, params = nnx.split(CausalLM(cfg, random_source(cfg, mesh), mesh))
+    n, h, d = hf["num_hidden_layers"], hf["num_attention_heads"], hf["head_dim"]
+    e, v = hf["hidden_size"], hf["vocab_size"]
+    for t in (16, 64):
+        forward = jax.jit(lambda p, x: nnx.merge(graphdef, p).forward(x))
+        xla = forward.lower(params, jnp.zeros((1, t), jnp.int32)).compile().cost_analysis()["flops"]
+        extra = n * h * 4 * d * (t * t - t * (t + 1) // 2) + 2 * e * v * (t - 1)
+        # XLA also counts the elementwise work (norms, RoPE, softmax): a few percent more
+        assert 1.0 <= xla / (mod["prefill_flops"](hf, t) + extra) <= 1.1
