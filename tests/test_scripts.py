@@ -39,6 +39,24 @@ def test_bench_comm_counts_every_element_of_a_long_tuple():
     assert mod["collective_bytes"](hlo) == {"all-to-all": 8 * 16}
 
 
+def test_each_layer_adds_only_the_combine_and_two_all_reduces():
+    """The decode step's collectives per layer (tiny model, tp=2 x dcp=4): the combine's LSE all-gather
+    and reduce-scatter, then the all-reduces after o_proj and down_proj. The residual stream stays
+    replicated, so no norm, projection or MLP input needs a collective of its own."""
+    import collections
+    import re
+
+    mod = runpy.run_path(str(SCRIPTS / "bench_comm.py"), run_name="bench_comm")
+
+    def count(layers):
+        hlo = mod["step_hlo"]("tiny", layers, 2, 4, 4096, "scatter", 1)
+        return collections.Counter(re.findall(r" (all-gather|all-reduce|reduce-scatter|all-to-all)(?:-start)?\(", hlo))
+
+    one, two = count(1), count(2)
+    assert two - one == {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 2}
+    assert one - two == collections.Counter()
+
+
 def test_bench_memory_quick(capsys):
     mod = runpy.run_path(str(SCRIPTS / "bench_memory.py"), run_name="bench_memory")
     assert mod["main"](["--quick", "--json"]) == 0
