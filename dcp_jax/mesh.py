@@ -31,7 +31,7 @@ def ensure_cpu_devices(n: int) -> None:
 
     Must run before JAX initialises its backends to have an effect; afterwards it only checks.
     Simulate no more devices than the mesh uses: XLA's CPU client runs max(cores, devices) threads, so
-    8 simulated devices on 2 cores halve the speed of a 1-device mesh (16K decode step: 96-101 ms
+    8 simulated devices on 2 cores halve the speed of a 1-device mesh (16K decode step: 94-101 ms
     against 47-53 ms; scripts/bench_decode.py measures each mesh with exactly its devices).
     """
     from jax._src import xla_bridge  # private: the only way to ask "already initialised?"

@@ -20,7 +20,7 @@ the engine's ttft_s (prefill + first token).
 Each mesh is measured in its own interpreter that sees exactly tp·dcp devices, as
 `python -m dcp_jax.generate --mesh ...` does: XLA's CPU client sizes its thread pool to
 max(cores, devices), so simulating 8 devices for a 1-device mesh puts 8 threads on the cores and
-halves the dcp=1 decode speed on a 2-core machine (measured: 16K step 96-101 ms vs 47-53 ms).
+halves the dcp=1 decode speed on a 2-core machine (measured: 16K step 94-101 ms vs 47-53 ms).
 
 `prefill_floor_s` is the least time any exact float32 prefill can take here: the prompt's
 matmul FLOPs (`prefill_flops`: projections and MLP for every token, causal attention, one lm_head
@@ -185,8 +185,8 @@ def count_params(path: Path) -> int:
 def prefill_flops(cfg: dict, t: int) -> int:
     """FLOPs (2 per multiply-add) that any exact prefill of `t` tokens does: every token through the
     q/k/v/o projections and the MLP, causal attention (query i meets i + 1 keys, in QK^T and in PV)
-    and the lm_head row of the last token. Norms, RoPE and the softmax are left out, so the floor
-    they give is lower still than what is reachable."""
+    and the lm_head row of the last token. Norms, RoPE and the softmax are left out, which only
+    lowers the floor."""
     e, i, v, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     h, k = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or e // h
