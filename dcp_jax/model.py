@@ -203,7 +203,8 @@ class CausalLM(nnx.Module):
     def _trunk(self, tokens, positions, valid, kv_len, cache, ctx, max_seq_len):
         inv_freq = jnp.asarray(self.config.rope.inv_freq(self.config.rope_dim, max_seq_len), jnp.float32)
         x = jnp.take(self.embed_tokens[...], tokens, axis=0)
-        if ctx is not None:
+        if ctx is not None:  # keep the residual stream replicated: the table's hidden split would otherwise
+            # carry through every layer (norm and q/k/v all-reduces, an all-gather before the MLP)
             x = jax.lax.with_sharding_constraint(x, mesh_lib.named(ctx.mesh, mesh_lib.spec()))
         new_cache = []
         for i, layer in enumerate(self.layers):
