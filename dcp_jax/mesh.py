@@ -144,6 +144,19 @@ def q_spec(head_axes: AxisNames = (TP,)) -> P:
     return P(None, None, _group(head_axes), None)
 
 
+def residual_spec() -> P:
+    """The residual stream [B, T, E]: replicated, so a layer's only collectives are the attention combine
+    and the all-reduces after o_proj and down_proj (a split hidden dim would add norm and q/k/v
+    all-reduces and an all-gather before the MLP in every layer)."""
+    return P()
+
+
+def token_split_spec() -> P:
+    """A prefill chunk's activations [B, T, E] with tokens over "dcp": the q/k/v projections, whose
+    weights are split over "tp" only, then do 1/dcp of the tokens on each dcp rank."""
+    return P(None, DCP, None)
+
+
 def kv_cache_spec(head_axes: AxisNames = (TP,), context_axes: AxisNames = (DCP,)) -> P:
     """KV cache [B, K, S, D]: kv heads over `head_axes`, sequence slots over `context_axes`."""
     return P(None, _group(head_axes), _group(context_axes), None)

@@ -2,6 +2,8 @@
 
 Models hold no collectives and no shard_map: their weights carry shardings (heads over "tp"; o_proj,
 the MLP and the vocabulary over ("tp","dcp") where the sizes divide) and XLA inserts the reductions.
+Two activation placements are pinned, both specs from `dcp_jax.mesh`: the residual stream replicated
+(`residual_spec`) and, in prefill, the q/k/v projections' tokens over "dcp" (`token_split_spec`).
 Attention goes through `dcp_jax.attention`, the one shard_map island. Shared layers and the weight
 source protocol are in `dcp_jax.layers`.
 
@@ -63,7 +65,7 @@ def _split_tokens(x, mesh: Mesh):
     n = mesh.shape[DCP]
     if n == 1 or x.shape[1] % n:
         return x
-    return jax.lax.with_sharding_constraint(x, mesh_lib.named(mesh, mesh_lib.spec((), (DCP,), ())))
+    return jax.lax.with_sharding_constraint(x, mesh_lib.named(mesh, mesh_lib.token_split_spec()))
 
 
 class Attention(nnx.Module):
@@ -203,9 +205,8 @@ class CausalLM(nnx.Module):
     def _trunk(self, tokens, positions, valid, kv_len, cache, ctx, max_seq_len):
         inv_freq = jnp.asarray(self.config.rope.inv_freq(self.config.rope_dim, max_seq_len), jnp.float32)
         x = jnp.take(self.embed_tokens[...], tokens, axis=0)
-        if ctx is not None:  # keep the residual stream replicated: the table's hidden split would otherwise
-            # carry through every layer (norm and q/k/v all-reduces, an all-gather before the MLP)
-            x = jax.lax.with_sharding_constraint(x, mesh_lib.named(ctx.mesh, mesh_lib.spec()))
+        if ctx is not None:  # the lookup table is split over the hidden dim; the residual stream is not
+            x = jax.lax.with_sharding_constraint(x, mesh_lib.named(ctx.mesh, mesh_lib.residual_spec()))
         new_cache = []
         for i, layer in enumerate(self.layers):
             x, layer_cache = layer(x, positions, valid, kv_len, inv_freq, None if cache is None else cache[i], ctx)

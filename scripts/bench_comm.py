@@ -54,8 +54,8 @@ def _shape_bytes(text: str) -> int:
 _RING = {"all-reduce": 2}
 
 
-def collective_bytes(hlo: str) -> dict[str, int]:
-    """Bytes per collective kind in an HLO module (ring cost, see the module docstring)."""
+def _collectives(hlo: str):
+    """(kind, ring bytes) of every collective in an HLO module (see the module docstring)."""
     # XLA prints /*index=5*/ inside long tuples: drop comments, or their "=" hides the tuple's first elements
     lines = [re.sub(r"/\*.*?\*/", "", line) for line in hlo.splitlines()]
     shapes = {}
@@ -63,14 +63,28 @@ def collective_bytes(hlo: str) -> dict[str, int]:
         m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ([^ ]+)", line)
         if m:
             shapes[m.group(1)] = m.group(2)
-    out: dict[str, int] = {}
     for line in lines:
         m = _COLLECTIVE.search(line)
         if not m or "-done" in line:
             continue
         result, kind, operands = m.groups()
         operand_bytes = sum(_shape_bytes(shapes.get(o.strip().lstrip("%"), "")) for o in operands.split(","))
-        out[kind] = out.get(kind, 0) + _RING.get(kind, 1) * max(_shape_bytes(result), operand_bytes)
+        yield kind, _RING.get(kind, 1) * max(_shape_bytes(result), operand_bytes)
+
+
+def collective_bytes(hlo: str) -> dict[str, int]:
+    """Bytes per collective kind in an HLO module (ring cost)."""
+    out: dict[str, int] = {}
+    for kind, nbytes in _collectives(hlo):
+        out[kind] = out.get(kind, 0) + nbytes
+    return out
+
+
+def collective_counts(hlo: str) -> dict[str, int]:
+    """How many collectives of each kind an HLO module launches."""
+    out: dict[str, int] = {}
+    for kind, _ in _collectives(hlo):
+        out[kind] = out.get(kind, 0) + 1
     return out
 
 
@@ -128,15 +142,19 @@ def main(argv=None):
                 continue
             for context in contexts:
                 t = time.perf_counter()
-                kinds = collective_bytes(step_hlo(model, args.layers, tp, dcp, context, variant, args.batch))
+                hlo = step_hlo(model, args.layers, tp, dcp, context, variant, args.batch)
+                kinds, counts = collective_bytes(hlo), collective_counts(hlo)
                 rows.append(dict(model=model, layers=args.layers, batch=args.batch, tp=tp, dcp=dcp, context=context,
                                  variant=variant, collective_bytes_per_step=sum(kinds.values()),
+                                 collectives_per_step=sum(counts.values()),
                                  **{f"bytes_{k.replace('-', '_')}": v for k, v in sorted(kinds.items())},
+                                 **{f"count_{k.replace('-', '_')}": v for k, v in sorted(counts.items())},
                                  compile_s=round(time.perf_counter() - t, 2)))
                 if not args.json:
                     r = rows[-1]
                     print(f"tp={tp} dcp={dcp} {variant:16s} context {context:>8,}: "
-                          f"{r['collective_bytes_per_step']:>12,} B/step  {kinds}", flush=True)
+                          f"{r['collective_bytes_per_step']:>12,} B/step in {r['collectives_per_step']} "
+                          f"collectives  {kinds}", flush=True)
     # the claim: flat in context, per mesh and variant
     spread = {}
     for r in rows:

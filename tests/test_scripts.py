@@ -26,6 +26,13 @@ def test_bench_comm_quick_is_flat_in_context(capsys, monkeypatch):
     # q_gather adds an all-gather of q
     assert total["all_to_all"] < total["scatter"] < total["psum"]
     assert total["scatter"] < total["scatter+q_gather"]
+    # the number of collectives a step launches is flat in context too; q_gather adds one all-gather per layer
+    counts = {}
+    for r in rows:
+        counts.setdefault((r["tp"], r["dcp"], r["variant"]), set()).add(r["collectives_per_step"])
+    assert all(len(c) == 1 for c in counts.values())
+    q = by[(2, 4, "scatter+q_gather", 4096)]["count_all_gather"] - by[(2, 4, "scatter", 4096)]["count_all_gather"]
+    assert q == by[(2, 4, "scatter", 4096)]["layers"]
     assert by[(2, 4, "all_to_all", 4096)]["bytes_all_to_all"] > 0
     assert "bytes_reduce_scatter" not in by[(2, 4, "all_to_all", 4096)]
 
@@ -37,6 +44,7 @@ def test_bench_comm_counts_every_element_of_a_long_tuple():
     ops = ", ".join(("/*index=5*/" if i == 5 else "") + f"%p.{i}" for i in range(8))
     hlo = "\n".join(parts + [f"%all-to-all = ({elems}) all-to-all({ops}), channel_id=1"])
     assert mod["collective_bytes"](hlo) == {"all-to-all": 8 * 16}
+    assert mod["collective_counts"](hlo) == {"all-to-all": 1}
 
 
 def test_each_layer_adds_only_the_combine_and_two_all_reduces():
@@ -44,13 +52,11 @@ def test_each_layer_adds_only_the_combine_and_two_all_reduces():
     and reduce-scatter, then the all-reduces after o_proj and down_proj. The residual stream stays
     replicated, so no norm, projection or MLP input needs a collective of its own."""
     import collections
-    import re
 
     mod = runpy.run_path(str(SCRIPTS / "bench_comm.py"), run_name="bench_comm")
 
     def count(layers):
-        hlo = mod["step_hlo"]("tiny", layers, 2, 4, 4096, "scatter", 1)
-        return collections.Counter(re.findall(r" (all-gather|all-reduce|reduce-scatter|all-to-all)(?:-start)?\(", hlo))
+        return collections.Counter(mod["collective_counts"](mod["step_hlo"]("tiny", layers, 2, 4, 4096, "scatter", 1)))
 
     one, two = count(1), count(2)
     assert two - one == {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 2}
