@@ -2,7 +2,9 @@
 against the reference, and the Pallas kernel lowered for CUDA on this CPU-only machine."""
 
 import functools
+import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from pallas_kernels.attention import SlotPositions, attention
+from pallas_kernels.attention import SlotPositions, attention, configs
 from pallas_kernels.attention import triton as triton_kernel
 from tests.util import assert_lse_close, dense_attention, rel_err
 
@@ -72,6 +74,8 @@ def test_reference_matches_float64(dtype, t, h, kh, dk, dv, stride):
 @pytest.mark.parametrize("t,h,kh,s,dk,dv,dtype,runs,opts", [
     (1, 8, 2, 40, 16, 16, jnp.float32, (0, 1, 2), dict(block_k=16)),   # decode; 3 blocks, ragged tail
     (16, 2, 2, 24, 8, 12, jnp.float32, (4, 4, 12), dict(block_k=16, num_splits=2)),  # prefill, Dk != Dv
+    (1, 8, 2, 40, 16, 16, jnp.float32, (0, 1, 2), dict(block_k=16, num_splits=3)),  # splits of visible blocks
+    (3, 8, 2, 50, 16, 16, jnp.float32, (0, 1, 1), dict(block_q=16, block_k=16, num_splits=2)),  # 2 query blocks
     (1, 4, 1, 32, 24, 16, jnp.bfloat16, (1, 1, 3), dict(block_k=16)),  # shared kv head (MLA-like)
 ])
 def test_pallas_interpret_matches_reference(t, h, kh, s, dk, dv, dtype, runs, opts):
@@ -149,6 +153,59 @@ def test_bad_shapes(change, match):
         attention(**x)
 
 
+# --- the query-tiled kernel: long prefill chunks over cached prefixes --------------------------------
+
+@pytest.mark.parametrize("b,t,h,kh,prefix,runs,dtype,opts", [
+    # a 4096-token chunk after a 512-token cached prefix, ragged batch (one sequence empty, one shorter
+    # than the chunk: its first rows see nothing)
+    (3, 4096, 2, 1, 512, None, jnp.float32, dict(block_q=128, block_k=128)),
+    (2, 1000, 8, 2, 300, (2, 2, 8), jnp.float32, dict(block_q=64, block_k=32)),   # G=4, interleaved shard
+    (2, 257, 4, 4, 100, (0, 1, 3), jnp.bfloat16, dict(block_q=32, block_k=16)),   # G=1 (MHA), strided
+    (2, 96, 8, 1, 40, None, jnp.float32, dict(block_q=64, block_k=16)),           # G=8
+    (2, 300, 4, 2, 64, (1, 1, 2), jnp.float32, {}),                               # G=2, the table's blocks
+])
+def test_tiled_prefill_matches_float64(b, t, h, kh, prefix, runs, dtype, opts):
+    runs = runs or (0, 1, 1)
+    s = math.ceil((prefix + t) / runs[2]) * runs[1]  # slots holding positions up to prefix + t
+    x = make_inputs(b, t, h, kh, s, 16, 16, dtype, runs=runs)
+    o, lse = attention(**x, impl=PALLAS, **opts)
+    assert o.dtype == dtype and lse.dtype == jnp.float32
+    check_against_oracle(o, lse, x, TOL[dtype])
+    assert np.isneginf(np.asarray(lse[1])).all()  # the empty sequence sees nothing, no NaN
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dk,dv,g", [(128, 128, 1), (128, 128, 4), (128, 128, 8), (256, 256, 4), (576, 512, 16)])
+def test_block_shapes_do_not_depend_on_the_chunk(dtype, dk, dv, g):
+    # Prefill configs (hence shared memory) are the same for every chunk length, and always fit.
+    itemsize = jnp.dtype(dtype).itemsize
+    picks = {configs.pick(t * g, dk, dv, itemsize, shared_v=dk == 576) for t in (128, 512, 1024, 2048, 4096)}
+    assert len(picks) == 1, picks
+    (phase, cfg), = picks
+    assert phase == "prefill"
+    assert configs.smem_bytes(cfg, dk, dv, itemsize, dk == 576) <= configs.SMEM_LIMIT
+    for rows in (1, 4, 16, 64):  # decode: every row in one block, still within shared memory
+        phase, cfg = configs.pick(rows, dk, dv, itemsize)
+        assert configs.smem_bytes(cfg, dk, dv, itemsize, False) <= configs.SMEM_LIMIT
+        assert cfg.block_q >= min(rows, 16) or phase == "prefill"
+
+
+def test_head_pieces_and_splits():
+    assert configs.head_pieces(576) == ((0, 512), (512, 64))
+    assert configs.head_pieces(80) == ((0, 64), (64, 16))
+    assert configs.head_pieces(128) == ((0, 128),)
+    assert configs.num_splits(programs=8 * 8, kv_blocks=256, sms=132) == 5   # 2 waves of 132 SMs
+    assert configs.num_splits(programs=4096, kv_blocks=256, sms=132) == 1    # a prefill grid is full
+    assert configs.num_splits(programs=1, kv_blocks=3, sms=132) == 1         # splits of >= 8 blocks
+    assert configs.num_splits(programs=1, kv_blocks=4096, sms=132) == configs.MAX_SPLITS
+
+
+def test_pallas_gpu_needs_head_dims_in_pieces_of_16():
+    x = make_inputs(1, 1, 2, 2, 8, 24, 24)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        triton_kernel.attention(**x, scale=0.1)
+
+
 # --- lowering for CUDA without a GPU (DESIGN.md §5) -------------------------------------------------
 
 def lower_for_cuda(b, t, h, kh, s, dk, dv, dtype, shared_v=False, **opts):
@@ -170,13 +227,56 @@ def lower_for_cuda(b, t, h, kh, s, dk, dv, dtype, shared_v=False, **opts):
     return exported.mlir_module()
 
 
+_TENSOR = re.compile(r"tensor<((?:\d+x)*)[a-z]+\d*>")
+
+
+COPY_OPS = {f"stablehlo.{op}" for op in
+            ("pad", "concatenate", "slice", "dynamic_slice", "transpose", "copy", "gather", "reverse")}
+
+
+def large_copies(text: str, elements: int) -> list[str]:
+    """Lines of the lowered module whose op moves data (pad, concatenate, slice, transpose, copy, ...)
+    and reads or makes a tensor of >= `elements` elements."""
+    found = []
+    for line in text.splitlines():
+        op = re.search(r"= ([a-z_]+\.[a-z_]+)", line)
+        if not op or op.group(1) not in COPY_OPS:
+            continue
+        sizes = [math.prod(int(d) for d in m.split("x") if d) for m in _TENSOR.findall(line)]
+        if sizes and max(sizes) >= elements:
+            found.append(f"{op.group(1)}: {line.strip()[:160]}")
+    return found
+
+
 @pytest.mark.parametrize("name,shape,dtype,shared_v", [
     ("decode-gqa", (4, 1, 32, 8, 4096, 128, 128), jnp.bfloat16, False),
     ("prefill-chunk", (1, 64, 32, 8, 2048, 128, 128), jnp.bfloat16, False),
+    ("prefill-chunk-2048", (2, 2048, 32, 8, 32768, 128, 128), jnp.bfloat16, False),
     ("decode-mla-absorbed", (2, 1, 16, 1, 2048, 576, 512), jnp.bfloat16, True),
+    ("prefill-mla-absorbed", (1, 256, 16, 1, 32768, 576, 512), jnp.bfloat16, True),
     ("decode-f32-odd", (3, 1, 6, 3, 1000, 80, 80), jnp.float32, False),
 ])
-def test_pallas_lowers_for_cuda(name, shape, dtype, shared_v):
+def test_pallas_lowers_for_cuda_without_copying_the_cache(name, shape, dtype, shared_v):
+    b, t, h, kh, s, dk, dv = shape
     text = lower_for_cuda(*shape, dtype, shared_v=shared_v)
     assert "__gpu$xla.gpu.triton" in text
-    assert "dcp_flash_decode" in text
+    assert "dcp_flash_attention" in text
+    # The cache goes to the kernel as it is: no pad, slice, concatenate, transpose or copy of it (or of
+    # anything half its size) anywhere in the module.
+    assert large_copies(text, b * kh * s * dk // 2) == []
+    kernel_call = next(line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line)
+    assert "%arg1" in kernel_call and ("%arg2" in kernel_call) != shared_v
+
+
+def test_no_copy_check_sees_a_padded_cache():
+    # The assertion above can fail: a wrapper that pads the cache (what the kernel did before) is caught.
+    def padded(q, k, v, *rest, **kw):
+        return triton_kernel.attention(q, jnp.pad(k, ((0, 0), (0, 0), (0, 24), (0, 0))),
+                                       jnp.pad(v, ((0, 0), (0, 0), (0, 24), (0, 0))), *rest, **kw)
+    f = functools.partial(padded, scale=0.1, interpret=True)
+    args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in [(1, 1, 8, 64), (1, 2, 1000, 64),
+                                                                     (1, 2, 1000, 64)]]
+    args += [jax.ShapeDtypeStruct((1, 1), jnp.int32), SlotPositions(0, 1000, 1000),
+             jax.ShapeDtypeStruct((1,), jnp.int32)]
+    text = jax.jit(f).lower(*args).as_text()
+    assert any(op.startswith("stablehlo.pad") for op in large_copies(text, 2 * 1000 * 64 // 2))

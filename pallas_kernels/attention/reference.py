@@ -22,6 +22,10 @@ from jax import lax
 
 from pallas_kernels.attention.common import row_limits
 
+# The oracle computes in float32 on every backend: XLA's GPU dots would otherwise run float32 as TF32
+# (rel. error ~4e-4); XLA:CPU's float32 dots are float32 either way.
+HIGHEST = lax.Precision.HIGHEST
+
 
 def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 512, block_k_masked: int = 128,
               v_dim: int | None = None):
@@ -55,7 +59,7 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
     def block(start, n):
         kb = lax.dynamic_slice_in_dim(k, start, n, axis=2).astype(jnp.float32)
         vb = kb[..., :dv] if v is None else lax.dynamic_slice_in_dim(v, start, n, axis=2).astype(jnp.float32)
-        return jnp.einsum("bkrd,bksd->bkrs", qg, kb), vb
+        return jnp.einsum("bkrd,bksd->bkrs", qg, kb, precision=HIGHEST), vb
 
     def update(carry, sc, vb, m_safe_fn):
         m, l, acc = carry  # [B, K, R], [B, K, R], [B, K, R, Dv]
@@ -63,7 +67,7 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
         m_safe = m_safe_fn(m_new)
         alpha = jnp.exp(m - m_safe)
         p = jnp.exp(sc - m_safe[..., None])
-        acc = acc * alpha[..., None] + jnp.einsum("bkrs,bksd->bkrd", p, vb)
+        acc = acc * alpha[..., None] + jnp.einsum("bkrs,bksd->bkrd", p, vb, precision=HIGHEST)
         return m_new, l * alpha + jnp.sum(p, axis=-1), acc
 
     def masked_step(j, carry):

@@ -1,15 +1,23 @@
-"""Pallas GPU (Triton lowering) flash-decoding kernel over one KV slice.
+"""Pallas GPU (Triton lowering) attention over one KV slice: flash decoding and query-tiled prefill.
 
-Layout: the grid is (batch, kv head, split). One program takes the R = T·G query rows that share a KV
-head (all query tokens × the G query heads of that group, padded to a power of two ≥ 16 so `dot` can use
-tensor cores), walks its split of the KV slice block by block with an online softmax in float32, and
-writes a partial output and LSE. The splits are then merged by LSE (`common.merge_partials`), the same
-exact merge the cross-device combine uses. GQA never repeats KV: the group's rows share each K/V block.
+Rows: the T query tokens × G query heads sharing a kv head are folded into R = T·G rows (token-major),
+pre-scaled by scale·log2(e) so the softmax runs on `exp2`. The grid is (batch, kv head, query block,
+KV split): one program takes `block_q` rows and walks its split of the slots they may see, `block_k`
+slots at a time, with an online softmax in float32. Shared memory depends on the block sizes alone
+(`configs.pick`), never on the chunk or the cache length.
 
-Slot positions are computed in registers from the slice's `SlotPositions` (no position array is read),
-and each program visits only the blocks up to the last slot any of its rows may see, so a decode step
-over a mostly empty cache reads only the filled part. Triton needs power-of-two block shapes, so head
-dims are zero-padded by the wrapper (a no-op for 64/128-wide heads); slots past the slice are masked.
+The walk is cut in two: blocks below the smallest row limit of the query block (every row sees every
+slot: in a prefill chunk, all of the cached prefix; in decode, all but the last block) run without a
+mask; the rest, up to the largest limit, with it. A program's KV split is a share of the *visible*
+blocks (computed in the kernel from the lengths), so a half-filled cache is split as evenly as a full
+one, and a query block that sees nothing does nothing. Splits are merged by LSE (`merge_partials`,
+the same exact merge as the cross-device combine).
+
+Nothing cache-sized is copied: the kernel reads K and V where they lie. Head dims that are not a power
+of two are loaded and multiplied in power-of-two pieces (576 = 512 + 64, 80 = 64 + 16), and the slice's
+tail block is a masked load, so neither the head dim nor the sequence is ever padded. MLA's values are
+the keys' first Dv features: the loaded key pieces are reused, nothing is loaded twice.
+Slot positions are computed in registers from the slice's `SlotPositions` (no position array).
 """
 
 from __future__ import annotations
@@ -23,119 +31,143 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.attention import configs
 from pallas_kernels.attention.common import SlotPositions, merge_partials, row_limits
 
-# `dot` moved from `pl` (removed in JAX 0.12) to the Triton module; JAX 0.11.2 may have only the former.
-_dot = getattr(plgpu, "dot", None) or pl.dot
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 
 
-def _pow2(n: int, minimum: int = 1) -> int:
-    return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
-
-
-def _kernel(start_ref, q_ref, k_ref, *refs, scale, block_k, precision, run, stride, num_slots, shared_v):
-    # start_ref []; q_ref [R, Dk]; k_ref [L, Dk]; v_ref [L, Dv] (absent when the values are k's first Dv
-    # columns); lim_ref [R]; o_ref [R, Dv]; lse_ref [R]
-    v_ref, lim_ref, o_ref, lse_ref = (None, *refs) if shared_v else refs
+def _kernel(start_ref, q_ref, lim_ref, k_ref, *refs, block_k, precision, run, stride, num_slots, num_splits,
+            k_pieces, v_pieces, shared_v):
+    # start_ref []; q_ref [BQ, Dk] (pre-scaled, log2 domain); lim_ref [BQ]; k_ref [S, Dk]; v_ref [S, Dv]
+    # (absent when the values are k's first Dv columns); o_ref [BQ, Dv]; lse_ref [BQ]
+    v_ref, o_ref, lse_ref = (None, *refs) if shared_v else refs
     positions = SlotPositions(start_ref[()], run, stride)
-    q = q_ref[...]
     lim = lim_ref[...]
-    rows, dv = o_ref.shape
-    split_len = k_ref.shape[0]
-    first = pl.program_id(2) * split_len
+    qs = [q_ref[:, pl.ds(off, w)] for off, w in k_pieces]
+    # Slots [0, seen_by_all) are seen by every row, [0, visible) by some row.
     visible = jnp.minimum(positions.count_upto(jnp.max(lim)), num_slots)
-    num_blocks = jnp.clip(pl.cdiv(visible - first, block_k), 0, split_len // block_k)
+    seen_by_all = jnp.minimum(positions.count_upto(jnp.min(lim)), num_slots)
+    per_split = pl.cdiv(pl.cdiv(visible, block_k), num_splits) * block_k
+    first = pl.program_id(3) * per_split
+    end = jnp.minimum(first + per_split, visible)
+    num_unmasked = jnp.maximum(jnp.minimum(seen_by_all, end) - first, 0) // block_k
+    num_blocks = pl.cdiv(jnp.maximum(end - first, 0), block_k)
 
-    def step(i, carry):
-        m, l, acc = carry
-        sl = pl.ds(i * block_k, block_k)
-        slots = first + i * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-        pos = positions.at(slots)
-        k = k_ref[sl, :]
-        v = k_ref[sl, :dv] if shared_v else v_ref[sl, :]
-        s = _dot(q, k, trans_b=True, precision=precision).astype(jnp.float32) * scale
-        mask = (pos[None, :] <= lim[:, None]) & (slots[None, :] < num_slots)
-        s = jnp.where(mask, s, -jnp.inf)
+    def load(ref, start, off, w, masked):
+        idx = (pl.ds(start, block_k), pl.ds(off, w))
+        if not masked:
+            return ref[idx]
+        inside = start + lax.broadcasted_iota(jnp.int32, (block_k, w), 0) < num_slots  # the slice's tail
+        return plgpu.load(ref.at[idx], mask=inside, other=0)
+
+    def step(i, carry, masked):
+        m, l, accs = carry
+        start = first + i * block_k
+        ks = [load(k_ref, start, off, w, masked) for off, w in k_pieces]
+        s = functools.reduce(jnp.add, [
+            plgpu.dot(q, k, trans_b=True, precision=precision).astype(jnp.float32) for q, k in zip(qs, ks)])
+        if masked:
+            slots = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+            seen = (positions.at(slots)[None, :] <= lim[:, None]) & (slots[None, :] < num_slots)
+            s = jnp.where(seen, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m - m_safe)
-        p = jnp.exp(s - m_safe[:, None])
-        pv = _dot(p.astype(v.dtype), v, precision=precision).astype(jnp.float32)
-        return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new  # unmasked: all finite
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp2(s - m_safe[:, None])
+        if shared_v:  # MLA: the values are the keys' first Dv features; reuse the loaded pieces
+            loaded = dict(zip(k_pieces, ks))
+            vs = [loaded[pc] if pc in loaded else load(k_ref, start, *pc, masked) for pc in v_pieces]
+        else:
+            vs = [load(v_ref, start, off, w, masked) for off, w in v_pieces]
+        accs = [acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision).astype(jnp.float32)
+                for acc, v in zip(accs, vs)]
+        return m_new, l * alpha + jnp.sum(p, axis=1), accs
 
-    init = (
-        jnp.full((rows,), -jnp.inf, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-        jnp.zeros((rows, dv), jnp.float32),
-    )
-    m, l, acc = lax.fori_loop(0, num_blocks, step, init)
+    rows = lim.shape[0]
+    carry = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+             [jnp.zeros((rows, w), jnp.float32) for _, w in v_pieces])
+    carry = lax.fori_loop(0, num_unmasked, functools.partial(step, masked=False), carry)
+    m, l, accs = lax.fori_loop(num_unmasked, num_blocks, functools.partial(step, masked=True), carry)
     has = l > 0
     safe_l = jnp.where(has, l, 1.0)
-    o_ref[...] = (acc / safe_l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(has, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(safe_l), -jnp.inf)
+    for (off, w), acc in zip(v_pieces, accs):
+        o_ref[:, pl.ds(off, w)] = (acc / safe_l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(has, (jnp.where(m == -jnp.inf, 0.0, m) + jnp.log2(safe_l)) * LN2, -jnp.inf)
 
 
 def attention(
-    q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 64, num_splits: int | None = None,
-    num_warps: int = 4, num_stages: int = 2, interpret: bool = False, v_dim: int | None = None,
+    q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_q: int | None = None, block_k: int | None = None,
+    num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+    interpret: bool = False, v_dim: int | None = None,
 ):
-    """Same contract as `reference.attention`: (o [B,T,H,Dv] in q.dtype, lse [B,T,H] float32)."""
+    """Same contract as `reference.attention`: (o [B,T,H,Dv] in q.dtype, lse [B,T,H] float32).
+
+    Block sizes, warps and stages default to `configs.pick`'s; `num_splits` to `configs.num_splits`.
+    """
     b, t, h, dk = q.shape
     kh, s = k.shape[1], k.shape[2]
     shared_v = v is None
     dv = v_dim if shared_v else v.shape[-1]
     g = h // kh
-    rows = _pow2(t * g, 16)
-    dk_p, dv_p = _pow2(dk, 16), _pow2(dv, 16)
-    if shared_v and dv_p != dv:  # the kernel reads the values as k's first Dv columns: no padding there
-        raise ValueError(f"values shared with the keys need a power-of-two v_dim, got {dv}")
-    block_k = _pow2(min(block_k, s), 16)
-    num_blocks = math.ceil(s / block_k)
-    if num_splits is None:
-        num_splits = max(1, min(16, num_blocks // 4))
-    num_splits = max(1, min(num_splits, num_blocks))
-    while num_blocks % num_splits:  # splits of whole blocks: no padding when block_k divides S
-        num_splits -= 1
-    split_len = (num_blocks // num_splits) * block_k
-    s_pad = split_len * num_splits
+    rows = t * g
+    k_pieces, v_pieces = configs.head_pieces(dk), configs.head_pieces(dv)
+    if not interpret and min(w for _, w in k_pieces + v_pieces) < configs.MIN_BLOCK:
+        raise ValueError(f"the Pallas GPU kernel needs head dims that are multiples of {configs.MIN_BLOCK} "
+                         f"(got {dk} and {dv}); use impl='reference'")
+    _, cfg = configs.pick(rows, dk, dv, q.dtype.itemsize, shared_v)
+    bq = configs.pow2(block_q, configs.MIN_BLOCK) if block_q else cfg.block_q
+    bk = configs.pow2(block_k, configs.MIN_BLOCK) if block_k else cfg.block_k
+    q_blocks = math.ceil(rows / bq)
+    rows_pad = q_blocks * bq
+    splits = num_splits or configs.num_splits(b * kh * q_blocks, math.ceil(s / bk))
+    splits = max(1, min(splits, math.ceil(s / bk)))
 
-    # Query rows of one kv head: (token, head-in-group), padded; padded rows get limit -1 (all masked).
-    qg = q.reshape(b, t, kh, g, dk).transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, dk)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - t * g), (0, dk_p - dk)))
+    # Query rows of one kv head, (token, head-in-group), pre-scaled for exp2. Only q and the limits are
+    # padded (small: T·G rows); padded rows repeat the last row's limit, so they neither narrow the
+    # unmasked range nor widen the walk, and are dropped at the end.
+    qg = (q.astype(jnp.float32) * (scale * LOG2E)).astype(q.dtype)
+    qg = qg.reshape(b, t, kh, g, dk).transpose(0, 2, 1, 3, 4).reshape(b, kh, rows, dk)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
     lim = jnp.repeat(row_limits(q_pos, kv_len), g, axis=1)  # [B, T·G]
-    lim = jnp.pad(lim, ((0, 0), (0, rows - t * g)), constant_values=-1)
-    kp = jnp.pad(k, ((0, 0), (0, 0), (0, s_pad - s), (0, dk_p - dk)))
-    vp = None if shared_v else jnp.pad(v, ((0, 0), (0, 0), (0, s_pad - s), (0, dv_p - dv)))
+    lim = jnp.pad(lim, ((0, 0), (0, rows_pad - rows)), mode="edge")
     start = jnp.asarray(kv_pos.start, jnp.int32)
 
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    kernel = functools.partial(_kernel, scale=scale, block_k=block_k, precision=precision, run=kv_pos.run,
-                               stride=kv_pos.stride, num_slots=s, shared_v=shared_v)
-    kv_block = lambda d: pl.BlockSpec((None, None, split_len, d), lambda i, j, c: (i, j, c, 0))  # noqa: E731
+    kernel = functools.partial(
+        _kernel, block_k=bk, precision=precision, run=kv_pos.run, stride=kv_pos.stride, num_slots=s,
+        num_splits=splits, k_pieces=k_pieces, v_pieces=v_pieces, shared_v=shared_v)
+    whole_slice = lambda d: pl.BlockSpec((None, None, s, d), lambda i, j, r, c: (i, j, 0, 0))  # noqa: E731
+    out_dtype = q.dtype if splits == 1 else jnp.float32  # one split needs no merge: write the result
     o, lse = pl.pallas_call(
         kernel,
-        grid=(b, kh, num_splits),
+        grid=(b, kh, q_blocks, splits),
         in_specs=[
-            pl.BlockSpec((), lambda i, j, c: ()),
-            pl.BlockSpec((None, None, rows, dk_p), lambda i, j, c: (i, j, 0, 0)),
-            kv_block(dk_p),
-            *([] if shared_v else [kv_block(dv_p)]),
-            pl.BlockSpec((None, rows), lambda i, j, c: (i, 0)),
+            pl.BlockSpec((), lambda i, j, r, c: ()),
+            pl.BlockSpec((None, None, bq, dk), lambda i, j, r, c: (i, j, r, 0)),
+            pl.BlockSpec((None, bq), lambda i, j, r, c: (i, r)),
+            whole_slice(dk),
+            *([] if shared_v else [whole_slice(dv)]),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, None, rows, dv_p), lambda i, j, c: (i, j, c, 0, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda i, j, c: (i, j, c, 0)),
+            pl.BlockSpec((None, None, None, bq, dv), lambda i, j, r, c: (i, j, c, r, 0)),
+            pl.BlockSpec((None, None, None, bq), lambda i, j, r, c: (i, j, c, r)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((b, kh, num_splits, rows, dv_p), jnp.float32),
-            jax.ShapeDtypeStruct((b, kh, num_splits, rows), jnp.float32),
+            jax.ShapeDtypeStruct((b, kh, splits, rows_pad, dv), out_dtype),
+            jax.ShapeDtypeStruct((b, kh, splits, rows_pad), jnp.float32),
         ],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps or cfg.num_warps,
+                                             num_stages=num_stages or cfg.num_stages),
         interpret=interpret,
-        name="dcp_flash_decode",
-    )(start, qg, kp, *([] if shared_v else [vp]), lim)
+        name="dcp_flash_attention",
+    )(start, qg, lim, k, *([] if shared_v else [v]))
 
-    o, lse = merge_partials(o, lse, axis=2)  # [B, K, R, Dv_p], [B, K, R]
-    o = o[:, :, : t * g, :dv].reshape(b, kh, t, g, dv).transpose(0, 2, 1, 3, 4).reshape(b, t, h, dv)
-    lse = lse[:, :, : t * g].reshape(b, kh, t, g).transpose(0, 2, 1, 3).reshape(b, t, h)
+    if splits == 1:
+        o, lse = o[:, :, 0], lse[:, :, 0]
+    else:
+        o, lse = merge_partials(o, lse, axis=2)  # [B, K, R_pad, Dv], [B, K, R_pad]
+    o = o[:, :, :rows].reshape(b, kh, t, g, dv).transpose(0, 2, 1, 3, 4).reshape(b, t, h, dv)
+    lse = lse[:, :, :rows].reshape(b, kh, t, g).transpose(0, 2, 1, 3).reshape(b, t, h)
     return o.astype(q.dtype), lse

@@ -1,0 +1,118 @@
+"""Block sizes, pipelining and KV splits of the Pallas GPU kernel: one small table the wrapper picks from.
+
+A call is a *decode* call when all of its folded query rows (tokens × query heads per kv head) fit one
+query block, else a *prefill* call. The table gives, per phase and widest head dim, the query block,
+the KV block, Triton's warps and pipelining stages. Two rules keep every choice safe:
+
+- Shared memory depends on block sizes only, never on the chunk or the cache length: `smem_bytes`
+  estimates a program's footprint (its query tile, `num_stages` buffered K/V tiles, the probability
+  tile) and `pick` shrinks stages, then the KV block, then the query block until it fits the device.
+- KV splits come from the device's SM count and the (batch × kv head × query block) grid: enough
+  programs for `WAVES` waves over the SMs, each split at least `MIN_BLOCKS_PER_SPLIT` KV blocks long
+  (counted over the whole slice; the kernel then shares out the visible ones), at most `MAX_SPLITS`. A prefill
+  call already has many query blocks and gets one split (no cross-split merge).
+
+The entries are starting points, not measurements: `scripts/sweep_kernel.py` sweeps block_k 64/128/256
+× num_stages 2-5 × num_warps 4/8 (and block_q for prefill) on a GPU and prints the rows to put here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+# H100/H200 (sm_90): 227 KiB of shared memory per block, 132 SMs. Used when no GPU is attached (the
+# CUDA lowering test, interpret mode); on a GPU the attached device's SM count is read.
+SMEM_LIMIT = 232448
+DEFAULT_NUM_SMS = 132
+WAVES = 2
+MAX_SPLITS = 32
+MIN_BLOCK = 16  # tensor-core dots need every dimension >= 16
+MIN_BLOCKS_PER_SPLIT = 8  # a split shorter than this costs more in its partial output than it saves
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    block_q: int  # folded query rows per program (decode: all rows, rounded up to a power of two)
+    block_k: int  # KV slots per inner step
+    num_warps: int
+    num_stages: int
+
+
+# (phase, widest head dim up to) -> config. Decode's block_q is the cap: the call uses the smallest
+# power of two >= its rows (>= 16) up to it.
+TABLE = {
+    ("decode", 128): KernelConfig(block_q=64, block_k=128, num_warps=4, num_stages=3),
+    ("decode", 256): KernelConfig(block_q=64, block_k=64, num_warps=4, num_stages=3),
+    ("decode", 1024): KernelConfig(block_q=32, block_k=32, num_warps=4, num_stages=2),   # MLA latent 576
+    ("prefill", 128): KernelConfig(block_q=64, block_k=64, num_warps=4, num_stages=3),
+    ("prefill", 256): KernelConfig(block_q=64, block_k=32, num_warps=4, num_stages=2),
+    ("prefill", 1024): KernelConfig(block_q=32, block_k=16, num_warps=4, num_stages=2),
+}
+
+
+def pow2(n: int, minimum: int = 1) -> int:
+    """The smallest power of two >= max(n, minimum)."""
+    return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def head_pieces(d: int) -> tuple[tuple[int, int], ...]:
+    """A head dim as (offset, width) pieces whose widths are powers of two, widest first.
+
+    576 -> ((0, 512), (512, 64)); 80 -> ((0, 64), (64, 16)); 128 -> ((0, 128),). Triton loads and dots
+    take power-of-two shapes: the kernel loads and multiplies piece by piece, so no head dim is ever
+    padded (a padded cache would be a cache-sized copy per layer per step).
+    """
+    pieces, off = [], 0
+    for bit in reversed(range(d.bit_length())):
+        if d & (1 << bit):
+            pieces.append((off, 1 << bit))
+            off += 1 << bit
+    return tuple(pieces)
+
+
+def smem_bytes(cfg: KernelConfig, dk: int, dv: int, itemsize: int, shared_v: bool) -> int:
+    """Shared memory one program needs: its query tile, `num_stages` buffered K (and V) tiles, and the
+    probability tile fed to the second dot."""
+    kv = cfg.block_k * (dk + (0 if shared_v else dv))
+    return itemsize * (cfg.block_q * dk + cfg.num_stages * kv + cfg.block_q * cfg.block_k)
+
+
+def num_sms() -> int:
+    """SMs of the attached GPU (the grid is sized to fill them), else an H200's."""
+    try:
+        if jax.default_backend() == "gpu":
+            return int(getattr(jax.devices()[0], "core_count", DEFAULT_NUM_SMS) or DEFAULT_NUM_SMS)
+    except RuntimeError:
+        pass
+    return DEFAULT_NUM_SMS
+
+
+def pick(rows: int, dk: int, dv: int, itemsize: int, shared_v: bool = False,
+         smem_limit: int = SMEM_LIMIT) -> tuple[str, KernelConfig]:
+    """(phase, config) for `rows` folded query rows and head dims dk/dv, shrunk to fit shared memory."""
+    widest = max(dk, dv)
+    bucket = next((d for d in (128, 256, 1024) if widest <= d), 1024)
+    base_decode = TABLE[("decode", bucket)]
+    phase = "decode" if rows <= base_decode.block_q else "prefill"
+    cfg = TABLE[(phase, bucket)]
+    if phase == "decode":
+        cfg = dataclasses.replace(cfg, block_q=pow2(rows, MIN_BLOCK))
+    while smem_bytes(cfg, dk, dv, itemsize, shared_v) > smem_limit:
+        if cfg.num_stages > 2:
+            cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+        elif cfg.block_k > MIN_BLOCK:
+            cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2)
+        elif cfg.block_q > MIN_BLOCK:
+            cfg = dataclasses.replace(cfg, block_q=cfg.block_q // 2)
+        else:
+            break
+    return phase, cfg
+
+
+def num_splits(programs: int, kv_blocks: int, sms: int | None = None) -> int:
+    """KV splits per (batch, kv head, query block) program so the grid covers `WAVES` waves of SMs."""
+    want = math.ceil(WAVES * (sms or num_sms()) / max(programs, 1))
+    return max(1, min(want, kv_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
