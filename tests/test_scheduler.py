@@ -352,7 +352,7 @@ def test_stats():
 geometry = st.sampled_from([(1, 1, 1), (1, 1, 4), (2, 1, 2), (2, 2, 2), (3, 1, 2), (3, 2, 4), (4, 1, 1)])
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(geometry, st.integers(3, 12), st.integers(1, 4), st.integers(1, 5), st.integers(2, 24),
        st.lists(st.tuples(st.integers(1, 20), st.integers(1, 12), st.integers(0, 30)), min_size=1, max_size=8),
        st.sets(st.integers(0, 7), max_size=3), st.integers(0, 10))
