@@ -47,16 +47,19 @@ class FakeDevice:
         return seq.tolist()
 
     def run(self, plan):
-        if plan.prefills:
+        if plan.prefills:  # through the fixed-shape ragged batch a real prefill program takes
+            rows = plan.prefill_rows(self.sched.config.max_num_batched_tokens)
+            owner = {c.slot: c.request for c in plan.prefills}
+            for tok, pos, slot in zip(*(rows[k][rows["valid"]] for k in ("tokens", "positions", "slots"))):
+                if not owner[slot].is_finished:  # cancelled in flight: a real device would still write
+                    self.write(owner[slot], plan.block_table[slot], pos, tok)  # into its freed pages
             sampled = []
-            for c in plan.prefills:
-                if c.request.is_finished:  # cancelled in flight: a real device would still write
-                    sampled.append(0)      # into its freed pages, which no one reads before rewriting
-                    continue
-                row = plan.block_table[c.slot]
-                for j, tok in enumerate(c.token_ids):
-                    self.write(c.request, row, c.start + j, tok)
-                sampled.append(self.sample(c.request, self.read(row, c.end)) if c.is_last else None)
+            for c, last in zip(plan.prefills, rows["last_rows"]):
+                if c.is_last and not c.request.is_finished:
+                    seq = self.read(plan.block_table[c.slot], rows["positions"][last] + 1)
+                    sampled.append(self.sample(c.request, seq))
+                else:
+                    sampled.append(None)
             self.sched.update_prefill(plan, sampled, [-0.5] * len(sampled))
         if plan.decode_slots:
             n, k = self.sched.config.max_num_seqs, plan.decode_steps
@@ -395,3 +398,19 @@ def test_sampling_params_are_per_request():
     plan = sched.schedule()
     assert [c.request.sampling for c in plan.prefills] == [SamplingParams(0.7, top_k=5), SamplingParams()]
     assert a.seed == 11 and b.seed == 0
+
+
+def test_prefill_rows_are_the_chunks_back_to_back():
+    sched = make(max_num_batched_tokens=12)
+    a, b = sched.add_request(req(0, 7)), sched.add_request(req(1, 9))
+    plan = sched.schedule()
+    rows = plan.prefill_rows(16)
+    assert rows["valid"].sum() == 12 == plan.num_prefill_tokens
+    np.testing.assert_array_equal(rows["tokens"][:12], a.prompt_token_ids + b.prompt_token_ids[:5])
+    np.testing.assert_array_equal(rows["positions"][:12], list(range(7)) + list(range(5)))
+    np.testing.assert_array_equal(rows["slots"][:12], [a.slot] * 7 + [b.slot] * 5)
+    np.testing.assert_array_equal(rows["last_rows"], [6, 11])
+    assert [c.is_last for c in plan.prefills] == [True, False]
+    assert not rows["valid"][12:].any() and (rows["positions"][12:] == 0).all()
+    with pytest.raises(ValueError, match="do not fit"):
+        plan.prefill_rows(11)
