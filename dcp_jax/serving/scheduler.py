@@ -209,7 +209,8 @@ class Scheduler:
         peak = request.peak_cache_tokens(cfg.max_model_len)
         need, have = self.layout.blocks_for(peak), self.allocator.num_usable
         if need > have:
-            return (f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) needs {need} KV pages of "
+            wanted = "up to max_model_len" if request.max_tokens is None else request.max_tokens
+            return (f"prompt ({n} tokens) + max_tokens ({wanted}) needs {need} KV pages of "
                     f"{self.layout.tokens_per_block} tokens but the whole pool has {have}: lower max_tokens, "
                     "shorten the prompt or give the KV cache more pages")
         return None
