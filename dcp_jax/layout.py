@@ -4,7 +4,9 @@ Interleaved placement with size I (vLLM's `cp_kv_cache_interleave_size`) over N 
 
     global position t  ->  rank  (t // I) % N,   local slot  (t // (I·N))·I + t % I
 
-I = 1 is round-robin (balanced while decoding); I = slots_per_shard is contiguous. Every function works
+I = 1 is round-robin (balanced while decoding); I = slots_per_shard is contiguous. The paged pool of the
+serving engine (`PagedLayout`) keeps this placement and cuts each shard's local slots into pages; its
+formulas are this module's, never restated elsewhere. Every function works
 on Python ints, NumPy arrays and traced JAX arrays alike (only integer arithmetic), so the engine's
 jitted code and the tests share it.
 """
@@ -19,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.attention.common import SlotPositions
+
+__all__ = ["KVLayout", "PagedLayout", "kv_cache_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,3 +113,98 @@ def kv_cache_bytes(
     """Bytes of a whole (unsharded) K+V cache."""
     itemsize = np.dtype(dtype).itemsize
     return batch * num_layers * kv_heads * max_seq_len * (k_dim + v_dim) * itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedLayout:
+    """Placement of a sequence over a paged pool: `KVLayout`'s interleave, cut into logical blocks.
+
+    The pool holds pages of `page_size` slots on every context shard. A logical block covers
+    `tokens_per_block = page_size · num_shards` consecutive tokens, and one block-table entry names the
+    page that EVERY shard uses for its share of that block (so the table is one replicated row per
+    sequence, not one per shard). Within a shard, tokens sit exactly where the dense `KVLayout` puts them
+    (rank (t // I) % N, logical local slot j = (t // (I·N))·I + t % I); the logical local slots are then
+    cut into pages: slot j lives in block j // page_size at page slot j % page_size. `page_size` must be
+    a multiple of I so a run of I tokens never straddles a page, which makes
+
+        block_of(t) = j // page_size = t // (page_size · N)
+
+    (each block holds whole runs of I from every shard: the same tokens a dense layout of one block
+    would hold). A kernel reads logical local slot j from page `table[j // page_size]` at
+    `j % page_size`, and the positions of the logical slots are `slice_positions(rank)`, as dense.
+    Like `KVLayout`, every method works on Python ints, NumPy arrays and traced JAX arrays.
+    """
+
+    num_shards: int
+    interleave: int
+    page_size: int
+
+    def __post_init__(self):
+        for name in ("num_shards", "interleave", "page_size"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"PagedLayout.{name} must be an integer >= 1, got {v!r}")
+        if self.page_size % self.interleave:
+            raise ValueError(f"page_size ({self.page_size}) must be a multiple of the interleave size "
+                             f"({self.interleave}) so a run of interleaved tokens never straddles a page")
+
+    @property
+    def dense(self) -> KVLayout:
+        """The dense layout of one block: the per-shard math of a paged sequence is this one's.
+
+        (Its `max_seq_len` is one block; none of the functions used here depend on it.)
+        """
+        return KVLayout(self.num_shards, self.interleave, self.tokens_per_block)
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Tokens one block-table entry covers, over all shards: page_size · num_shards."""
+        return self.page_size * self.num_shards
+
+    # --- position -> placement -------------------------------------------------------------------
+    def rank_of(self, t):
+        """The context shard that owns global position t (as `KVLayout.rank_of`)."""
+        return self.dense.rank_of(t)
+
+    def local_slot_of(self, t):
+        """The logical local slot of position t on its owner (as `KVLayout.slot_of`, unbounded)."""
+        return self.dense.slot_of(t)
+
+    def block_of(self, t):
+        """The logical block (block-table column) of position t; equals t // tokens_per_block."""
+        return self.local_slot_of(t) // self.page_size
+
+    def page_slot_of(self, t):
+        """The slot inside its page that position t occupies on its owner."""
+        return self.local_slot_of(t) % self.page_size
+
+    def pool_slot(self, table_row, t):
+        """Index of position t in its owner's flattened pool [pages · page_size], through one
+        block-table row (int [max_blocks]); t may be an array of positions of that sequence."""
+        return table_row[self.block_of(t)] * self.page_size + self.page_slot_of(t)
+
+    # --- placement -> position -------------------------------------------------------------------
+    def slice_positions(self, rank) -> SlotPositions:
+        """Positions of shard `rank`'s logical local slots, the same as the dense layout's."""
+        return self.dense.slice_positions(rank)
+
+    def position_of(self, rank, block, page_slot):
+        """Global position held by `page_slot` of `block`'s page on shard `rank`."""
+        return self.slice_positions(rank).at(block * self.page_size + page_slot)
+
+    # --- lengths and sizes -----------------------------------------------------------------------
+    def blocks_for(self, length):
+        """Blocks (= pages, one per block, shared by all shards) that `length` tokens need."""
+        return -(-length // self.tokens_per_block)
+
+    def local_length(self, length, rank):
+        """How many of the positions [0, length) shard `rank` owns; always from the global length."""
+        return self.dense.local_length(length, rank)
+
+    def local_lengths(self, length):
+        """Valid-token count of every shard for `length` (NumPy [num_shards])."""
+        return self.dense.local_lengths(length)
+
+    def capacity_tokens(self, num_pages):
+        """Tokens `num_pages` pages hold over all shards: num_pages · page_size · num_shards."""
+        return num_pages * self.tokens_per_block

@@ -70,3 +70,104 @@ def test_traced_matches_host():
 def test_bad_layout(kw):
     with pytest.raises(ValueError, match="must be an integer >= 1"):
         KVLayout(**kw)
+
+
+# --- paged placement ---------------------------------------------------------------------------------
+from dcp_jax.layout import PagedLayout  # noqa: E402
+
+PAGED_CASES = [(1, 1, 1), (1, 1, 4), (1, 2, 4), (2, 1, 2), (3, 1, 4), (3, 2, 4), (3, 3, 3), (4, 2, 8),
+               (4, 4, 4), (5, 2, 6), (8, 1, 16)]
+
+
+@pytest.mark.parametrize("n,i,p", PAGED_CASES)
+def test_paged_matches_dense_brute_force(n, i, p):
+    """Every position's (rank, local slot) is the dense layout's; block/page slot cut those slots."""
+    paged = PagedLayout(n, i, p)
+    length = 7 * paged.tokens_per_block + 3  # several blocks and a ragged tail
+    dense = KVLayout.create(length, n, i)
+    t = np.arange(length)
+    rank, block, pslot = paged.rank_of(t), paged.block_of(t), paged.page_slot_of(t)
+    np.testing.assert_array_equal(rank, dense.rank_of(t))
+    np.testing.assert_array_equal(block * p + pslot, dense.slot_of(t))
+    np.testing.assert_array_equal(block, t // (p * n))  # the shortcut the docstring claims
+    assert pslot.min() >= 0 and pslot.max() < p
+    # exactly one (block, rank, page slot) per position, and every triple of a full block is used
+    triples = set(zip(block.tolist(), rank.tolist(), pslot.tolist()))
+    assert len(triples) == length
+    full = block < length // paged.tokens_per_block
+    assert full.sum() == (length // paged.tokens_per_block) * n * p
+    np.testing.assert_array_equal(paged.position_of(rank, block, pslot), t)
+    # a block's page holds the same tokens on every rank's side: block b covers [b·p·n, (b+1)·p·n)
+    for b in range(paged.blocks_for(length)):
+        sel = t[block == b]
+        assert sel.min() == b * paged.tokens_per_block
+        assert sel.max() == min(length, (b + 1) * paged.tokens_per_block) - 1
+    # the kernel's view: logical local slot j of rank r holds slice_positions(r).at(j)
+    for r in range(n):
+        sp = paged.slice_positions(r)
+        assert sp == dense.slice_positions(r)
+        own = t[rank == r]
+        np.testing.assert_array_equal(sp.at(np.arange(len(own))), own)
+
+
+@pytest.mark.parametrize("n,i,p", PAGED_CASES)
+def test_paged_lengths(n, i, p):
+    paged = PagedLayout(n, i, p)
+    for length in range(0, 4 * paged.tokens_per_block + 2):
+        counts = paged.local_lengths(length)
+        assert counts.sum() == length
+        owners = paged.rank_of(np.arange(length))
+        np.testing.assert_array_equal(counts, np.bincount(owners, minlength=n))
+        assert paged.blocks_for(length) == -(-length // (p * n))
+        assert paged.blocks_for(length) * paged.tokens_per_block >= length
+        assert paged.capacity_tokens(paged.blocks_for(length)) >= length
+
+
+def test_local_length_is_not_shiftable():
+    """local(L - k) != local(L) - k: rank-local lengths must be recomputed from the global length."""
+    paged = PagedLayout(4, 1, 4)
+    L, k = 10, 3
+    assert paged.local_length(L - k, 0) != paged.local_length(L, 0) - k
+    assert [paged.local_length(L - k, r) for r in range(4)] == [2, 2, 2, 1]
+
+
+def test_paged_capacity_counts_every_shard():
+    paged = PagedLayout(4, 2, 8)
+    assert paged.tokens_per_block == 32
+    assert paged.capacity_tokens(10) == 10 * 8 * 4
+    assert paged.blocks_for(0) == 0 and paged.blocks_for(1) == 1 and paged.blocks_for(32) == 1
+    assert paged.blocks_for(33) == 2
+
+
+def test_paged_pool_slot_through_table():
+    paged = PagedLayout(2, 2, 4)  # 8 tokens per block
+    row = np.array([5, 2, 9, 0], np.int32)
+    t = np.arange(24)
+    got = paged.pool_slot(row, t)
+    np.testing.assert_array_equal(got // 4, row[t // 8])
+    np.testing.assert_array_equal(got % 4, paged.page_slot_of(t))
+
+
+def test_paged_traced_matches_host():
+    paged = PagedLayout(3, 2, 4)
+    row = jnp.array([7, 1, 4, 2], jnp.int32)
+    f = jax.jit(lambda t, n, r: (paged.block_of(t), paged.rank_of(t), paged.page_slot_of(t),
+                                 paged.blocks_for(n), paged.local_length(n, r), paged.pool_slot(row, t)))
+    t = np.arange(40)
+    for n in (0, 1, 11, 12, 13, 40):
+        for r in range(3):
+            b, rk, ps, nb, ll, ix = f(jnp.asarray(t, jnp.int32), jnp.int32(n), jnp.int32(r))
+            np.testing.assert_array_equal(b, paged.block_of(t))
+            np.testing.assert_array_equal(rk, paged.rank_of(t))
+            np.testing.assert_array_equal(ps, paged.page_slot_of(t))
+            np.testing.assert_array_equal(ix, paged.pool_slot(np.asarray(row), t))
+            assert int(nb) == paged.blocks_for(n) and int(ll) == paged.local_length(n, r)
+
+
+def test_bad_paged_layout():
+    with pytest.raises(ValueError, match="multiple of the interleave"):
+        PagedLayout(2, 4, 6)
+    with pytest.raises(ValueError, match="must be an integer >= 1"):
+        PagedLayout(2, 1, 0)
+    with pytest.raises(ValueError, match="must be an integer >= 1"):
+        PagedLayout(0, 1, 4)

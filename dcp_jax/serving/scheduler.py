@@ -1,0 +1,445 @@
+"""Continuous batching on the host: which requests prefill, which decode, and where their KV lives.
+
+vLLM-v1 style, plain Python over integers and NumPy (testable without devices). Each iteration:
+
+    plan = scheduler.schedule()          # chunks to prefill, slots to decode K steps, the block table
+    ... the device runs plan.prefills (one ragged batch) and K decode steps over plan.decode_slots ...
+    scheduler.update_prefill(plan, sampled)           # if plan.prefills
+    scheduler.update_decode(plan, tokens, logprobs)   # if plan.decode_slots; tokens [max_num_seqs, K]
+
+Device programs have fixed shapes (`max_num_seqs` slots × `max_blocks_per_seq` blocks), so a running
+request owns a slot (a row of the replicated block table) and whole logical blocks of
+`page_size · dcp` tokens (`PagedLayout`). Block-table entries that name no page hold `NULL_PAGE` (0):
+page 0 of the pool is reserved, never holds a sequence's KV, and takes the writes of padded rows.
+
+Pages are reserved before the device runs: a prefill chunk gets the blocks up to its end, a decoding
+request gets the blocks for all K steps. When pages run out, the NEWEST running request is preempted:
+its pages are freed and it goes back to the front of the waiting queue, to be recomputed later by
+prefilling prompt + the tokens it generated so far (the token sampled after that prefill is its next
+one). The oldest running request therefore always progresses, and `add_request` refuses requests
+that could not fit the pool even alone, so the schedule cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from dcp_jax.errors import UserError
+from dcp_jax.kv.allocator import PageAllocator
+from dcp_jax.layout import PagedLayout
+from dcp_jax.serving.request import Request, RequestState
+
+NULL_PAGE = 0  # block-table filler; page 0 of the pool is reserved for it
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Sizes that fix the device programs' shapes, and the scheduling knobs.
+
+    num_pages counts the whole pool, the reserved null page included (so num_pages - 1 are usable).
+    max_num_batched_tokens bounds the prefill tokens of one iteration (the prefill program's rows);
+    decode runs in its own [max_num_seqs, decode_steps] program and is not charged to it.
+    """
+
+    layout: PagedLayout
+    num_pages: int
+    max_model_len: int
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
+    decode_steps: int = 8
+    eos_token_ids: tuple[int, ...] = ()
+    vocab_size: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        for name in ("num_pages", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "decode_steps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (2 if name == "num_pages" else 1):
+                least = 2 if name == "num_pages" else 1
+                raise UserError(f"{name} must be an integer >= {least}, got {v!r}"
+                                + (" (page 0 is the reserved null page)" if name == "num_pages" else ""))
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Block-table columns: enough blocks for max_model_len tokens."""
+        return self.layout.blocks_for(self.max_model_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+    """Tokens [start, start + len(token_ids)) of `request` (prompt + output so far), to write into the
+    cache through block-table row `slot`. When `is_last`, the device samples one token after the chunk's
+    last row (the request's next token) and hands it to `update_prefill`."""
+
+    request: Request
+    slot: int
+    start: int
+    token_ids: list[int]
+    is_last: bool
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclasses.dataclass
+class SchedulePlan:
+    """What the device runs this iteration. Arrays are copies (safe to hand to the device).
+
+    decode_* arrays are indexed by slot; unused slots have token 0, position 0, mask False and a
+    block-table row of NULL_PAGE. Decode step k (0 <= k < decode_steps) of slot s writes the KV of
+    position decode_positions[s] + k (its pages are reserved) and samples the token after it; the input
+    of step 0 is decode_tokens[s], of step k > 0 the token sampled at step k - 1. The length (tokens in
+    cache) seen by step k is decode_positions[s] + k + 1. Every slot runs all K steps; the host
+    discards tokens sampled after a request stopped.
+    """
+
+    step: int
+    prefills: list[PrefillChunk]
+    decode_requests: list[Request]
+    decode_slots: list[int]
+    decode_steps: int  # K; 0 when nothing decodes
+    decode_tokens: np.ndarray  # int32 [max_num_seqs]
+    decode_positions: np.ndarray  # int32 [max_num_seqs]
+    decode_mask: np.ndarray  # bool [max_num_seqs]
+    block_table: np.ndarray  # int32 [max_num_seqs, max_blocks_per_seq]
+    preempted: list[str]
+    prefill_applied: bool = False
+    decode_applied: bool = False
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decode_slots
+
+    def prefill_rows(self, num_rows: int) -> dict[str, np.ndarray]:
+        """The prefill chunks as one fixed-shape ragged batch of `num_rows` (>= num_prefill_tokens,
+        normally max_num_batched_tokens) rows, chunk after chunk:
+
+            tokens int32 [T], positions int32 [T], slots int32 [T] (block-table row), valid bool [T],
+            last_rows int32 [len(prefills)]: the row of each chunk's last token (sample there if is_last).
+
+        Padding rows have valid False, slot 0 and position 0: the device must send their KV writes to
+        NULL_PAGE (e.g. page = where(valid, table[slot, block], NULL_PAGE)), since slot 0 may be live.
+        A row attends to the slots of its own sequence with position <= its position.
+        """
+        if num_rows < self.num_prefill_tokens:
+            raise ValueError(f"{self.num_prefill_tokens} prefill tokens do not fit {num_rows} rows")
+        tokens, positions = np.zeros(num_rows, np.int32), np.zeros(num_rows, np.int32)
+        slots, valid = np.zeros(num_rows, np.int32), np.zeros(num_rows, bool)
+        last_rows, row = np.zeros(len(self.prefills), np.int32), 0
+        for i, c in enumerate(self.prefills):
+            n = len(c.token_ids)
+            tokens[row:row + n] = c.token_ids
+            positions[row:row + n] = np.arange(c.start, c.end)
+            slots[row:row + n], valid[row:row + n] = c.slot, True
+            row += n
+            last_rows[i] = row - 1
+        return dict(tokens=tokens, positions=positions, slots=slots, valid=valid, last_rows=last_rows)
+
+    @property
+    def applied(self) -> bool:
+        return (self.prefill_applied or not self.prefills) and (self.decode_applied or not self.decode_slots)
+
+
+class Scheduler:
+    """FCFS continuous batching with chunked prefill, K-step decode and recompute preemption.
+
+    `detokenize(ids) -> str` (None without a tokenizer) is needed for stop strings and fills
+    `Request.text`. Finished requests (including refused and cancelled ones) are collected until
+    `pop_finished()`.
+    """
+
+    def __init__(self, config: SchedulerConfig, *, detokenize: Callable[[Sequence[int]], str] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.config, self.detokenize, self.clock = config, detokenize, clock
+        self.layout = config.layout
+        self.allocator = PageAllocator(config.num_pages, reserved=NULL_PAGE + 1)
+        self.block_table = np.full((config.max_num_seqs, config.max_blocks_per_seq), NULL_PAGE, np.int32)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is the newest
+        self.requests: dict[str, Request] = {}  # unfinished, by id
+        self.finished: list[Request] = []  # not yet popped
+        self.free_slots: set[int] = set(range(config.max_num_seqs))
+        self.num_preemptions = 0
+        self.last_plan: SchedulePlan | None = None
+        self.step = 0
+
+    # --- requests in and out -------------------------------------------------------------------------
+    def add_request(self, request: Request) -> Request:
+        """Queue `request` (FCFS). A request that can never run is finished at once with
+        finish_reason "error" and a one-line message naming the fix; the others are not affected.
+        A duplicate id raises UserError (the first request keeps it)."""
+        if request.request_id in self.requests:
+            raise UserError(f"request id {request.request_id!r} is already in use: give each request a unique id")
+        if request.arrival_time is None:
+            request.arrival_time = self.clock()
+        problem = self.validate(request)
+        if problem is not None:
+            request.finish("error", error=problem)
+            self.finished.append(request)
+            return request
+        request.state = RequestState.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        return request
+
+    def validate(self, request: Request) -> str | None:
+        """Why `request` can never run (one line, with the fix), or None."""
+        cfg, n = self.config, request.num_prompt_tokens
+        if n == 0:
+            return "the prompt is empty: give at least one token"
+        if cfg.vocab_size is not None and not all(0 <= t < cfg.vocab_size for t in request.prompt_token_ids):
+            return f"the prompt has token ids outside the vocabulary [0, {cfg.vocab_size}): check the tokenizer"
+        if n >= cfg.max_model_len:
+            return (f"the prompt has {n} tokens but the model context (max_model_len) is {cfg.max_model_len}: "
+                    f"shorten the prompt to at most {cfg.max_model_len - 1} tokens or raise max_model_len")
+        if request.max_tokens is not None and not (isinstance(request.max_tokens, int) and request.max_tokens >= 1):
+            return f"max_tokens must be an integer >= 1 or None, got {request.max_tokens!r}"
+        if request.stop and self.detokenize is None:
+            return "stop strings need a tokenizer to detokenize the output: give stop_token_ids instead"
+        peak = request.peak_cache_tokens(cfg.max_model_len)
+        need, have = self.layout.blocks_for(peak), self.allocator.num_usable
+        if need > have:
+            wanted = "up to max_model_len" if request.max_tokens is None else request.max_tokens
+            return (f"prompt ({n} tokens) + max_tokens ({wanted}) needs {need} KV pages of "
+                    f"{self.layout.tokens_per_block} tokens but the whole pool has {have}: lower max_tokens, "
+                    "shorten the prompt or give the KV cache more pages")
+        return None
+
+    def cancel(self, request_id: str) -> bool:
+        """Abort a request in any state, returning its slot and pages at once; False if it is unknown or
+        already finished. Results for it in an outstanding plan are ignored by the updates."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self.finish(request, "abort")
+        return True
+
+    def pop_finished(self) -> list[Request]:
+        """Requests finished since the last call (stop, length, abort or error)."""
+        out, self.finished = self.finished, []
+        return out
+
+    def get(self, request_id: str) -> Request | None:
+        """An unfinished request by id."""
+        return self.requests.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # --- the plan ------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulePlan:
+        """Choose this iteration's work; reserve its pages (preempting the newest if needed)."""
+        if self.last_plan is not None and not self.last_plan.applied:
+            raise RuntimeError("apply the previous plan's results (update_prefill / update_decode) "
+                               "before scheduling again")
+        cfg, lay = self.config, self.layout
+        self.step += 1
+        decoding = [r for r in self.running if r.state is RequestState.DECODING]
+        # K: no decoding request may pass its max_tokens or the model length within the K steps (its
+        # pages and block-table columns are sized for that). Preemptions below only remove requests,
+        # so K stays valid for those that remain.
+        k_steps = min([cfg.decode_steps] + [r.tokens_left(cfg.max_model_len) for r in decoding]) if decoding else 0
+        budget = cfg.max_num_batched_tokens
+        prefills: list[PrefillChunk] = []
+        decodes: list[Request] = []
+        preempted: list[str] = []
+
+        # 1. running requests, oldest first; a shortage preempts from the newest end of `running`
+        #    (not yet visited), down to the request itself.
+        i = 0
+        while i < len(self.running):
+            r = self.running[i]
+            if r.state is RequestState.DECODING:
+                target = r.num_computed + k_steps
+            else:
+                target = r.num_computed + min(r.num_tokens - r.num_computed, budget)
+                if target == r.num_computed:
+                    i += 1
+                    continue
+            need = lay.blocks_for(target) - len(r.pages)
+            while need > self.allocator.num_free and self.running[-1] is not r:
+                preempted.append(self.preempt(self.running[-1]))
+            if need > self.allocator.num_free:  # r is the newest running request
+                if r.state is RequestState.DECODING:
+                    preempted.append(self.preempt(r))
+                    continue
+                target = min(target, lay.capacity_tokens(len(r.pages) + self.allocator.num_free))
+                need = lay.blocks_for(target) - len(r.pages)
+                if target <= r.num_computed:
+                    i += 1
+                    continue
+            self.grow(r, need)
+            if r.state is RequestState.DECODING:
+                decodes.append(r)
+            else:
+                prefills.append(self.chunk(r, target))
+                budget -= target - r.num_computed
+            i += 1
+
+        # 2. admit waiting requests in arrival order while slots, pages and budget last (not after a
+        #    preemption: the pool is short already). Strict FCFS: the head waits, nobody overtakes it.
+        while not preempted and self.waiting and self.free_slots and budget > 0:
+            r = self.waiting[0]
+            target = min(r.num_tokens, budget, lay.capacity_tokens(self.allocator.num_free))
+            if target <= 0:
+                break
+            self.waiting.popleft()
+            r.slot = min(self.free_slots)
+            self.free_slots.remove(r.slot)
+            r.state, r.num_computed = RequestState.PREFILLING, 0
+            self.running.append(r)
+            self.grow(r, lay.blocks_for(target))
+            prefills.append(self.chunk(r, target))
+            budget -= target
+
+        n = cfg.max_num_seqs
+        tokens, positions, mask = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, bool)
+        for r in decodes:
+            tokens[r.slot], positions[r.slot], mask[r.slot] = r.output_token_ids[-1], r.num_computed, True
+        plan = SchedulePlan(
+            step=self.step, prefills=prefills, decode_requests=decodes, decode_slots=[r.slot for r in decodes],
+            decode_steps=k_steps if decodes else 0, decode_tokens=tokens, decode_positions=positions,
+            decode_mask=mask, block_table=self.block_table.copy(), preempted=preempted)
+        self.last_plan = plan
+        return plan
+
+    def chunk(self, r: Request, target: int) -> PrefillChunk:
+        """The prefill chunk taking `r` from num_computed to `target` tokens in cache."""
+        return PrefillChunk(request=r, slot=r.slot, start=r.num_computed,
+                            token_ids=r.token_ids(r.num_computed, target), is_last=target == r.num_tokens)
+
+    def grow(self, r: Request, n: int) -> None:
+        """Give running request `r` n more pages (the caller checked they are free)."""
+        if n <= 0:
+            return
+        pages = self.allocator.allocate(n)
+        assert pages is not None, "caller must check num_free"
+        self.block_table[r.slot, len(r.pages):len(r.pages) + n] = pages
+        r.pages.extend(pages)
+
+    def preempt(self, r: Request) -> str:
+        """Return a running request's slot and pages and queue it first, to be recomputed
+        (prompt + output so far) when it is admitted again. Returns its id."""
+        self.release(r)
+        self.running.remove(r)
+        r.state, r.num_computed = RequestState.WAITING, 0
+        r.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(r)
+        return r.request_id
+
+    def release(self, r: Request) -> None:
+        """Free `r`'s pages and slot (the block-table row goes back to NULL_PAGE)."""
+        if r.pages:
+            self.allocator.free(r.pages)
+            r.pages = []
+        if r.slot is not None:
+            self.block_table[r.slot] = NULL_PAGE
+            self.free_slots.add(r.slot)
+            r.slot = None
+
+    def finish(self, r: Request, reason: str | None = None) -> None:
+        """Take a request out of the queues, free its pages at once, and collect it as finished.
+        With `reason`, finish it first (abort); otherwise it finished by a stop rule already."""
+        if reason is not None:
+            r.finish(reason, detokenize=self.detokenize)
+        self.release(r)
+        if r in self.running:
+            self.running.remove(r)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        del self.requests[r.request_id]
+        self.finished.append(r)
+
+    # --- what the device produced --------------------------------------------------------------------
+    def update_prefill(self, plan: SchedulePlan, sampled: Sequence[int | None],
+                       logprobs: Sequence[float | None] | None = None) -> list[Request]:
+        """Apply a plan's prefill results. `sampled[i]` is the token sampled after `plan.prefills[i]`
+        (read only where `is_last`; None elsewhere is fine). Returns the requests that finished."""
+        self.check_plan(plan, "prefill_applied")
+        if len(sampled) != len(plan.prefills):
+            raise ValueError(f"got {len(sampled)} sampled tokens for {len(plan.prefills)} prefill chunks")
+        done = []
+        for i, c in enumerate(plan.prefills):
+            r = c.request
+            if r.state is not RequestState.PREFILLING or r.slot != c.slot:
+                continue  # cancelled after the plan was made
+            r.num_computed = c.end
+            if not c.is_last:
+                continue
+            r.state = RequestState.DECODING
+            if self.append(r, sampled[i], None if logprobs is None else logprobs[i]):
+                done.append(r)
+        return done
+
+    def update_decode(self, plan: SchedulePlan, tokens, logprobs=None) -> list[Request]:
+        """Apply a plan's decode results: tokens (and logprobs) [max_num_seqs, K], row = slot. Tokens
+        after a request's stop are discarded. Returns the requests that finished."""
+        self.check_plan(plan, "decode_applied")
+        tokens = np.asarray(tokens)
+        k = plan.decode_steps
+        if plan.decode_slots and tokens.shape != (self.config.max_num_seqs, k):
+            raise ValueError(f"decode tokens have shape {tokens.shape}, expected ({self.config.max_num_seqs}, {k})")
+        lp = None if logprobs is None else np.asarray(logprobs)
+        done = []
+        for r, slot in zip(plan.decode_requests, plan.decode_slots):
+            if r.state is not RequestState.DECODING or r.slot != slot:
+                continue  # cancelled after the plan was made
+            for step in range(k):
+                r.num_computed += 1  # the step's input token is now in the cache
+                if self.append(r, tokens[slot, step], None if lp is None else lp[slot, step]):
+                    done.append(r)
+                    break
+        return done
+
+    def check_plan(self, plan: SchedulePlan, flag: str) -> None:
+        if plan is not self.last_plan:
+            raise RuntimeError(f"plan of step {plan.step} is not the latest (step {self.step})")
+        if getattr(plan, flag):
+            raise RuntimeError(f"plan of step {plan.step}: results already applied ({flag})")
+        setattr(plan, flag, True)
+
+    def append(self, r: Request, token, logprob) -> bool:
+        """Record a sampled token; finish the request (freeing its pages) if a stop rule fired."""
+        if r.append_token(token, logprob, eos_token_ids=self.config.eos_token_ids,
+                          max_model_len=self.config.max_model_len, detokenize=self.detokenize):
+            self.finish(r)
+            return True
+        return False
+
+    # --- introspection -------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        used, total = self.allocator.num_used, self.allocator.num_usable
+        return dict(preemptions=self.num_preemptions, pages_used=used, pages_total=total,
+                    kv_capacity_tokens=self.layout.capacity_tokens(total),
+                    kv_used_tokens=self.layout.capacity_tokens(used),
+                    running=len(self.running), waiting=len(self.waiting))
+
+    def check(self) -> None:
+        """Assert the scheduler's invariants (tests call it after every step)."""
+        self.allocator.check(owners=[r.pages for r in self.running])
+        slots = [r.slot for r in self.running]
+        assert len(set(slots)) == len(slots) and None not in slots
+        assert self.free_slots == set(range(self.config.max_num_seqs)) - set(slots)
+        for s in self.free_slots:
+            assert (self.block_table[s] == NULL_PAGE).all()
+        for r in self.running:
+            assert r.state in (RequestState.PREFILLING, RequestState.DECODING)
+            row = self.block_table[r.slot]
+            assert row[:len(r.pages)].tolist() == r.pages and (row[len(r.pages):] == NULL_PAGE).all()
+            assert len(r.pages) >= self.layout.blocks_for(r.num_computed)
+            if r.state is RequestState.DECODING:
+                assert r.num_computed == r.num_tokens - 1
+        for r in self.waiting:
+            assert r.state is RequestState.WAITING and not r.pages and r.slot is None and r.num_computed == 0
+        assert {r.request_id for r in self.running} | {r.request_id for r in self.waiting} == set(self.requests)
