@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import io_callback
 from jax.sharding import Mesh
 
 from dcp_jax import mesh as mesh_lib
@@ -89,7 +88,6 @@ class Engine:
         self.dtype = model.embed_tokens.get_value().dtype
         self.eos = tuple(model.config.eos_token_ids)
         self._executables = {}
-        self._on_token = None  # the streaming target of the running generate() call
 
     def _compile(self, fn, *args):
         """AOT-compile `fn` for these argument shapes once (so timings below exclude compilation)."""
@@ -128,17 +126,19 @@ class Engine:
         return jax.jit(lambda logits, key: sample(logits, key, sampling), out_shardings=(replicated, replicated))
 
     @functools.lru_cache(maxsize=16)
-    def _decode_fn(self, layout: KVLayout, sampling: SamplingParams, stop_on_eos: bool, stream: bool = False):
+    def _decode_fn(self, layout: KVLayout, sampling: SamplingParams, stop_on_eos: bool):
         ctx = AttentionContext(self.mesh, layout, self.impl, self.combine)
         eos = jnp.asarray(self.eos if stop_on_eos and self.eos else (-1,), jnp.int32)
 
-        def decode(params, cache, tokens, logprobs, lengths, done, key, num_new):
-            """tokens/logprobs [B, N] hold the first token in column 0; lengths [B] tokens in cache."""
+        def decode(params, cache, tokens, logprobs, lengths, done, key, step, stop_step):
+            """tokens/logprobs [B, N] hold the first token in column 0; lengths [B] tokens in cache.
+            Runs steps [step, stop_step) (fewer when every sequence is done) and returns the state to
+            resume from, so a streaming caller can run the loop in segments with nothing re-allocated."""
             model = nnx.merge(self.graphdef, params)
 
             def cond(s):
                 step, _, _, _, _, done, _ = s
-                return (step < num_new) & ~jnp.all(done)
+                return (step < stop_step) & ~jnp.all(done)
 
             def body(s):
                 step, cache, tokens, logprobs, lengths, done, key = s
@@ -152,18 +152,16 @@ class Engine:
                 logprobs = jax.lax.dynamic_update_index_in_dim(logprobs, lp, step, axis=1)
                 lengths = lengths + live
                 done = done | jnp.isin(tok, eos)
-                if stream:  # hand each step's tokens to the host as they come (runs on one device)
-                    io_callback(self._emit, None, step, tok, ordered=True)
                 return step + 1, cache, tokens, logprobs, lengths, done, key
 
-            state = (jnp.int32(1), cache, tokens, logprobs, lengths, done, key)
-            _, cache, tokens, logprobs, lengths, done, key = jax.lax.while_loop(cond, body, state)
-            return cache, tokens, logprobs, lengths
+            state = (step, cache, tokens, logprobs, lengths, done, key)
+            step, cache, tokens, logprobs, lengths, done, key = jax.lax.while_loop(cond, body, state)
+            return cache, tokens, logprobs, lengths, done, key, step
 
         replicated = mesh_lib.named(self.mesh, mesh_lib.spec())
         cache_out = model_lib.cache_sharding(self.model, self.mesh)
-        return jax.jit(decode, donate_argnames=("cache", "tokens", "logprobs", "lengths"),
-                       out_shardings=(cache_out, replicated, replicated, replicated))
+        return jax.jit(decode, donate_argnames=("cache", "tokens", "logprobs", "lengths", "done", "key"),
+                       out_shardings=(cache_out, *(replicated,) * 6))
 
     def _specs(self, batch: int, layout: KVLayout):
         """Abstract cache (with its sharding) and last-logits buffer: nothing allocated."""
@@ -179,25 +177,22 @@ class Engine:
         key = jax.eval_shape(lambda: jax.random.key(0))
         return jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=mesh_lib.named(self.mesh, mesh_lib.spec()))
 
-    def _emit(self, step, tokens):
-        if self._on_token is not None:
-            self._on_token(int(step), np.asarray(tokens))
-
     def decode_program(self, batch: int, layout: KVLayout, max_new_tokens: int,
-                       sampling: SamplingParams = SamplingParams(), stop_on_eos: bool = True,
-                       stream: bool = False):
+                       sampling: SamplingParams = SamplingParams(), stop_on_eos: bool = True):
         """The compiled decode loop for these sizes (XLA's memory and HLO figures hang off it).
 
         Arguments: (params, cache, tokens [B, N] int32, logprobs [B, N] f32, lengths [B] int32,
-        done [B] bool, key, num_new int32) -> (cache, tokens, logprobs, lengths).
+        done [B] bool, key, step int32, stop_step int32) -> (cache, tokens, logprobs, lengths, done, key,
+        step): runs steps [step, stop_step) and returns the state to resume from.
         """
         cache, _ = self._specs(batch, layout)
         b, n = batch, max_new_tokens
+        scalar = jax.ShapeDtypeStruct((), jnp.int32)
         return self._compile(
-            self._decode_fn(layout, sampling, stop_on_eos, stream), self.params, cache,
+            self._decode_fn(layout, sampling, stop_on_eos), self.params, cache,
             jax.ShapeDtypeStruct((b, n), jnp.int32), jax.ShapeDtypeStruct((b, n), jnp.float32),
             jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_),
-            self._key_spec(), jax.ShapeDtypeStruct((), jnp.int32))
+            self._key_spec(), scalar, scalar)
 
     # --- generation ------------------------------------------------------------------------------
     def generate(
@@ -212,11 +207,12 @@ class Engine:
         ignore_eos: bool = False,
         on_chunk=None,
         on_token=None,
+        stream_interval: int = 8,
     ) -> Generation:
         """Generate for a ragged batch of token-id prompts.
 
         `on_chunk(done, total)` reports prefill progress; `on_token(step, tokens [B])` receives each
-        step's new tokens while the decode loop runs (-1 for finished sequences).
+        step's new tokens (-1 for finished sequences), every `stream_interval` decode steps.
         """
         prompts = [list(map(int, p)) for p in prompts]
         cfg = self.model.config
@@ -231,6 +227,8 @@ class Engine:
             raise UserError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         if not (isinstance(seed, int) and 0 <= seed < 2**32):
             raise UserError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+        if not (isinstance(stream_interval, int) and stream_interval >= 1):
+            raise UserError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
         if not (isinstance(prefill_chunk, int) and prefill_chunk >= 1):
             raise UserError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
         longest = max(map(len, prompts))
@@ -265,7 +263,7 @@ class Engine:
         cache_spec, logits_spec = self._specs(b, layout)
         prefill = self._compile(self._prefill_fn(layout), *chunk_args(0, cache_spec, logits_spec))
         first_fn = self._compile(self._first_fn(sampling), logits_spec, self._key_spec())
-        decode = self.decode_program(b, layout, n, sampling, stop, stream=on_token is not None)
+        decode = self.decode_program(b, layout, n, sampling, stop)
         # the RNG key lives replicated on the mesh (every process of a multi-process run holds it)
         make_keys = self._compile(self._keys_fn(), np.uint32(seed))
         compile_s = time.perf_counter() - tc
@@ -287,17 +285,31 @@ class Engine:
 
         tokens[:, 0] = first
         logprobs[:, 0] = host(first_lp)
-        self._on_token = on_token
         if on_token is not None:
             on_token(0, first)
         done = np.isin(first, self.eos) if stop else np.zeros(b, bool)
         kv = kv_bytes(cache, self.model.kv_replication)
         t1 = time.perf_counter()
-        cache, tokens, logprobs, lengths = decode(
-            self.params, cache, tokens, logprobs, lens, done, key, np.int32(n))
+        # Without streaming the whole decode is one call. Streaming runs the same program in segments
+        # of `stream_interval` steps and hands each segment's tokens to the host between them: no host
+        # callback inside the loop (those need a CPU device, absent under JAX_PLATFORMS=cuda), and the
+        # donated state goes from one segment to the next without a copy.
+        interval = n if on_token is None else stream_interval
+        step, emitted, lengths = 1, 1, lens
+        while True:
+            stop_step = min(step + interval, n)
+            cache, tokens, logprobs, lengths, done, key, reached = decode(
+                self.params, cache, tokens, logprobs, lengths, done, key, np.int32(step), np.int32(stop_step))
+            step = int(host(reached))
+            if on_token is not None:
+                new = np.array(host(tokens)[:, emitted:step])  # a copy: the buffer is donated next
+                for j in range(new.shape[1]):
+                    on_token(emitted + j, new[:, j])
+                emitted = step
+            if step < stop_step or step >= n:  # every sequence done, or all steps run
+                break
         tokens, logprobs = host(tokens), host(logprobs)
         decode_s = time.perf_counter() - t1
-        self._on_token = None
         del cache
 
         out_tokens, out_lp = [], []

@@ -79,6 +79,6 @@ def test_cache_passed_in_is_deleted(engine):
     cache = init_cache(engine.model, B, layout, engine.mesh, engine.dtype)
     tokens = np.zeros((B, N), np.int32)
     out = prog(engine.params, cache, tokens, np.zeros((B, N), np.float32), np.full(B, 3, np.int32),
-               np.zeros(B, bool), jax.random.key(0), np.int32(N))
+               np.zeros(B, bool), jax.random.key(0), np.int32(1), np.int32(N))
     assert all(a.is_deleted() for a in jax.tree.leaves(cache))
     assert not any(a.is_deleted() for a in jax.tree.leaves(out[0]))

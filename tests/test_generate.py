@@ -105,6 +105,29 @@ def test_stop_on_eos_per_sequence():
     assert out.stats["generated_tokens"] == sum(map(len, out.tokens))
 
 
+@pytest.mark.parametrize("interval", [1, 3, 64])
+def test_streaming_in_segments_gives_every_token_once(interval):
+    # Streaming runs the donated decode program in segments (no host callback inside the loop, so no
+    # CPU device is needed next to a GPU): every step's tokens reach on_token once, in order, and equal
+    # the result; a sequence stopping early at EOS ends the last segment early.
+    exp = expected("llama-gqa")
+    mesh = make_mesh(1, 2)
+    model, _ = load_hf(FIXTURES / "llama-gqa", mesh)
+    eng = Engine(model, mesh)
+    eng.eos = (exp["greedy"][0][2],)  # sequence 0 stops at its 3rd token
+    seen = []
+    out = eng.generate(exp["prompts"], max_new_tokens=8, on_token=lambda step, toks: seen.append((step, list(toks))),
+                       stream_interval=interval)
+    assert [step for step, _ in seen] == list(range(len(seen)))
+    for i, toks in enumerate(out.tokens):
+        assert [t[i] for _, t in seen[: len(toks)]] == toks
+        assert all(t[i] == -1 for _, t in seen[len(toks):])
+    plain = eng.generate(exp["prompts"], max_new_tokens=8)
+    assert plain.tokens == out.tokens
+    hlo = eng.decode_program(len(exp["prompts"]), eng.layout(64), 8).as_text()
+    assert "callback" not in hlo.lower()
+
+
 def test_python_api_text_and_sampling():
     exp = expected("llama-tokenizer")
     llm = LLM.load(FIXTURES / "llama-tokenizer", tp=2, dcp=4)
