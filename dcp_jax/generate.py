@@ -176,6 +176,9 @@ def run(argv=None) -> int:
             tp, dcp = args.mesh or (args.tp or 1, args.dcp or 1)
         elif default_run:
             tp, dcp = mesh_lib.local_mesh_shape(max_tp=2)
+            note = mesh_lib.local_mesh_note(tp, dcp, jax.local_devices()[0].platform)
+            if note:
+                print(note, file=sys.stderr)
         else:
             tp, dcp = 1, 1
         llm = LLM.load(model_dir, tp=tp, dcp=dcp, interleave=args.interleave, dtype=args.dtype, impl=args.impl)

@@ -26,10 +26,10 @@ AXES = (TP, DCP)
 AxisNames = tuple[str, ...]
 
 
-def ensure_cpu_devices(n: int) -> None:
-    """Make sure at least `n` devices can be had, simulating CPU devices when there is no accelerator.
+def simulate_cpu_devices(n: int) -> bool:
+    """Ask for `n` simulated CPU devices if JAX has not started and may use its CPU backend; returns
+    whether the request was made. Only the CPU backend is affected: harmless where an accelerator exists.
 
-    Must run before JAX initialises its backends to have an effect; afterwards it only checks.
     Simulate no more devices than the mesh uses: XLA's CPU client runs max(cores, devices) threads, so
     8 simulated devices on 2 cores halve the speed of a 1-device mesh (16K decode step: 94-101 ms
     against 47-53 ms; scripts/bench_decode.py measures each mesh with exactly its devices).
@@ -37,15 +37,29 @@ def ensure_cpu_devices(n: int) -> None:
     from jax._src import xla_bridge  # private: the only way to ask "already initialised?"
 
     distributed = getattr(jax.distributed, "is_initialized", lambda: False)()
-    if not xla_bridge.backends_are_initialized() and not distributed:  # multi-process: init_distributed set it
-        platforms = os.environ.get("JAX_PLATFORMS", "") or jax.config.jax_platforms or ""
-        if platforms in ("", "cpu") and jax.config.jax_num_cpu_devices < n:
-            jax.config.update("jax_num_cpu_devices", n)
-    have = len(jax.devices())
-    if have < n:
+    if xla_bridge.backends_are_initialized() or distributed:  # multi-process: init_distributed set it
+        return False
+    platforms = os.environ.get("JAX_PLATFORMS", "") or jax.config.jax_platforms or ""
+    if "cpu" not in platforms.split(",") and platforms != "":
+        return False
+    if jax.config.jax_num_cpu_devices < n:
+        jax.config.update("jax_num_cpu_devices", n)
+    return True
+
+
+def ensure_cpu_devices(n: int) -> None:
+    """Make sure at least `n` devices can be had, simulating CPU devices when there is no accelerator.
+
+    Must run before JAX initialises its backends to have an effect; afterwards it only checks. Raises
+    ValueError naming both ways out when there are too few devices.
+    """
+    simulate_cpu_devices(n)
+    devices = jax.devices()
+    if len(devices) < n:
         raise ValueError(
-            f"the mesh needs {n} devices but only {have} exist; on CPU call "
-            f"dcp_jax.ensure_cpu_devices({n}) (or set jax_num_cpu_devices) before JAX starts"
+            f"the mesh needs {n} devices but only {len(devices)} {devices[0].platform} device(s) exist: use a "
+            f"mesh of at most {len(devices)} devices, or simulate {n} CPU devices (JAX_PLATFORMS=cpu, or "
+            f"dcp_jax.ensure_cpu_devices({n}) before JAX starts)"
         )
 
 
@@ -70,14 +84,28 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
                                process_id=process_id, **kwargs)
 
 
-def local_mesh_shape(max_tp: int) -> tuple[int, int]:
-    """(tp, dcp) over this machine: 8 simulated devices on a CPU-only machine, else every local device;
-    tp is the largest divisor of the device count up to `max_tp` (e.g. the kv-head count)."""
-    ensure_cpu_devices(8)  # only affects the CPU backend: harmless where an accelerator exists
-    devices = jax.local_devices()
-    n = 8 if devices[0].platform == "cpu" else len(devices)
+DEFAULT_LOCAL_MESH = (2, 4)  # what local_mesh_shape(max_tp=2) gives on a CPU-only machine
+
+
+def local_mesh_shape(max_tp: int, devices: Sequence[jax.Device] | None = None) -> tuple[int, int]:
+    """(tp, dcp) over this machine: 8 simulated CPU devices on a CPU-only machine (to show DCP), else
+    every local accelerator; tp is the largest divisor of the device count up to `max_tp` (e.g. the
+    kv-head count)."""
+    if devices is None:
+        simulate_cpu_devices(8)
+        devices = jax.local_devices()
+    n = min(8, len(devices)) if devices[0].platform == "cpu" else len(devices)
     tp = max(d for d in range(1, min(n, max_tp) + 1) if n % d == 0)
     return tp, n // tp
+
+
+def local_mesh_note(tp: int, dcp: int, platform: str) -> str | None:
+    """What the default run says when it picks a mesh other than the documented one (fewer devices)."""
+    if (tp, dcp) == DEFAULT_LOCAL_MESH and platform == "cpu":
+        return None
+    return (f"note: no mesh given: tp={tp} x dcp={dcp} over this machine's {tp * dcp} {platform} device(s) "
+            f"(JAX_PLATFORMS=cpu simulates tp={DEFAULT_LOCAL_MESH[0]} x dcp={DEFAULT_LOCAL_MESH[1]} on 8 CPU "
+            "devices to show DCP); choose a mesh with --mesh tp=N,dcp=M")
 
 
 def make_mesh(tp: int, dcp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -87,7 +115,10 @@ def make_mesh(tp: int, dcp: int, devices: Sequence[jax.Device] | None = None) ->
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     n = tp * dcp
     if devices is None:
-        ensure_cpu_devices(n)
+        try:
+            ensure_cpu_devices(n)
+        except ValueError as e:
+            raise ValueError(f"mesh tp={tp} x dcp={dcp}: {e}") from None
         devices = jax.devices()
     devices = list(devices)
     if len(devices) < n:

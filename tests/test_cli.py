@@ -129,7 +129,8 @@ RUNTIME = [
     (_truncate, [], "truncated or corrupt"),
     (_set_config(hidden_size=32), [], "config.json implies"),
     (lambda d: None, ["--tp", "3"], "tp=3 does not divide the model's 8 attention heads"),
-    (lambda d: None, ["--tp", "4", "--dcp", "4"], "needs 16 devices"),
+    (lambda d: None, ["--tp", "4", "--dcp", "4"], "mesh tp=4 x dcp=4: the mesh needs 16 devices but only 8 cpu "
+     "device(s) exist: use a mesh of at most 8 devices, or simulate 16 CPU devices (JAX_PLATFORMS=cpu"),
     (lambda d: None, ["--max-seq-len", "4"], "exceeds max_seq_len 4"),
     (lambda d: None, ["--prompt-ids", "3,999"], "token id 999 is outside the vocabulary [0, 256)"),
     (lambda d: None, ["--prompt", "hello"], "no tokenizer.json"),

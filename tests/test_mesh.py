@@ -36,5 +36,27 @@ def test_too_few_given_devices():
 
 def test_ensure_cpu_devices_after_start():
     ensure_cpu_devices(8)  # already there
-    with pytest.raises(ValueError, match="only 8 exist"):
+    with pytest.raises(ValueError, match=r"only 8 cpu device\(s\) exist: use a mesh of at most 8 devices, "
+                                         r"or simulate 9 CPU devices \(JAX_PLATFORMS=cpu"):
         ensure_cpu_devices(9)
+
+
+class _FakeDevice:
+    def __init__(self, platform):
+        self.platform = platform
+
+
+@pytest.mark.parametrize("platform,count,shape", [("gpu", 1, (1, 1)), ("gpu", 4, (2, 2)), ("gpu", 8, (2, 4)),
+                                                  ("gpu", 3, (1, 3)), ("cpu", 8, (2, 4))])
+def test_default_mesh_fits_the_machine(platform, count, shape):
+    # The default run on a machine with fewer accelerators than the documented tp=2 x dcp=4 picks a mesh
+    # that fits and says which; on CPU it is the documented mesh, said nothing about.
+    from dcp_jax.mesh import local_mesh_note, local_mesh_shape
+
+    assert local_mesh_shape(2, devices=[_FakeDevice(platform)] * count) == shape
+    note = local_mesh_note(*shape, platform)
+    if platform == "cpu":
+        assert note is None
+    else:
+        assert note.startswith(f"note: no mesh given: tp={shape[0]} x dcp={shape[1]} over this machine's "
+                               f"{count} gpu device(s)") and "JAX_PLATFORMS=cpu" in note and "--mesh" in note
