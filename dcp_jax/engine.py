@@ -29,6 +29,16 @@ from dcp_jax import model as model_lib
 from dcp_jax.model import AttentionContext, CausalLM, init_cache
 
 
+# Prompt tokens per prefill chunk when none is given. CPU: measured (scripts/bench_decode.py). GPU: the
+# query-tiled kernel keeps shared memory independent of the chunk, so larger chunks only amortise the
+# weight reads; 2048 is not yet measured: scripts/gpu_check.sh sweeps 512-4096 and prints the fastest.
+DEFAULT_PREFILL_CHUNK = {"cpu": 256, "gpu": 2048}
+
+
+def default_prefill_chunk(platform: str) -> int:
+    return DEFAULT_PREFILL_CHUNK.get(platform, DEFAULT_PREFILL_CHUNK["cpu"])
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 = greedy; top_k 0 = off; top_p 1 = off."""
@@ -201,7 +211,7 @@ class Engine:
         *,
         max_new_tokens: int = 32,
         max_seq_len: int | None = None,
-        prefill_chunk: int = 256,
+        prefill_chunk: int | None = None,
         sampling: SamplingParams = SamplingParams(),
         seed: int = 0,
         ignore_eos: bool = False,
@@ -229,6 +239,8 @@ class Engine:
             raise UserError(f"seed must be an integer in [0, 2**32), got {seed!r}")
         if not (isinstance(stream_interval, int) and stream_interval >= 1):
             raise UserError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
+        if prefill_chunk is None:
+            prefill_chunk = default_prefill_chunk(self.mesh.devices.flat[0].platform)
         if not (isinstance(prefill_chunk, int) and prefill_chunk >= 1):
             raise UserError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
         longest = max(map(len, prompts))
@@ -387,7 +399,7 @@ class LLM:
         return None if self.tokenizer is None else self.tokenizer.decode(list(ids))
 
     def generate(self, prompts, *, max_new_tokens: int = 32, max_seq_len: int | None = None,
-                 prefill_chunk: int = 256, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 prefill_chunk: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int = 0, ignore_eos: bool = False, on_chunk=None, on_token=None) -> Generation:
         """`prompts`: a string, a list of strings, a list of ids, or a list of id lists (one batch).
 

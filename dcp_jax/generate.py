@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"default 32 ({DEFAULT_NEW_TOKENS} for the default run)")
     p.add_argument("--max-seq-len", type=_positive("--max-seq-len"), default=None,
                    help="cache capacity per sequence (default: longest prompt + max new tokens)")
-    p.add_argument("--prefill-chunk", type=_positive("--prefill-chunk"), default=256)
+    p.add_argument("--prefill-chunk", type=_positive("--prefill-chunk"), default=None,
+                   help="prompt tokens per prefill step (default 256 on CPU, 2048 on GPU)")
     p.add_argument("--temperature", type=_non_negative_float("--temperature"), default=None,
                    help="0 = greedy (the default, but 0.7 with top-k 20 for the default run)")
     p.add_argument("--top-k", type=lambda t: 0 if t == "0" else _positive("--top-k")(t), default=None)
