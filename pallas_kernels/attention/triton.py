@@ -88,7 +88,10 @@ def _kernel(start_ref, q_ref, lim_ref, k_ref, *refs, block_k, precision, run, st
     rows = lim.shape[0]
     carry = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
              [jnp.zeros((rows, w), jnp.float32) for _, w in v_pieces])
-    carry = lax.fori_loop(0, num_unmasked, functools.partial(step, masked=False), carry)
+    if block_k <= num_slots:  # (else no block is whole; the interpreter could not even trace one)
+        carry = lax.fori_loop(0, num_unmasked, functools.partial(step, masked=False), carry)
+    else:
+        num_unmasked = 0
     m, l, accs = lax.fori_loop(num_unmasked, num_blocks, functools.partial(step, masked=True), carry)
     has = l > 0
     safe_l = jnp.where(has, l, 1.0)
