@@ -206,17 +206,76 @@ def test_pallas_gpu_needs_head_dims_in_pieces_of_16():
         triton_kernel.attention(**x, scale=0.1)
 
 
+# --- paged KV: the same attention read through a block table ---------------------------------------
+
+def to_pages(x, page, seed=0, spare=3):
+    """A dense slice x [B, K, S, D] as a page pool [P, K, page, D] + block table [B, S / page]: pages
+    shuffled, page 0 (the null page) and `spare` unused pages filled with values that would show if read."""
+    b, kh, s, d = x.shape
+    nb = s // page
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(np.arange(1, 1 + spare + b * nb))[: b * nb].reshape(b, nb)  # same for k and v
+    pool = rng.standard_normal((1 + spare + b * nb, kh, page, d)) * 100
+    xs = np.asarray(x, np.float32).reshape(b, kh, nb, page, d)
+    for bi in range(b):
+        for j in range(nb):
+            pool[order[bi, j]] = xs[bi, :, j]
+    return jnp.asarray(pool, x.dtype), jnp.asarray(order, jnp.int32)
+
+
+@pytest.mark.parametrize("impl,opts", [("reference", dict(block_k=16, block_k_masked=8)),
+                                       ("reference", {}), (PALLAS, dict(block_k=16)), (PALLAS, {})])
+@pytest.mark.parametrize("t,h,kh,dk,dv,page,runs,dtype", [
+    (1, 8, 2, 16, 16, 16, (0, 1, 2), jnp.float32),      # decode on a dcp shard, GQA 4
+    (37, 4, 2, 16, 8, 32, (2, 2, 8), jnp.float32),      # prefill chunk over an interleaved shard, Dk != Dv
+    (1, 4, 4, 16, 16, 16, (0, 1, 1), jnp.bfloat16),     # MHA, bf16
+])
+def test_paged_matches_float64(impl, opts, t, h, kh, dk, dv, page, runs, dtype):
+    x = make_inputs(3, t, h, kh, 4 * page, dk, dv, dtype, runs=runs)
+    k_pool, table = to_pages(x["k"], page)
+    v_pool, _ = to_pages(x["v"], page)
+    paged = dict(x, k=k_pool, v=v_pool)
+    o, lse = attention(**paged, impl=impl, block_table=table, **opts)
+    check_against_oracle(o, lse, x, TOL[dtype])
+
+
+@pytest.mark.parametrize("impl", ["reference", PALLAS])
+def test_paged_values_shared_with_keys(impl):
+    # MLA's latent pool: one kv head, values = the keys' first v_dim features.
+    x = make_inputs(2, 2, 8, 1, 64, 24, 16, runs=(1, 1, 4))
+    x["v"] = x["k"][..., :16]
+    k_pool, table = to_pages(x["k"], 16)
+    o, lse = attention(**dict(x, k=k_pool, v=None), impl=impl, v_dim=16, block_table=table)
+    check_against_oracle(o, lse, x, 1e-5)
+
+
+def test_paged_bad_table():
+    x = make_inputs(2, 1, 2, 2, 32, 16, 16)
+    k_pool, table = to_pages(x["k"], 16)
+    with pytest.raises(ValueError, match="block_table must be"):
+        attention(**dict(x, k=k_pool, v=k_pool), block_table=table[:1])
+    with pytest.raises(ValueError, match="page_size 24 needs a power-of-two divisor >= 16"):
+        triton_kernel.attention(**dict(x, k=jnp.zeros((4, 2, 24, 16)), v=jnp.zeros((4, 2, 24, 16))),
+                                scale=0.1, block_table=jnp.zeros((2, 2), jnp.int32))
+
+
 # --- lowering for CUDA without a GPU (DESIGN.md §5) -------------------------------------------------
 
-def lower_for_cuda(b, t, h, kh, s, dk, dv, dtype, shared_v=False, **opts):
-    f = functools.partial(triton_kernel.attention, scale=0.1, **opts)
+def lower_for_cuda(b, t, h, kh, s, dk, dv, dtype, shared_v=False, page=0, **opts):
+    """The kernel exported for CUDA; with `page`, over a pool of s // page pages of `page` slots per
+    sequence (b·s/page pages in all) through a block table."""
+    kv = (b, kh, s) if not page else (b * s // page, kh, page)
     args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in [
-        ((b, t, h, dk), dtype), ((b, kh, s, dk), dtype), ((b, kh, s, dv), dtype),
+        ((b, t, h, dk), dtype), (kv + (dk,), dtype), (kv + (dv,), dtype),
         ((b, t), jnp.int32), ((), jnp.int32), ((b,), jnp.int32)]]
     args[4] = SlotPositions(args[4], 4, 32)  # interleave 4 over 8 shards; start traced
-    if shared_v:  # the values are the keys' first dv columns (MLA latent)
-        f = functools.partial(lambda q, k, v, *rest, **kw: triton_kernel.attention(q, k, None, *rest, **kw),
-                              scale=0.1, v_dim=dv, **opts)
+    if page:
+        args.append(jax.ShapeDtypeStruct((b, s // page), jnp.int32))
+
+    def f(q, k, v, q_pos, kv_pos, kv_len, *table):
+        return triton_kernel.attention(q, k, None if shared_v else v, q_pos, kv_pos, kv_len, scale=0.1,
+                                       v_dim=dv if shared_v else None, block_table=table[0] if table else None,
+                                       **opts)
     gpu = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
         device_kind="NVIDIA H200", num_cores=None, platform="gpu"))
     with jax.sharding.use_abstract_mesh(gpu):
@@ -248,17 +307,20 @@ def large_copies(text: str, elements: int) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("name,shape,dtype,shared_v", [
-    ("decode-gqa", (4, 1, 32, 8, 4096, 128, 128), jnp.bfloat16, False),
-    ("prefill-chunk", (1, 64, 32, 8, 2048, 128, 128), jnp.bfloat16, False),
-    ("prefill-chunk-2048", (2, 2048, 32, 8, 32768, 128, 128), jnp.bfloat16, False),
-    ("decode-mla-absorbed", (2, 1, 16, 1, 2048, 576, 512), jnp.bfloat16, True),
-    ("prefill-mla-absorbed", (1, 256, 16, 1, 32768, 576, 512), jnp.bfloat16, True),
-    ("decode-f32-odd", (3, 1, 6, 3, 1000, 80, 80), jnp.float32, False),
+@pytest.mark.parametrize("name,shape,dtype,shared_v,page", [
+    ("decode-gqa", (4, 1, 32, 8, 4096, 128, 128), jnp.bfloat16, False, 0),
+    ("prefill-chunk", (1, 64, 32, 8, 2048, 128, 128), jnp.bfloat16, False, 0),
+    ("prefill-chunk-2048", (2, 2048, 32, 8, 32768, 128, 128), jnp.bfloat16, False, 0),
+    ("decode-mla-absorbed", (2, 1, 16, 1, 2048, 576, 512), jnp.bfloat16, True, 0),
+    ("prefill-mla-absorbed", (1, 256, 16, 1, 32768, 576, 512), jnp.bfloat16, True, 0),
+    ("decode-f32-odd", (3, 1, 6, 3, 1000, 80, 80), jnp.float32, False, 0),
+    ("paged-decode-gqa", (4, 1, 32, 8, 4096, 128, 128), jnp.bfloat16, False, 128),
+    ("paged-prefill-chunk", (2, 1024, 32, 8, 16384, 128, 128), jnp.bfloat16, False, 64),
+    ("paged-decode-mla", (2, 1, 16, 1, 4096, 576, 512), jnp.bfloat16, True, 64),
 ])
-def test_pallas_lowers_for_cuda_without_copying_the_cache(name, shape, dtype, shared_v):
+def test_pallas_lowers_for_cuda_without_copying_the_cache(name, shape, dtype, shared_v, page):
     b, t, h, kh, s, dk, dv = shape
-    text = lower_for_cuda(*shape, dtype, shared_v=shared_v)
+    text = lower_for_cuda(*shape, dtype, shared_v=shared_v, page=page)
     assert "__gpu$xla.gpu.triton" in text
     assert "dcp_flash_attention" in text
     # The cache goes to the kernel as it is: no pad, slice, concatenate, transpose or copy of it (or of

@@ -22,7 +22,7 @@ def default_impl() -> str:
 
 
 def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float | None = None, impl: str | None = None,
-              v_dim: int | None = None, **kernel_options):
+              v_dim: int | None = None, block_table=None, **kernel_options):
     """Attention of a query block over one KV slice, with its log-sum-exp.
 
     Args:
@@ -36,11 +36,14 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float | None = None, imp
       scale: softmax scale, default 1/sqrt(Dk).
       impl: "reference", "pallas" or "pallas_interpret" (the kernel in Pallas' interpreter);
         default: `default_impl()`.
+      block_table: [B, NB] int (paged cache): k [P, K, page, Dk] and v [P, K, page, Dv] are pools of
+        pages, and sequence b's slot j (positions from kv_pos, as for a dense slice) lives in page
+        block_table[b, j // page] at j % page.
     Returns:
       (o [B, T, H, Dv] in q.dtype, lse [B, T, H] float32, natural log). A row that sees no slot gets
       o = 0 and lse = -inf.
     """
-    check_inputs(q, k, v, q_pos, kv_pos, kv_len, v_dim)
+    check_inputs(q, k, v, q_pos, kv_pos, kv_len, v_dim, block_table)
     impl = impl or default_impl()
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {IMPLEMENTATIONS}")
@@ -53,4 +56,4 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float | None = None, imp
         fn = functools.partial(reference.attention, **kernel_options)
     else:
         fn = functools.partial(triton.attention, interpret=impl == "pallas_interpret", **kernel_options)
-    return fn(q, k, v, q_pos, kv_pos, kv_len, scale=scale, v_dim=v_dim)
+    return fn(q, k, v, q_pos, kv_pos, kv_len, scale=scale, v_dim=v_dim, block_table=block_table)

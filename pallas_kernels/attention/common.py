@@ -46,12 +46,13 @@ class SlotPositions:
         return (x // self.stride) * self.run + jnp.minimum(x % self.stride, self.run)
 
 
-def check_inputs(q, k, v, q_pos, kv_pos, kv_len, v_dim: int | None = None) -> None:
+def check_inputs(q, k, v, q_pos, kv_pos, kv_len, v_dim: int | None = None, block_table=None) -> None:
     """Shape checks (static, so they work under jit). Raises ValueError naming the problem.
 
     q [B, T, H, Dk], k [B, K, S, Dk], v [B, K, S, Dv], q_pos [B, T], kv_pos SlotPositions, kv_len [B].
     v may be None when the values are the first `v_dim` features of the keys (MLA's shared latent).
     kv_pos may be None where the caller derives it (the DCP island).
+    Paged: block_table [B, NB] int, k [P, K, page, Dk] and v [P, K, page, Dv] are page pools.
     """
     if v is None:
         if not (isinstance(v_dim, int) and 1 <= v_dim <= k.shape[-1]):
@@ -68,7 +69,12 @@ def check_inputs(q, k, v, q_pos, kv_pos, kv_len, v_dim: int | None = None) -> No
     bk, kh, s, dk2 = k.shape
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(f"k {k.shape} and v {v.shape} disagree on [B, K, S]")
-    if bk != b:
+    if block_table is not None:
+        if block_table.ndim != 2 or block_table.shape[0] != b:
+            raise ValueError(f"block_table must be [B, blocks] with B = {b}, got {block_table.shape}")
+        if not jnp.issubdtype(block_table.dtype, jnp.integer):
+            raise ValueError(f"block_table must be an integer array, got {block_table.dtype}")
+    elif bk != b:
         raise ValueError(f"batch mismatch: q has {b}, k/v have {bk}")
     if dk2 != dk:
         raise ValueError(f"key head dim mismatch: q has {dk}, k has {dk2}")

@@ -73,6 +73,17 @@ def head_pieces(d: int) -> tuple[tuple[int, int], ...]:
     return tuple(pieces)
 
 
+def page_block(block_k: int, page_size: int, minimum: int = MIN_BLOCK) -> int:
+    """The largest power of two <= block_k that divides the page (a KV block never straddles pages)."""
+    bk = block_k
+    while bk > 1 and page_size % bk:
+        bk //= 2
+    if bk < minimum:
+        raise ValueError(f"page_size {page_size} needs a power-of-two divisor >= {minimum} for the kernel's KV "
+                         f"block; use a page size that is a multiple of {minimum}")
+    return bk
+
+
 def smem_bytes(cfg: KernelConfig, dk: int, dv: int, itemsize: int, shared_v: bool) -> int:
     """Shared memory one program needs: its query tile, `num_stages` buffered K (and V) tiles, and the
     probability tile fed to the second dot."""

@@ -28,21 +28,29 @@ HIGHEST = lax.Precision.HIGHEST
 
 
 def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 512, block_k_masked: int = 128,
-              v_dim: int | None = None):
+              v_dim: int | None = None, block_table=None):
     """q [B,T,H,Dk], k [B,K,S,Dk], v [B,K,S,Dv] -> (o [B,T,H,Dv] in q.dtype, lse [B,T,H] float32).
 
     kv_pos: the slice's SlotPositions. GQA groups query heads per kv head; no repeated KV is materialised.
     v None: the values are k[..., :v_dim] (read from each key block, never copied whole).
+    block_table [B, NB] (paged): k [P, K, page, Dk] and v [P, K, page, Dv] are page pools, and sequence
+    b's slot j lives in page block_table[b, j // page] at j % page (S = NB·page slots). Blocks are then
+    whole pages, gathered one block at a time: nothing sequence-sized is assembled.
     """
     b, t, h, dk = q.shape
-    kh, s = k.shape[1], k.shape[2]
+    kh = k.shape[1]
+    if block_table is None:
+        s, unit = k.shape[2], 1
+    else:
+        unit = k.shape[2]  # blocks are whole pages
+        s = block_table.shape[1] * unit
     dv = v_dim if v is None else v.shape[-1]
     g = h // kh
     rows = g * t
     out_dtype = q.dtype
-    bs = min(block_k, s)
+    bs = min(max(block_k // unit, 1) * unit, s)
     # blocks that need the mask: few, often only partly visible, so smaller (one block when bs covers s)
-    bm = s if bs == s else min(block_k_masked, bs)
+    bm = s if bs == s else min(max(block_k_masked // unit, 1) * unit, bs)
     # XLA:CPU has no bf16 x bf16 -> f32 dot; compute in float32 (a no-op for float32 inputs).
     qg = (q.astype(jnp.float32) * scale).reshape(b, t, kh, g, dk)
     qg = jnp.transpose(qg, (0, 2, 3, 1, 4)).reshape(b, kh, rows, dk)  # row r = (group r // T, query r % T)
@@ -56,9 +64,15 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
     unmasked_end = num_unmasked * bs  # then blocks of bm slots from there up to the last visible slot
     num_masked = jnp.maximum(visible - unmasked_end + bm - 1, 0) // bm
 
+    def read(x, start, n):  # slots [start, start + n) of every sequence: [B, K, n, D]
+        if block_table is None:
+            return lax.dynamic_slice_in_dim(x, start, n, axis=2)
+        pages = lax.dynamic_slice_in_dim(block_table, start // unit, n // unit, axis=1)  # [B, n / page]
+        return jnp.moveaxis(x[pages], 2, 1).reshape(b, kh, n, x.shape[-1])
+
     def block(start, n):
-        kb = lax.dynamic_slice_in_dim(k, start, n, axis=2).astype(jnp.float32)
-        vb = kb[..., :dv] if v is None else lax.dynamic_slice_in_dim(v, start, n, axis=2).astype(jnp.float32)
+        kb = read(k, start, n).astype(jnp.float32)
+        vb = kb[..., :dv] if v is None else read(v, start, n).astype(jnp.float32)
         return jnp.einsum("bkrd,bksd->bkrs", qg, kb, precision=HIGHEST), vb
 
     def update(carry, sc, vb, m_safe_fn):

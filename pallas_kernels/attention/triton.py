@@ -38,11 +38,16 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
-def _kernel(start_ref, q_ref, lim_ref, k_ref, *refs, block_k, precision, run, stride, num_slots, num_splits,
-            k_pieces, v_pieces, shared_v):
-    # start_ref []; q_ref [BQ, Dk] (pre-scaled, log2 domain); lim_ref [BQ]; k_ref [S, Dk]; v_ref [S, Dv]
-    # (absent when the values are k's first Dv columns); o_ref [BQ, Dv]; lse_ref [BQ]
-    v_ref, o_ref, lse_ref = (None, *refs) if shared_v else refs
+def _kernel(start_ref, q_ref, lim_ref, *refs, block_k, precision, run, stride, num_slots, num_splits,
+            k_pieces, v_pieces, shared_v, page_size):
+    # start_ref []; q_ref [BQ, Dk] (pre-scaled, log2 domain); lim_ref [BQ]; table_ref [NB] (paged only);
+    # k_ref [S, Dk] or, paged, [P, page, Dk]; v_ref likewise with Dv (absent when the values are k's
+    # first Dv columns); o_ref [BQ, Dv]; lse_ref [BQ]
+    refs = list(refs)
+    table_ref = refs.pop(0) if page_size else None
+    k_ref = refs.pop(0)
+    v_ref = None if shared_v else refs.pop(0)
+    o_ref, lse_ref = refs
     positions = SlotPositions(start_ref[()], run, stride)
     lim = lim_ref[...]
     qs = [q_ref[:, pl.ds(off, w)] for off, w in k_pieces]
@@ -56,6 +61,8 @@ def _kernel(start_ref, q_ref, lim_ref, k_ref, *refs, block_k, precision, run, st
     num_blocks = pl.cdiv(jnp.maximum(end - first, 0), block_k)
 
     def load(ref, start, off, w, masked):
+        if page_size:  # a block lies inside one page (page_size % block_k == 0); slots never pass the table
+            return ref[table_ref[start // page_size], pl.ds(start % page_size, block_k), pl.ds(off, w)]
         idx = (pl.ds(start, block_k), pl.ds(off, w))
         if not masked:
             return ref[idx]
@@ -103,14 +110,18 @@ def _kernel(start_ref, q_ref, lim_ref, k_ref, *refs, block_k, precision, run, st
 def attention(
     q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_q: int | None = None, block_k: int | None = None,
     num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-    interpret: bool = False, v_dim: int | None = None,
+    interpret: bool = False, v_dim: int | None = None, block_table=None,
 ):
     """Same contract as `reference.attention`: (o [B,T,H,Dv] in q.dtype, lse [B,T,H] float32).
 
     Block sizes, warps and stages default to `configs.pick`'s; `num_splits` to `configs.num_splits`.
+    block_table [B, NB] (paged): k/v are page pools [P, K, page, D]; the kernel reads each block's page
+    number from the table (a ref: the GPU lowering has no scalar prefetch). The KV block divides the page.
     """
     b, t, h, dk = q.shape
-    kh, s = k.shape[1], k.shape[2]
+    kh = k.shape[1]
+    page_size = 0 if block_table is None else k.shape[2]
+    s = k.shape[2] if block_table is None else block_table.shape[1] * page_size
     shared_v = v is None
     dv = v_dim if shared_v else v.shape[-1]
     g = h // kh
@@ -122,6 +133,8 @@ def attention(
     _, cfg = configs.pick(rows, dk, dv, q.dtype.itemsize, shared_v)
     bq = configs.pow2(block_q, configs.MIN_BLOCK) if block_q else cfg.block_q
     bk = configs.pow2(block_k, configs.MIN_BLOCK) if block_k else cfg.block_k
+    if page_size:
+        bk = configs.page_block(bk, page_size, minimum=1 if interpret else configs.MIN_BLOCK)
     q_blocks = math.ceil(rows / bq)
     rows_pad = q_blocks * bq
     splits = num_splits or configs.num_splits(b * kh * q_blocks, math.ceil(s / bk))
@@ -140,8 +153,14 @@ def attention(
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(
         _kernel, block_k=bk, precision=precision, run=kv_pos.run, stride=kv_pos.stride, num_slots=s,
-        num_splits=splits, k_pieces=k_pieces, v_pieces=v_pieces, shared_v=shared_v)
-    whole_slice = lambda d: pl.BlockSpec((None, None, s, d), lambda i, j, r, c: (i, j, 0, 0))  # noqa: E731
+        num_splits=splits, k_pieces=k_pieces, v_pieces=v_pieces, shared_v=shared_v, page_size=page_size)
+    if page_size:  # the whole pool of this kv head; and the sequence's row of the block table
+        whole_slice = lambda d: pl.BlockSpec((k.shape[0], None, page_size, d),  # noqa: E731
+                                             lambda i, j, r, c: (0, j, 0, 0))
+        table = [pl.BlockSpec((None, block_table.shape[1]), lambda i, j, r, c: (i, 0))]
+    else:
+        whole_slice = lambda d: pl.BlockSpec((None, None, s, d), lambda i, j, r, c: (i, j, 0, 0))  # noqa: E731
+        table = []
     out_dtype = q.dtype if splits == 1 else jnp.float32  # one split needs no merge: write the result
     o, lse = pl.pallas_call(
         kernel,
@@ -150,6 +169,7 @@ def attention(
             pl.BlockSpec((), lambda i, j, r, c: ()),
             pl.BlockSpec((None, None, bq, dk), lambda i, j, r, c: (i, j, r, 0)),
             pl.BlockSpec((None, bq), lambda i, j, r, c: (i, r)),
+            *table,
             whole_slice(dk),
             *([] if shared_v else [whole_slice(dv)]),
         ],
@@ -165,7 +185,8 @@ def attention(
                                              num_stages=num_stages or cfg.num_stages),
         interpret=interpret,
         name="dcp_flash_attention",
-    )(start, qg, lim, k, *([] if shared_v else [v]))
+    )(start, qg, lim, *([] if block_table is None else [block_table.astype(jnp.int32)]), k,
+      *([] if shared_v else [v]))
 
     if splits == 1:
         o, lse = o[:, :, 0], lse[:, :, 0]
