@@ -27,7 +27,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from dcp_jax import mesh as mesh_lib
-from dcp_jax.layout import KVLayout
+from dcp_jax.layout import KVLayout, PagedLayout
 from pallas_kernels.attention import api as kernels
 from pallas_kernels.attention.common import check_inputs, merge_partials, merge_weights
 
@@ -66,7 +66,7 @@ def dcp_attention(
     kv_len,
     *,
     mesh: Mesh,
-    layout: KVLayout,
+    layout: KVLayout | PagedLayout,
     head_axes: tuple[str, ...] = (mesh_lib.TP,),
     context_axes: tuple[str, ...] = (mesh_lib.DCP,),
     scale: float | None = None,
@@ -74,6 +74,7 @@ def dcp_attention(
     combine: str = "auto",
     return_lse: bool = False,
     v_dim: int | None = None,
+    block_table=None,
     **kernel_options,
 ):
     """Exact attention of queries over a KV cache sharded along the sequence.
@@ -85,15 +86,20 @@ def dcp_attention(
         first `v_dim` features (MLA's latent cache).
       q_pos: [B, T] global positions of the queries. kv_len: [B] valid cache length per sequence.
       layout: the KV placement; its num_shards must equal the size of `context_axes`.
+      block_table: [B, blocks] int (paged, with a `PagedLayout`): k_cache/v_cache are page pools
+        [N·pages, K, page, D] (`mesh.kv_pool_spec`): every context rank reads its own pages through the
+        same replicated table.
       combine: "auto" (psum_scatter when heads divide, else psum), "scatter", "psum" or "all_to_all".
       return_lse: also return the merged LSE [B, T, H] (float32).
     Returns:
       out [B, T, H, Dv] in q.dtype, sharded per `mesh.attn_out_spec` (and the LSE if asked).
     """
-    check_inputs(q, k_cache, v_cache, q_pos, None, kv_len, v_dim)
+    paged = block_table is not None
+    check_inputs(q, k_cache, v_cache, q_pos, None, kv_len, v_dim, block_table)
     n_heads_shards = mesh_lib.axis_size(mesh, head_axes)
     n_ctx = mesh_lib.axis_size(mesh, context_axes)
-    h, kh, s = q.shape[2], k_cache.shape[1], k_cache.shape[2]
+    h, kh = q.shape[2], k_cache.shape[1]
+    s = block_table.shape[1] * layout.tokens_per_block if paged else k_cache.shape[2]
     if h % n_heads_shards:
         raise ValueError(f"query heads ({h}) must divide by the {n_heads_shards} shards of {head_axes}")
     if kh % n_heads_shards:
@@ -103,7 +109,12 @@ def dcp_attention(
         )
     if layout.num_shards != n_ctx:
         raise ValueError(f"layout has {layout.num_shards} shards but context axes {context_axes} have {n_ctx}")
-    if s != layout.max_seq_len:
+    if paged != isinstance(layout, PagedLayout):
+        raise ValueError("a paged pool takes a PagedLayout and its block_table; a dense cache a KVLayout")
+    if paged and (k_cache.shape[2] != layout.page_size or k_cache.shape[0] % n_ctx):
+        raise ValueError(f"pool {k_cache.shape} does not hold pages of {layout.page_size} slots on "
+                         f"{n_ctx} context shards")
+    if not paged and s != layout.max_seq_len:
         raise ValueError(f"cache holds {s} slots but the layout places {layout.max_seq_len}")
     lengths = _concrete(kv_len)
     if lengths is not None and (lengths.min() < 0 or lengths.max() > s):
@@ -116,11 +127,13 @@ def dcp_attention(
     shared_v = v_cache is None
 
     def body(q, k, *rest):
-        v, q_pos, kv_len = (None, *rest) if shared_v else rest
+        rest = list(rest)
+        v = None if shared_v else rest.pop(0)
+        q_pos, kv_len, *table = rest
         rank = lax.axis_index(context_axes) if context_axes else 0
         o, lse = kernels.attention(
             q, k, v, q_pos, layout.slice_positions(rank), kv_len, scale=scale, impl=impl, v_dim=v_dim,
-            **kernel_options
+            block_table=table[0] if paged else None, **kernel_options
         )
         if not context_axes:  # one whole copy of the cache: nothing to combine
             return o, (lse if exchanged else lse[None])
@@ -143,13 +156,14 @@ def dcp_attention(
         # claim to prove to shard_map) and keep rank 0's copy.
         return out.astype(q.dtype), lse_total[None]
 
-    cache_spec = mesh_lib.kv_cache_spec(head_axes, context_axes)
+    cache_spec = (mesh_lib.kv_pool_spec if paged else mesh_lib.kv_cache_spec)(head_axes, context_axes)
     caches = (k_cache,) if shared_v else (k_cache, v_cache)
+    tables = (block_table,) if paged else ()
     out, lse = jax.shard_map(
         body,
         mesh=mesh,
         in_specs=(mesh_lib.q_spec(head_axes), *(cache_spec for _ in caches), mesh_lib.lengths_spec(),
-                  mesh_lib.lengths_spec()),
+                  mesh_lib.lengths_spec(), *(mesh_lib.lengths_spec() for _ in tables)),
         out_specs=(
             mesh_lib.attn_out_spec(head_axes, context_axes, scattered),
             (mesh_lib.attn_lse_spec(head_axes, context_axes) if exchanged
@@ -158,7 +172,7 @@ def dcp_attention(
         # A pallas_call (in interpret mode on CPU for certain) does not carry shard_map's
         # varying-manual-axes annotations, so those checks are off for the kernel; the reference keeps them.
         check_vma=not impl.startswith("pallas"),
-    )(q, *caches, q_pos, kv_len)
+    )(q, *caches, q_pos, kv_len, *tables)
     if exchanged:
         return (out, lse) if return_lse else out
     return (out, lse[0]) if return_lse else out
@@ -171,9 +185,10 @@ def write_kv(
     valid,
     *,
     mesh: Mesh,
-    layout: KVLayout,
+    layout: KVLayout | PagedLayout,
     head_axes: tuple[str, ...] = (mesh_lib.TP,),
     context_axes: tuple[str, ...] = (mesh_lib.DCP,),
+    block_table=None,
 ):
     """Write new tokens' entries into the cache shards that own their positions, in place.
 
@@ -181,23 +196,33 @@ def write_kv(
     tuple of new entries [B, T, K, D_i] (replicated over the context axes); positions [B, T]; valid [B, T]
     (padding tokens of a ragged chunk are not written). Each context rank scatters only the tokens it
     owns; every other index is dropped, so no cache-sized temporary is made. Returns the new caches.
+    Paged (`block_table` [B, blocks] with a `PagedLayout`): caches are pools [N·pages, K, page, D_i]
+    and position t of sequence b goes to page block_table[b, block_of(t)], slot page_slot_of(t).
     """
     b, t = positions.shape
     n = len(caches)
+    paged = block_table is not None
 
     def body(*args):
-        cs, ns, (pos, ok) = args[:n], args[n:2 * n], args[2 * n:]
+        cs, ns, (pos, ok, *table) = args[:n], args[n:2 * n], args[2 * n:]
         rank = lax.axis_index(context_axes) if context_axes else 0
         mine = ok & (layout.rank_of(pos) == rank)
+        if paged:
+            num_pages = cs[0].shape[0]
+            blocks = jnp.minimum(layout.block_of(pos), table[0].shape[1] - 1)
+            page = jnp.where(mine, jnp.take_along_axis(table[0], blocks, axis=1), num_pages)  # else dropped
+            return tuple(c.at[page, :, layout.page_slot_of(pos)].set(x.astype(c.dtype), mode="drop")
+                         for c, x in zip(cs, ns))
         slot = jnp.where(mine, layout.slot_of(pos), layout.slots_per_shard)  # out of range: dropped
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
         return tuple(c.at[rows, :, slot].set(x.astype(c.dtype), mode="drop") for c, x in zip(cs, ns))
 
-    cache_spec = mesh_lib.kv_cache_spec(head_axes, context_axes)
+    cache_spec = (mesh_lib.kv_pool_spec if paged else mesh_lib.kv_cache_spec)(head_axes, context_axes)
+    tables = (block_table,) if paged else ()
     return jax.shard_map(
         body,
         mesh=mesh,
         in_specs=(*(cache_spec,) * n, *(mesh_lib.q_spec(head_axes),) * n, mesh_lib.lengths_spec(),
-                  mesh_lib.lengths_spec()),
+                  mesh_lib.lengths_spec(), *(mesh_lib.lengths_spec() for _ in tables)),
         out_specs=(cache_spec,) * n,
-    )(*caches, *new, positions, valid)
+    )(*caches, *new, positions, valid, *tables)

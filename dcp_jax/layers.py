@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dcp_jax import mesh as mesh_lib
-from dcp_jax.layout import KVLayout
+from dcp_jax.layout import KVLayout, PagedLayout
 
 WeightSource = Callable[..., jax.Array]
 
@@ -30,12 +30,25 @@ def stack_names(name: str, count: int) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionContext:
-    """What the attention island needs besides arrays: the mesh, the KV placement and the kernel."""
+    """Where the cache lives and how attention runs: the mesh, the KV placement, the kernel and the
+    combine, and for a paged pool its block table [B, blocks] (a traced array, replicated) with the
+    longest sequence it may hold (`max_seq_len`; a dense layout knows its own)."""
 
     mesh: Mesh
-    layout: KVLayout
+    layout: KVLayout | PagedLayout
     impl: str | None = None
     combine: str = "auto"
+    block_table: jax.Array | None = None
+    max_seq_len: int | None = None
+
+    @property
+    def seq_len(self) -> int:
+        """The longest sequence the cache holds (the RoPE tables are sized for it)."""
+        return self.max_seq_len or self.layout.max_seq_len
+
+    def placement(self) -> dict:
+        """The keywords `attention.write_kv` and `attention.dcp_attention` take from the context."""
+        return dict(mesh=self.mesh, layout=self.layout, block_table=self.block_table)
 
 
 def param(get: WeightSource, name: str, shape, spec, kv_rep: int = 1) -> nnx.Param:

@@ -193,8 +193,15 @@ def kv_cache_spec(head_axes: AxisNames = (TP,), context_axes: AxisNames = (DCP,)
     return P(None, _group(head_axes), _group(context_axes), None)
 
 
+def kv_pool_spec(head_axes: AxisNames = (TP,), context_axes: AxisNames = (DCP,)) -> P:
+    """Paged KV pool [N·pages, K, page, D]: each context rank holds its own `pages` pages (the first
+    axis over `context_axes`), kv heads over `head_axes`. One block-table entry names the same page
+    index on every context rank: each holds its share of that block there."""
+    return P(_group(context_axes), _group(head_axes), None, None)
+
+
 def lengths_spec() -> P:
-    """Per-sequence vectors [B] (lengths) and [B, T] (positions): replicated."""
+    """Per-sequence vectors [B] (lengths), [B, T] (positions) and the block table [B, blocks]: replicated."""
     return P()
 
 

@@ -106,9 +106,9 @@ class MLAttention(nnx.Module):
                                      SlotPositions.dense(t), kv_len, impl="reference", block_k=t, **opts)
         else:
             axes = dict(head_axes=HEAD_AXES, context_axes=self.context_axes)
-            cache = attn_lib.write_kv(cache, (latent,), positions, valid, mesh=ctx.mesh, layout=ctx.layout, **axes)
-            o = attn_lib.dcp_attention(q_abs, cache[0], None, positions, kv_len, mesh=ctx.mesh, layout=ctx.layout,
-                                       impl=ctx.impl, combine=ctx.combine, **axes, **opts)
+            cache = attn_lib.write_kv(cache, (latent,), positions, valid, **ctx.placement(), **axes)
+            o = attn_lib.dcp_attention(q_abs, cache[0], None, positions, kv_len, impl=ctx.impl,
+                                       combine=ctx.combine, **ctx.placement(), **axes, **opts)
         o = jnp.einsum("bthc,hvc->bthv", o, w_uv)  # [B, T, H, v_head_dim]
         return linear(o.reshape(b, t, -1), self.o_proj), cache
 

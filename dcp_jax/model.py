@@ -118,9 +118,9 @@ class Attention(nnx.Module):
             o, _ = kernels.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions, kv_pos,
                                      kv_len, impl="reference", block_k=t)
             return linear(o.reshape(b, t, -1), self.o_proj), None
-        cache = attn_lib.write_kv(cache, (k, v), positions, valid, mesh=ctx.mesh, layout=ctx.layout)
-        o = attn_lib.dcp_attention(q, *cache, positions, kv_len, mesh=ctx.mesh, layout=ctx.layout,
-                                   impl=ctx.impl, combine=ctx.combine)
+        cache = attn_lib.write_kv(cache, (k, v), positions, valid, **ctx.placement())
+        o = attn_lib.dcp_attention(q, *cache, positions, kv_len, impl=ctx.impl, combine=ctx.combine,
+                                   **ctx.placement())
         return linear(o.reshape(b, t, -1), self.o_proj), cache
 
 
@@ -190,7 +190,7 @@ class CausalLM(nnx.Module):
         cache: tuple over layers of (k, v) [B, K, S, D] (MLA: (latent,)). Returns (logits, cache): logits
         [B, T, V], or [B, V] at index `logits_at` [B] of each sequence when given (prefill needs only the last).
         """
-        x, new_cache = self._trunk(tokens, positions, valid, kv_len, cache, ctx, ctx.layout.max_seq_len)
+        x, new_cache = self._trunk(tokens, positions, valid, kv_len, cache, ctx, ctx.seq_len)
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)[:, 0]
         return self._logits(x), new_cache

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dcp_jax import KVLayout, dcp_attention, make_mesh
+from dcp_jax.layout import PagedLayout
 from dcp_jax.attention import resolve_combine
 from tests.util import assert_lse_close, dense_attention, place, rel_err
 
@@ -18,7 +19,9 @@ TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
 def run_case(tp, dcp, gqa, interleave, t, dtype=jnp.float32, lengths=None, max_seq_len=48, combine="auto",
              impl="reference", head_axes=("tp",), context_axes=("dcp",), kv_heads=None, dk=16, dv=16,
-             seed=0):
+             seed=0, page=0):
+    """One DCP attention call against float64; with `page`, over a paged pool (random page order, the
+    same block table on every context rank) holding what the dense layout places."""
     mesh = make_mesh(tp, dcp)
     n_ctx = int(np.prod([mesh.shape[a] for a in context_axes]))
     layout = KVLayout.create(max_seq_len, n_ctx, interleave)
@@ -36,10 +39,14 @@ def run_case(tp, dcp, gqa, interleave, t, dtype=jnp.float32, lengths=None, max_s
     scale = 1.0 / np.sqrt(dk)
     ref_o, ref_lse = dense_attention(q, k, v, q_pos, lengths, scale)
 
+    kc, vc, extra = place(k, layout), place(v, layout), {}
+    if page:
+        (kc, vc), table = paginate((kc, vc), layout, page, rng)
+        extra = dict(block_table=jnp.asarray(table), layout=PagedLayout(n_ctx, layout.interleave, page))
     fn = jax.jit(lambda *a: dcp_attention(
-        *a, mesh=mesh, layout=layout, head_axes=head_axes, context_axes=context_axes, combine=combine,
-        impl=impl, return_lse=True))
-    o, lse = fn(jnp.asarray(q, dtype), jnp.asarray(place(k, layout), dtype), jnp.asarray(place(v, layout), dtype),
+        *a, mesh=mesh, head_axes=head_axes, context_axes=context_axes, combine=combine,
+        impl=impl, return_lse=True, **{"layout": layout, **extra}))
+    o, lse = fn(jnp.asarray(q, dtype), jnp.asarray(kc, dtype), jnp.asarray(vc, dtype),
                 jnp.asarray(q_pos), jnp.asarray(lengths))
     tol = TOL[dtype]
     assert o.dtype == dtype and o.shape == (b, t, h, dv)
@@ -48,6 +55,44 @@ def run_case(tp, dcp, gqa, interleave, t, dtype=jnp.float32, lengths=None, max_s
     assert err <= tol, f"relative error {err} > {tol}"
     assert_lse_close(lse, ref_lse, tol)
     return o
+
+
+def paginate(caches, layout, page, rng, spare=2):
+    """Dense placed caches [B, K, N·S_local, D] -> pools [N·P, K, page, D] and a block table [B, NB]:
+    rank r's logical local slots [j·page, (j+1)·page) of sequence b go to page table[b, j] of rank r's
+    P pages. Unused pages (the null page 0 among them) hold values that would show if read."""
+    b, kh, s, _ = caches[0].shape
+    n = layout.num_shards
+    s_local = s // n
+    nb = -(-s_local // page)
+    pages = 1 + spare + b * nb
+    table = rng.permutation(np.arange(1, pages))[: b * nb].reshape(b, nb).astype(np.int32)
+    pools = []
+    for c in caches:
+        pool = rng.standard_normal((n * pages, kh, page, c.shape[-1])).astype(np.float32) * 100
+        for r in range(n):
+            local = np.zeros((b, kh, nb * page, c.shape[-1]), np.float32)
+            local[:, :, :s_local] = c[:, :, r * s_local:(r + 1) * s_local]
+            for bi in range(b):
+                for j in range(nb):
+                    pool[r * pages + table[bi, j]] = local[bi, :, j * page:(j + 1) * page]
+        pools.append(pool)
+    return pools, table
+
+
+PAGED = [(1, 1, 1, 8), (1, 8, 1, 2), (2, 4, 2, 4), (4, 2, 1, 4), (1, 3, 4, 4), (1, 8, 2, 16)]
+
+
+@pytest.mark.parametrize("tp,dcp,interleave,page", PAGED)
+@pytest.mark.parametrize("t", [1, 16])
+def test_paged_dcp_matches_dense(tp, dcp, interleave, page, t):
+    run_case(tp, dcp, 4, interleave, t, page=page)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas_interpret"])
+def test_paged_latent_over_both_axes(impl):
+    # MLA's paged latent: one kv head, pages over ("tp", "dcp") together.
+    run_case(2, 4, 8, 1, 1, head_axes=(), context_axes=("tp", "dcp"), kv_heads=1, page=2, impl=impl)
 
 
 # Every mesh × T × GQA ratio, cycling interleaves so each mesh meets all three.
