@@ -63,7 +63,7 @@ def table_row(phase: str, opts: dict, block_q: int, head_dim: int = HEAD_DIM) ->
 
 def format_table(results: list[dict]) -> str:
     """Per shape, fastest first; failures and configs not run at the end."""
-    cols = ("shape", "options", "ms", "figure", "vs default", "max|Δ| vs default", "error")
+    cols = ("shape", "options", "ms", "figure", "vs default", "max abs diff vs default", "error")
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     default = {r["shape"]: r.get("ms") for r in results if r["options"] == "default"}
 
