@@ -33,6 +33,7 @@ from dcp_jax.model import AttentionContext, CausalLM, init_cache
 # query-tiled kernel keeps shared memory independent of the chunk, so larger chunks only amortise the
 # weight reads; 2048 is not yet measured: scripts/gpu_check.sh sweeps 512-4096 and prints the fastest.
 DEFAULT_PREFILL_CHUNK = {"cpu": 256, "gpu": 2048}
+DEFAULT_PAGE_SIZE = 64  # slots per page; a block-table entry covers page_size · dcp tokens
 
 
 def default_prefill_chunk(platform: str) -> int:
@@ -80,12 +81,14 @@ def sample(logits, key, params: SamplingParams):
 
 @dataclasses.dataclass
 class Generation:
-    """Result of `Engine.generate`: plain Python values."""
+    """Result of `LLM.generate` / `Engine.generate`: plain Python values."""
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
     stats: dict
     text: list[str] | None = None
+    finish_reasons: list[str] | None = None
+    errors: list[str | None] | None = None
 
 
 class Engine:
@@ -361,28 +364,60 @@ def kv_bytes(cache, replication: int = 1) -> dict:
 
 
 class LLM:
-    """The notebook API: a model and its tokenizer on a mesh.
+    """The notebook API: a model and its tokenizer on a mesh, served by continuous batching over a paged,
+    sequence-sharded KV pool (`dcp_jax.serving`).
 
     >>> llm = LLM.load("path/to/hf_checkpoint_or_orbax_dir", tp=2, dcp=4)
     >>> out = llm.generate(["Hello"], max_new_tokens=16)
-    >>> out.text, out.tokens, out.stats["kv_bytes_per_device"]
+    >>> out.text, out.tokens, out.stats["kv_bytes_per_device"], out.stats["kv_capacity_tokens"]
+
+    `page_size`: slots per page (one block-table entry covers page_size · dcp tokens); `max_num_seqs`:
+    requests decoding at once; `kv_cache_memory`: KV bytes per device (int or "512MiB") that size the
+    pool, or `gpu_memory_utilization`: that fraction of each GPU's memory less what is in use; with
+    neither, the pool fits the requests of each `generate` call at once.
     """
 
     def __init__(self, model: CausalLM, mesh: Mesh, tokenizer=None, *, interleave: int | str = 1,
-                 impl: str | None = None, source: str = "in memory"):
+                 impl: str | None = None, source: str = "in memory", page_size: int | None = None,
+                 max_num_seqs: int = 8, kv_cache_memory: int | str | None = None,
+                 gpu_memory_utilization: float | None = None, decode_steps: int = 8):
+        from dcp_jax.serving.engine import parse_bytes
+
         self.model, self.mesh, self.tokenizer, self.source = model, mesh, tokenizer, source
-        self.engine = Engine(model, mesh, interleave=interleave, impl=impl)
+        self.impl, self.interleave = impl, interleave
+        self.engine = Engine(model, mesh, interleave=interleave, impl=impl)  # the static-batch baseline
+        for name, value in (("max_num_seqs", max_num_seqs), ("decode_steps", decode_steps)):
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise UserError(f"{name} must be an integer >= 1, got {value!r}")
+        if page_size is None:
+            page_size = max(DEFAULT_PAGE_SIZE, interleave if isinstance(interleave, int) else 1)
+        if not (isinstance(page_size, int) and not isinstance(page_size, bool) and page_size >= 1):
+            raise UserError(f"page_size must be an integer >= 1, got {page_size!r}")
+        if isinstance(interleave, int) and page_size % interleave:
+            raise UserError(f"page_size {page_size} must be a multiple of the interleave size {interleave}")
+        if kv_cache_memory is not None and gpu_memory_utilization is not None:
+            raise UserError("give kv_cache_memory or gpu_memory_utilization, not both")
+        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+            raise UserError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        self.page_size, self.max_num_seqs, self.decode_steps = page_size, max_num_seqs, decode_steps
+        self.kv_cache_memory = None if kv_cache_memory is None else parse_bytes(kv_cache_memory)
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self._servers = {}  # PoolConfig -> ServingEngine (its compiled programs)
 
     @classmethod
     def load(cls, model_dir, *, tp: int = 1, dcp: int = 1, interleave: int | str = 1, dtype: str = "float32",
-             impl: str | None = None, devices=None) -> "LLM":
+             impl: str | None = None, devices=None, page_size: int | None = None, max_num_seqs: int = 8,
+             kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
+             decode_steps: int = 8) -> "LLM":
         from dcp_jax.weights import load_any
 
         if interleave != "contiguous" and not (isinstance(interleave, int) and interleave >= 1):
             raise UserError(f"interleave must be an integer >= 1 or 'contiguous', got {interleave!r}")
         mesh = mesh_lib.make_mesh(tp, dcp, devices)
         model, tokenizer, source = load_any(model_dir, mesh, dtype)
-        return cls(model, mesh, tokenizer, interleave=interleave, impl=impl, source=source)
+        return cls(model, mesh, tokenizer, interleave=interleave, impl=impl, source=source, page_size=page_size,
+                   max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory,
+                   gpu_memory_utilization=gpu_memory_utilization, decode_steps=decode_steps)
 
     def save(self, path) -> int:
         """Save weights, config and tokenizer as an orbax checkpoint (atomically); returns the step."""
@@ -398,20 +433,137 @@ class LLM:
     def decode(self, ids: Sequence[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(list(ids))
 
+    # --- the serving engine behind generate ---------------------------------------------------------
+    def num_pages(self, max_model_len: int, lengths: Sequence[int] = ()) -> int:
+        """Pages per context rank: from the memory budget when one is given, else enough for `lengths`
+        (peak tokens per request) at once, or max_num_seqs sequences of max_model_len."""
+        from dcp_jax.serving.engine import gpu_budget, pages_for_budget
+
+        dtype = self.model.embed_tokens.get_value().dtype
+        if self.kv_cache_memory is not None or self.gpu_memory_utilization is not None:
+            budget = (self.kv_cache_memory if self.kv_cache_memory is not None
+                      else gpu_budget(self.mesh, self.gpu_memory_utilization))
+            pages = pages_for_budget(self.model, self.mesh, self.page_size, dtype, budget)
+            if pages < 2:
+                raise UserError(f"a KV budget of {budget:,} bytes per device holds {max(pages, 0)} pages of "
+                                f"{self.page_size} slots; give more memory (one page needs "
+                                f"{budget // max(pages, 1) if pages > 0 else 'more'} bytes) or a smaller page size")
+            return pages
+        block = self.page_size * mesh_lib.axis_size(self.mesh, self.model.context_axes)
+        blocks = lambda n: -(-n // block)  # noqa: E731
+        most = self.max_num_seqs * blocks(max_model_len)
+        return 1 + (min(most, sum(blocks(n) for n in lengths)) if lengths else most)
+
+    def server(self, max_model_len: int, prefill_chunk: int, num_pages: int):
+        """The `ServingEngine` for these sizes (kept: its programs compile once per configuration)."""
+        from dcp_jax.serving.engine import PoolConfig, ServingEngine
+
+        interleave = self.page_size if self.interleave == "contiguous" else self.interleave
+        config = PoolConfig(num_pages=num_pages, page_size=self.page_size, max_num_seqs=self.max_num_seqs,
+                            max_model_len=max_model_len, prefill_chunk=prefill_chunk,
+                            decode_steps=self.decode_steps)
+        if config not in self._servers:
+            self._servers[config] = ServingEngine(
+                self.model, self.mesh, config, interleave=interleave, impl=self.impl,
+                detokenize=None if self.tokenizer is None else self.decode)
+        return self._servers[config]
+
     def generate(self, prompts, *, max_new_tokens: int = 32, max_seq_len: int | None = None,
                  prefill_chunk: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int = 0, ignore_eos: bool = False, on_chunk=None, on_token=None) -> Generation:
-        """`prompts`: a string, a list of strings, a list of ids, or a list of id lists (one batch).
+        """`prompts`: a string, a list of strings, a list of ids, or a list of id lists.
 
-        Returns a `Generation` with `tokens` (list per sequence), `logprobs`, `stats`, and `text` (list
-        per sequence, None without a tokenizer).
+        Requests run through the scheduler: admitted while pages and slots are free, prefilled in
+        chunks, decoded together, preempted and recomputed when pages run out. `max_seq_len` is the
+        model context (default: longest prompt + max_new_tokens). Returns a `Generation` with `tokens`
+        and `logprobs` (per request), `text` (None without a tokenizer), `finish_reasons`, `errors`
+        (per request, None when it ran) and `stats`. A request that can never run fails alone; if every
+        one fails, UserError. `on_chunk(done, total)` reports prefill tokens; `on_token(step, tokens [B])`
+        receives new tokens as they come (-1 for requests with none at that step).
         """
+        from dcp_jax.serving.engine import run_requests
+        from dcp_jax.serving.request import Request
+
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
-        ids = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        out = self.engine.generate(
-            ids, max_new_tokens=max_new_tokens, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
-            sampling=SamplingParams(temperature, top_k, top_p), seed=seed, ignore_eos=ignore_eos,
-            on_chunk=on_chunk, on_token=on_token)
-        out.text = None if self.tokenizer is None else [self.decode(t) for t in out.tokens]
+        ids = [self.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+        cfg = self.model.config
+        if not ids:
+            raise UserError("no prompt given")
+        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+            raise UserError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if not (isinstance(seed, int) and 0 <= seed < 2**32):
+            raise UserError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+        sampling = SamplingParams(temperature, top_k, top_p)
+        longest = max(map(len, ids))
+        max_model_len = max_seq_len or longest + max_new_tokens
+        if not (isinstance(max_model_len, int) and max_model_len >= 2):
+            raise UserError(f"max_seq_len must be an integer >= 2, got {max_model_len!r}")
+        if cfg.sliding_window and max_model_len > cfg.sliding_window:
+            raise UserError(
+                f"the model uses a {cfg.sliding_window}-token sliding window, which dcp_jax does not "
+                f"implement; keep --max-seq-len <= {cfg.sliding_window}")
+        if prefill_chunk is None:
+            prefill_chunk = default_prefill_chunk(self.mesh.devices.flat[0].platform)
+        if not (isinstance(prefill_chunk, int) and prefill_chunk >= 1):
+            raise UserError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
+        # the compiled chunk: no longer than the longest prompt needs (a short prompt pads little)
+        chunk = min(prefill_chunk, max(16, 1 << math.ceil(math.log2(max(longest, 1)))))
+        peaks = [min(len(p) + max_new_tokens, max_model_len) for p in ids]
+        server = self.server(max_model_len, chunk, self.num_pages(max_model_len, peaks))
+
+        requests = [Request(f"r{i}", p, sampling=sampling, seed=seed, max_tokens=max_new_tokens,
+                            ignore_eos=ignore_eos) for i, p in enumerate(ids)]
+        tc = time.perf_counter()
+        decode_prog = server.decode_program()
+        server.prefill_program(chunk)
+        server.allocate()
+        compile_s = time.perf_counter() - tc
+
+        total = sum(len(p) for p in ids)
+        progress = dict(done=0, step=0, emitted=[0] * len(ids), first=None)
+
+        def on_prefill(n):
+            progress["done"] += n
+            if on_chunk is not None:
+                on_chunk(min(progress["done"], total), total)
+
+        def on_step(plan):
+            if progress["first"] is None and any(r.output_token_ids for r in requests):
+                progress["first"] = time.perf_counter()
+            if on_token is None:
+                return
+            new = [r.output_token_ids[e:] for r, e in zip(requests, progress["emitted"])]
+            for j in range(max(map(len, new), default=0)):
+                on_token(progress["step"], np.asarray([n[j] if j < len(n) else -1 for n in new], np.int32))
+                progress["step"] += 1
+            progress["emitted"] = [len(r.output_token_ids) for r in requests]
+
+        result = run_requests(server, requests, on_step=on_step, on_prefill=on_prefill)
+        errors = [r.error for r in requests]
+        if all(e is not None for e in errors):
+            raise UserError(errors[0])
+        end = time.perf_counter()
+        first = result["first_token_s"]
+        generated = sum(len(r.output_token_ids) for r in requests)
+        decode_s = end - progress["first"] if progress["first"] is not None else 0.0
+        decoded = sum(max(len(r.output_token_ids) - 1, 0) for r in requests)
+        layout = server.layout
+        stats = dict(
+            tp=self.mesh.shape[mesh_lib.TP], dcp=self.mesh.shape[mesh_lib.DCP], interleave=layout.interleave,
+            page_size=layout.page_size, batch=len(ids), max_seq_len=max_model_len, max_num_seqs=self.max_num_seqs,
+            prompt_tokens=total, generated_tokens=generated, compile_s=compile_s,
+            ttft_s=max((v for v in first.values()), default=0.0), decode_s=decode_s,
+            decode_tokens_per_s=decoded / decode_s if decode_s > 0 else 0.0, wall_s=result["wall_s"],
+            kv_capacity_tokens=result["kv_capacity_tokens"], kv_pages=result["pages_total"],
+            preemptions=result["preemptions"], compilations=len(server.compiled),
+            requests=[dict(ttft_s=first.get(r.request_id), prompt_tokens=r.num_prompt_tokens,
+                           generated_tokens=len(r.output_token_ids), finish_reason=r.finish_reason,
+                           preemptions=r.num_preemptions) for r in requests],
+            **server.kv_bytes(),
+        )
+        del decode_prog
+        out = Generation([list(r.output_token_ids) for r in requests], [list(r.output_logprobs) for r in requests],
+                         stats, finish_reasons=[r.finish_reason for r in requests], errors=errors)
+        out.text = None if self.tokenizer is None else [self.decode(r.output_token_ids) for r in requests]
         return out

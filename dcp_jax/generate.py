@@ -72,6 +72,16 @@ def _ids(text):
     return ids
 
 
+def _size(text):
+    from dcp_jax.errors import UserError
+    from dcp_jax.serving.engine import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except UserError as e:
+        raise argparse.ArgumentTypeError(f"--kv-cache-memory: {e}") from None
+
+
 def _interleave(text):
     return "contiguous" if text == "contiguous" else _positive("--interleave")(text)
 
@@ -106,6 +116,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cache capacity per sequence (default: longest prompt + max new tokens)")
     p.add_argument("--prefill-chunk", type=_positive("--prefill-chunk"), default=None,
                    help="prompt tokens per prefill step (default 256 on CPU, 2048 on GPU)")
+    k = p.add_argument_group("paged KV cache and continuous batching")
+    k.add_argument("--page-size", type=_positive("--page-size"), default=None,
+                   help="slots per page; one block-table entry covers page-size x dcp tokens (default 64)")
+    k.add_argument("--max-num-seqs", type=_positive("--max-num-seqs"), default=8,
+                   help="requests decoding at once (default 8)")
+    k.add_argument("--kv-cache-memory", type=_size, default=None, metavar="SIZE",
+                   help="KV cache bytes per device, e.g. 512MiB or 2GB (default: enough for the prompts given)")
+    k.add_argument("--gpu-memory-utilization", type=_non_negative_float("--gpu-memory-utilization", 1.0),
+                   default=None, metavar="F",
+                   help="GPU only: size the KV pool to this fraction of each GPU's memory, less what is in use")
     p.add_argument("--temperature", type=_non_negative_float("--temperature"), default=None,
                    help="0 = greedy (the default, but 0.7 with top-k 20 for the default run)")
     p.add_argument("--top-k", type=lambda t: 0 if t == "0" else _positive("--top-k")(t), default=None)
@@ -140,6 +160,10 @@ def run(argv=None) -> int:
             raise _Usage("no prompt: give --prompt TEXT or --prompt-ids 1,2,3")
         if args.top_p == 0:
             raise _Usage("--top-p must be > 0")
+        if args.gpu_memory_utilization == 0:
+            raise _Usage("--gpu-memory-utilization must be > 0")
+        if args.kv_cache_memory is not None and args.gpu_memory_utilization is not None:
+            raise _Usage("give --kv-cache-memory or --gpu-memory-utilization, not both")
         explicit = (args.coordinator, args.num_processes, args.process_id)
         if any(x is not None for x in explicit) and any(x is None for x in explicit):
             raise _Usage("multi-process runs need all of --coordinator HOST:PORT, --num-processes N, --process-id I")
@@ -182,7 +206,9 @@ def run(argv=None) -> int:
                 print(note, file=sys.stderr)
         else:
             tp, dcp = 1, 1
-        llm = LLM.load(model_dir, tp=tp, dcp=dcp, interleave=args.interleave, dtype=args.dtype, impl=args.impl)
+        llm = LLM.load(model_dir, tp=tp, dcp=dcp, interleave=args.interleave, dtype=args.dtype, impl=args.impl,
+                       page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+                       kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization)
         if args.save:
             step = llm.save(args.save)
             print(f"loaded {llm.source}; saved orbax checkpoint {args.save} (step {step})")
@@ -213,6 +239,9 @@ def run(argv=None) -> int:
 
     if not leader:
         return 0
+    failed = [(i, e) for i, e in enumerate(out.errors or []) if e is not None]
+    for i, e in failed:  # the others ran: report them, then fail
+        print(f"error: prompt {i}: {e}", file=sys.stderr)
     if args.json:
         obj = {"tokens": out.tokens}
         if out.text is not None:
@@ -221,7 +250,7 @@ def run(argv=None) -> int:
             obj["logprobs"] = out.logprobs
         obj["stats"] = dict(out.stats, model=llm.source)
         print(json.dumps(obj))
-        return 0
+        return RUN_ERROR if failed else 0
     if not show.stream:
         for i, toks in enumerate(out.tokens):
             print(f"[{i}] {out.text[i] if out.text is not None else toks}")
@@ -229,7 +258,7 @@ def run(argv=None) -> int:
         for i, lp in enumerate(out.logprobs):
             print(f"logprobs [{i}]: {[round(x, 4) for x in lp]}")
     print(report(out.stats, llm.model.config.num_kv_heads, llm.source))
-    return 0
+    return RUN_ERROR if failed else 0
 
 
 _WORKER = "DCP_JAX_DISTRIBUTED_WORKER"
@@ -279,8 +308,10 @@ def report(s: dict, kv_heads: int, source: str) -> str:
         "",
         f"model       {source}",
         f"mesh        tp={s['tp']} x dcp={s['dcp']} ({n} devices), interleave {s['interleave']}",
-        f"context     {s['prompt_tokens']:,} prompt + {s['generated_tokens']:,} generated tokens, "
-        f"cache of {s['max_seq_len']:,} slots x {s['batch']} sequence(s)",
+        f"context     {s['prompt_tokens']:,} prompt + {s['generated_tokens']:,} generated tokens in "
+        f"{s['batch']} request(s), up to {s['max_seq_len']:,} tokens each",
+        f"KV pool     {s['kv_pages']:,} pages of {s['page_size']} slots x dcp {s['dcp']}: "
+        f"{s['kv_capacity_tokens']:,} tokens of capacity, {s['preemptions']} preemption(s)",
         f"KV cache    {mib(s['kv_bytes_per_device'])} per device; TP alone on {n} devices would hold "
         f"{mib(tp_only)} per device ({'the MLA latent has no head axis' if kv_heads == 1 else f'{kv_heads} kv heads'}: "
         f"{tp_only / s['kv_bytes_per_device']:.1f}x more); "
@@ -305,7 +336,7 @@ class _Display:
         if self.prefill_bar is None:
             from tqdm import tqdm
 
-            self.prefill_bar = tqdm(total=total, desc="prefill", unit="chunk", leave=False, file=sys.stderr)
+            self.prefill_bar = tqdm(total=total, desc="prefill", unit="tok", leave=False, file=sys.stderr)
         self.prefill_bar.update(done - self.prefill_bar.n)
 
     def token(self, step: int, tokens):

@@ -102,6 +102,11 @@ USAGE = [
     (["--model", LLAMA, "--prompt-ids", "1", "--mesh", "tp=2,dcp=2", "--tp", "2"], "either --mesh or --tp"),
     (["--model", LLAMA, "--prompt-ids", "1", "--top-p", "1.5"], "--top-p must be in [0, 1.0]"),
     (["--model", LLAMA, "--prompt-ids", "1", "--top-p", "0"], "--top-p must be > 0"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--kv-cache-memory", "lots"], "--kv-cache-memory: memory size 'lots'"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--kv-cache-memory", "1MiB", "--gpu-memory-utilization", "0.5"],
+     "not both"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--page-size", "0"], "--page-size must be >= 1"),
     (["--model", LLAMA, "--prompt-ids", "1", "--temperature", "-1"], "--temperature must be >= 0"),
     (["--model", LLAMA, "--prompt-ids", "1", "--dtype", "int8"], "invalid choice"),
     (["--model", LLAMA, "--prompt-ids", "1", "--interleave", "0"], "--interleave must be >= 1"),
@@ -131,7 +136,10 @@ RUNTIME = [
     (lambda d: None, ["--tp", "3"], "tp=3 does not divide the model's 8 attention heads"),
     (lambda d: None, ["--tp", "4", "--dcp", "4"], "mesh tp=4 x dcp=4: the mesh needs 16 devices but only 8 cpu "
      "device(s) exist: use a mesh of at most 8 devices, or simulate 16 CPU devices (JAX_PLATFORMS=cpu"),
-    (lambda d: None, ["--max-seq-len", "4"], "exceeds max_seq_len 4"),
+    (lambda d: None, ["--max-seq-len", "3"], "the prompt has 3 tokens but the model context (max_model_len) is 3"),
+    (lambda d: None, ["--kv-cache-memory", "100"], "a KV budget of 100 bytes per device holds 0 pages"),
+    (lambda d: None, ["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization needs a GPU"),
+    (lambda d: None, ["--page-size", "6", "--interleave", "4"], "page_size 6 must be a multiple of the interleave"),
     (lambda d: None, ["--prompt-ids", "3,999"], "token id 999 is outside the vocabulary [0, 256)"),
     (lambda d: None, ["--prompt", "hello"], "no tokenizer.json"),
 ]
@@ -166,3 +174,13 @@ def test_fresh_process_error_has_no_traceback():
     p = _subprocess("--model", LLAMA, "--tp", "3", "--prompt-ids", "1")
     assert p.returncode == 1
     assert "Traceback" not in p.stderr and p.stderr.strip().splitlines()[-1].startswith("error: tp=3")
+
+
+def test_one_bad_prompt_fails_alone(capsys):
+    # A prompt that can never run fails with its own error line; the other prompt's output is printed.
+    code, out, err = cli(capsys, "--model", LLAMA, "--prompt-ids", "1,2,3", "--prompt-ids", "4," * 40 + "5",
+                         "--max-seq-len", "16", "--max-new-tokens", "2", "--json")
+    assert code == 1
+    assert err.count("\n") == 1 and err.startswith("error: prompt 1: the prompt has 41 tokens"), err
+    obj = json.loads(out)
+    assert len(obj["tokens"][0]) == 2 and obj["tokens"][1] == []

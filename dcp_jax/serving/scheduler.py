@@ -197,8 +197,9 @@ class Scheduler:
         cfg, n = self.config, request.num_prompt_tokens
         if n == 0:
             return "the prompt is empty: give at least one token"
-        if cfg.vocab_size is not None and not all(0 <= t < cfg.vocab_size for t in request.prompt_token_ids):
-            return f"the prompt has token ids outside the vocabulary [0, {cfg.vocab_size}): check the tokenizer"
+        bad = [t for t in request.prompt_token_ids if cfg.vocab_size is not None and not 0 <= t < cfg.vocab_size]
+        if bad:
+            return f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size}): check the tokenizer"
         if n >= cfg.max_model_len:
             return (f"the prompt has {n} tokens but the model context (max_model_len) is {cfg.max_model_len}: "
                     f"shorten the prompt to at most {cfg.max_model_len - 1} tokens or raise max_model_len")

@@ -1,0 +1,324 @@
+"""The device side of continuous batching: a paged, sequence-sharded KV pool and two fixed-shape programs.
+
+    pool (per layer):  [N·pages, K, page, D] (kv heads over "tp", each context rank its own pages)
+    prefill program:   one request's chunk [1, C] -> write its KV through its block-table row, sample
+                       the token after its last row                                      [jit, donated]
+    decode program:    every slot [S] for up to K steps in one while_loop: forward one token, write,
+                       sample, record                                                    [jit, donated]
+
+The host (`dcp_jax.serving.scheduler`) decides what runs: it admits requests while pages and slots
+are free, cuts prompts into chunks under a token budget, reserves the pages of K decode steps
+before the decode program runs, and preempts the newest request when pages run out. Shapes depend
+only on the configuration (slots, blocks per sequence, chunk buckets, K): requests come and go with
+no recompilation. Sampling is per row (temperature, top-k, top-p, seed) with a key derived from
+(seed, position), so a request recomputed after preemption samples the same tokens again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from dcp_jax import mesh as mesh_lib
+from dcp_jax.errors import UserError
+from dcp_jax.layers import AttentionContext
+from dcp_jax.layout import PagedLayout
+from dcp_jax.model import CausalLM
+from dcp_jax.serving.request import Request
+from dcp_jax.serving.scheduler import NULL_PAGE, SchedulePlan, Scheduler, SchedulerConfig
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingRows:
+    """Per-row sampling parameters [R] (a registered dataclass: one program serves every mix)."""
+
+    temperature: jax.Array  # float32; 0 = greedy
+    top_k: jax.Array  # int32; 0 = off
+    top_p: jax.Array  # float32; 1 = off
+    seed: jax.Array  # uint32
+
+    @classmethod
+    def of(cls, requests: list[Request | None]) -> "SamplingRows":
+        """Host arrays for `requests` (None rows: greedy, never read)."""
+        temp = [r.sampling.temperature if r else 0.0 for r in requests]
+        return cls(temperature=np.asarray(temp, np.float32),
+                   top_k=np.asarray([r.sampling.top_k if r else 0 for r in requests], np.int32),
+                   top_p=np.asarray([r.sampling.top_p if r else 1.0 for r in requests], np.float32),
+                   seed=np.asarray([r.seed if r else 0 for r in requests], np.uint32))
+
+
+def sample_rows(logits, params: SamplingRows, positions):
+    """logits [R, V] float32 -> (tokens [R] int32, log-probability of each under the model [R]).
+
+    Each row samples with its own parameters and a key from (seed, position of the new token): the same
+    row at the same position draws the same token, whatever else shares the batch.
+    """
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    greedy = jnp.argmax(logits, axis=-1)
+    v = logits.shape[-1]
+    x = logits / jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
+    desc = -jnp.sort(-x, axis=-1)
+    kth = jnp.take_along_axis(desc, jnp.clip(params.top_k - 1, 0, v - 1)[:, None], axis=-1)
+    x = jnp.where((params.top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
+    desc = -jnp.sort(-x, axis=-1)
+    probs = jax.nn.softmax(desc, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
+    cutoff = jnp.min(jnp.where(before < params.top_p[:, None], desc, jnp.inf), axis=-1)
+    x = jnp.where(x < cutoff[:, None], -jnp.inf, x)
+    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(params.seed, positions)
+    drawn = jax.vmap(jax.random.categorical)(keys, x)
+    tokens = jnp.where(params.temperature > 0, drawn, greedy).astype(jnp.int32)
+    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+
+
+def parse_bytes(text) -> int:
+    """'512MiB', '2GB', '1.5GiB' or a plain number of bytes -> int."""
+    if isinstance(text, (int, np.integer)) and not isinstance(text, bool):
+        return int(text)
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    s = str(text).strip().lower().replace(" ", "")
+    num = s.rstrip("kmgtib")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1
+    if unit not in units or not value > 0:
+        raise UserError(f"memory size {text!r} is not a positive size: write e.g. 512MiB, 2GB or 1073741824")
+    return int(value * units[unit])
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolConfig:
+    """Shapes that fix the compiled programs: pages per context rank, page size, slots, blocks per
+    sequence, the longest prefill chunk and the decode steps per program call."""
+
+    num_pages: int
+    page_size: int
+    max_num_seqs: int
+    max_model_len: int
+    prefill_chunk: int
+    decode_steps: int
+
+
+class ServingEngine:
+    """A `CausalLM` on a ("tp","dcp") mesh serving requests from a paged, sequence-sharded KV pool."""
+
+    def __init__(self, model: CausalLM, mesh: Mesh, config: PoolConfig, *, interleave: int = 1,
+                 impl: str | None = None, combine: str = "auto", detokenize=None):
+        self.model, self.mesh, self.config = model, mesh, config
+        self.impl, self.combine = impl, combine
+        self.graphdef, self.params = nnx.split(model)
+        self.dtype = model.embed_tokens.get_value().dtype
+        n_ctx = mesh_lib.axis_size(mesh, model.context_axes)
+        self.layout = PagedLayout(n_ctx, interleave, config.page_size)
+        self.scheduler_config = SchedulerConfig(
+            layout=self.layout, num_pages=config.num_pages, max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.prefill_chunk,
+            decode_steps=config.decode_steps, eos_token_ids=tuple(model.config.eos_token_ids),
+            vocab_size=model.config.vocab_size)
+        self.scheduler = Scheduler(self.scheduler_config, detokenize=detokenize)
+        self.replicated = mesh_lib.named(mesh, mesh_lib.spec())
+        self.pool_sharding = mesh_lib.named(mesh, mesh_lib.kv_pool_spec(model.head_axes, model.context_axes))
+        self.compiled: dict = {}  # (program, shape) -> executable: a test counts these
+        self.pools = None
+
+    # --- the pool --------------------------------------------------------------------------------
+    def pool_shapes(self, num_pages: int | None = None) -> tuple:
+        """Per layer, the global shapes of its pools: [N·pages, K, page, D] ((k, v), or MLA's latent)."""
+        n = self.layout.num_shards * (num_pages or self.config.num_pages)
+        one = (n, self.model.kv_heads, self.config.page_size, self.model.config.head_dim)
+        return tuple(((one,) if self.model.config.mla else (one, one)) for _ in range(self.model.config.num_layers))
+
+    def allocate(self):
+        """The zeroed pool, sharded from the start (never whole on one device)."""
+        if self.pools is None:
+            shapes, dtype = self.pool_shapes(), self.dtype
+            make = jax.jit(lambda: tuple(tuple(jnp.zeros(s, dtype) for s in layer) for layer in shapes),
+                           out_shardings=self.pool_sharding)
+            self.pools = make()
+        return self.pools
+
+    def pool_spec(self):
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, self.dtype, sharding=self.pool_sharding),
+                            self.pool_shapes(), is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[0], int))
+
+    # --- programs --------------------------------------------------------------------------------
+    def context(self, block_table) -> AttentionContext:
+        return AttentionContext(self.mesh, self.layout, self.impl, self.combine, block_table=block_table,
+                                max_seq_len=self.config.max_model_len)
+
+    def _prefill(self, params, pools, tokens, positions, valid, kv_len, table, last, sampling):
+        model = nnx.merge(self.graphdef, params)
+        logits, pools = model(tokens, positions, valid, kv_len, pools, self.context(table), logits_at=last)
+        tok, lp = sample_rows(logits, sampling, kv_len)  # the new token's position is kv_len
+        return pools, tok, lp
+
+    def _decode(self, params, pools, tokens, positions, active, table, sampling, num_steps):
+        model = nnx.merge(self.graphdef, params)
+        s, k_max = tokens.shape[0], self.config.decode_steps
+        ctx = self.context(table)
+
+        def body(state):
+            k, pools, cur, pos, out, out_lp = state
+            kv_len = jnp.where(active, pos + 1, 0)
+            logits, pools = model(cur[:, None], pos[:, None], active[:, None], kv_len, pools, ctx)
+            tok, lp = sample_rows(logits[:, 0], sampling, pos + 1)
+            out = jax.lax.dynamic_update_index_in_dim(out, tok, k, axis=1)
+            out_lp = jax.lax.dynamic_update_index_in_dim(out_lp, lp, k, axis=1)
+            return k + 1, pools, tok, pos + 1, out, out_lp
+
+        state = (jnp.int32(0), pools, tokens, positions, jnp.zeros((s, k_max), jnp.int32),
+                 jnp.zeros((s, k_max), jnp.float32))
+        _, pools, _, _, out, out_lp = jax.lax.while_loop(lambda st: st[0] < num_steps, body, state)
+        return pools, out, out_lp
+
+    def _program(self, name: str, fn, *args):
+        key = (name,) + tuple(np.shape(a) for a in jax.tree.leaves(args[2:]))
+        if key not in self.compiled:
+            shardings = (self.pool_sharding, self.replicated, self.replicated)
+            jitted = jax.jit(fn, donate_argnames=("pools",), out_shardings=shardings)
+            self.compiled[key] = jitted.lower(*args).compile()
+        return self.compiled[key]
+
+    def prefill_program(self, chunk: int):
+        """The compiled prefill of one request's chunk of `chunk` tokens. Arguments: (params, pools,
+        tokens [1, C], positions [1, C], valid [1, C], kv_len [1], block table [1, blocks], last row
+        [1], SamplingRows [1]) -> (pools, token [1], logprob [1])."""
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        nb = self.scheduler_config.max_blocks_per_seq
+        return self._program("prefill", self._prefill, self.params, self.pool_spec(), i32(1, chunk), i32(1, chunk),
+                             jax.ShapeDtypeStruct((1, chunk), jnp.bool_), i32(1), i32(1, nb), i32(1),
+                             self._sampling_spec(1))
+
+    def decode_program(self):
+        """The compiled decode loop over every slot. Arguments: (params, pools, tokens [S], positions
+        [S], active [S], block table [S, blocks], SamplingRows [S], num_steps) -> (pools, tokens [S, K],
+        logprobs [S, K]); runs num_steps <= K steps."""
+        s, nb = self.config.max_num_seqs, self.scheduler_config.max_blocks_per_seq
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        return self._program("decode", self._decode, self.params, self.pool_spec(), i32(s), i32(s),
+                             jax.ShapeDtypeStruct((s,), jnp.bool_), i32(s, nb), self._sampling_spec(s), i32())
+
+    def _sampling_spec(self, r):
+        return SamplingRows(jax.ShapeDtypeStruct((r,), jnp.float32), jax.ShapeDtypeStruct((r,), jnp.int32),
+                            jax.ShapeDtypeStruct((r,), jnp.float32), jax.ShapeDtypeStruct((r,), jnp.uint32))
+
+    # --- one iteration -----------------------------------------------------------------------------
+    def step(self, on_prefill=None) -> SchedulePlan:
+        """Schedule, run the plan's prefill chunks and decode steps, and apply the results."""
+        sched = self.scheduler
+        plan = sched.schedule()
+        pools = self.allocate()
+        if plan.prefills:
+            sampled, logprobs = [], []
+            for chunk in plan.prefills:
+                tok = lp = None
+                row = plan.block_table[chunk.slot][None]
+                for start in range(chunk.start, chunk.end, self.config.prefill_chunk):
+                    ids = chunk.request.token_ids(start, min(start + self.config.prefill_chunk, chunk.end))
+                    c = self.config.prefill_chunk  # one compiled shape: a shorter piece is padded
+                    tokens = np.zeros((1, c), np.int32)
+                    tokens[0, :len(ids)] = ids
+                    positions = np.arange(start, start + c, dtype=np.int32)[None]
+                    valid = np.arange(c)[None] < len(ids)
+                    kv_len = np.asarray([start + len(ids)], np.int32)
+                    pools, tok, lp = self.prefill_program(c)(
+                        self.params, pools, tokens, positions, valid, kv_len, row,
+                        np.asarray([len(ids) - 1], np.int32), SamplingRows.of([chunk.request]))
+                    if on_prefill is not None:
+                        on_prefill(len(ids))
+                if chunk.is_last:
+                    tok, lp = int(np.asarray(tok)[0]), float(np.asarray(lp)[0])
+                sampled.append(tok if chunk.is_last else None)
+                logprobs.append(lp if chunk.is_last else None)
+            self.pools = pools
+            sched.update_prefill(plan, sampled, logprobs)
+        if plan.decode_slots:
+            rows = [None] * self.config.max_num_seqs
+            for r, slot in zip(plan.decode_requests, plan.decode_slots):
+                rows[slot] = r
+            pools, out, out_lp = self.decode_program()(
+                self.params, pools, plan.decode_tokens, plan.decode_positions, plan.decode_mask,
+                plan.block_table, SamplingRows.of(rows), np.int32(plan.decode_steps))
+            self.pools = pools
+            k = plan.decode_steps
+            sched.update_decode(plan, np.asarray(out)[:, :k], np.asarray(out_lp)[:, :k])
+        return plan
+
+    def kv_bytes(self) -> dict:
+        """KV bytes one device holds (its shards of the pool) and the pool's logical bytes."""
+        from dcp_jax.engine import kv_bytes
+
+        return kv_bytes(self.allocate(), self.model.kv_replication)
+
+
+def page_bytes_per_device(model: CausalLM, mesh: Mesh, page_size: int, dtype) -> int:
+    """Bytes one page (one block-table entry) costs each device, over all layers and (k, v)."""
+    n_ctx = mesh_lib.axis_size(mesh, model.context_axes)
+    sharding = mesh_lib.named(mesh, mesh_lib.kv_pool_spec(model.head_axes, model.context_axes))
+    one = (n_ctx, model.kv_heads, page_size, model.config.head_dim)
+    per_layer = math.prod(sharding.shard_shape(one)) * (1 if model.config.mla else 2)
+    return per_layer * model.config.num_layers * np.dtype(dtype).itemsize
+
+
+def pages_for_budget(model: CausalLM, mesh: Mesh, page_size: int, dtype, budget_bytes: int) -> int:
+    """Pages per context rank that `budget_bytes` of KV memory per device holds (the null page included)."""
+    return int(budget_bytes // page_bytes_per_device(model, mesh, page_size, dtype))
+
+
+def gpu_budget(mesh: Mesh, utilization: float) -> int:
+    """Like vLLM's --gpu-memory-utilization: the fraction `utilization` of each device's memory, less
+    what is already in use (weights), on the tightest device."""
+    budgets = []
+    for d in mesh.devices.flat:
+        if d.platform != "gpu":
+            raise UserError("--gpu-memory-utilization needs a GPU; on CPU give --kv-cache-memory SIZE "
+                            "(bytes per device, e.g. 512MiB)")
+        stats = d.memory_stats() or {}
+        budgets.append(int(utilization * stats.get("bytes_limit", 0)) - int(stats.get("bytes_in_use", 0)))
+    return min(budgets)
+
+
+def run_requests(engine: ServingEngine, requests: list[Request], arrivals=None, on_step=None,
+                 on_prefill=None) -> dict:
+    """Serve `requests` to completion through `engine` (continuous batching). `arrivals` (seconds after
+    the start, one per request; default all at once) lets requests join mid-flight. Each request's
+    output is on the request; returns the wall time, each request's time to first token
+    (`first_token_s`, by id) and the scheduler's stats (pages, capacity, preemptions)."""
+    sched = engine.scheduler
+    order = sorted(range(len(requests)), key=lambda i: 0.0 if arrivals is None else arrivals[i])
+    pending = [requests[i] for i in order]
+    due = [0.0 if arrivals is None else float(arrivals[i]) for i in order]
+    first_token: dict[str, float] = {}
+    t0 = time.perf_counter()
+    while pending or sched.has_unfinished():
+        now = time.perf_counter() - t0
+        while pending and due[0] <= now:
+            r = pending.pop(0)
+            due.pop(0)
+            r.arrival_time = t0 + now
+            sched.add_request(r)
+        if not sched.has_unfinished():
+            sched.pop_finished()
+            if pending:
+                time.sleep(max(0.0, min(due[0] - now, 0.05)))
+            continue
+        plan = engine.step(on_prefill=on_prefill)
+        t = time.perf_counter()
+        for c in plan.prefills:  # a request's first token comes from its last prefill chunk
+            r = c.request
+            if c.is_last and r.output_token_ids and r.request_id not in first_token:
+                first_token[r.request_id] = t - r.arrival_time
+        if on_step is not None:
+            on_step(plan)
+        sched.pop_finished()
+    return dict(wall_s=time.perf_counter() - t0, first_token_s=first_token, **sched.stats())
