@@ -434,6 +434,17 @@ class LLM:
         return None if self.tokenizer is None else self.tokenizer.decode(list(ids))
 
     # --- the serving engine behind generate ---------------------------------------------------------
+    def reserve_tokens(self, tokens: int) -> None:
+        """Size the pool to hold `tokens` tokens of one sequence (a KV budget per device), e.g. to report
+        what a long context costs per device on this mesh."""
+        from dcp_jax.serving.engine import page_bytes_per_device
+
+        block = self.page_size * mesh_lib.axis_size(self.mesh, self.model.context_axes)
+        dtype = self.model.embed_tokens.get_value().dtype
+        pages = 1 + -(-tokens // block)
+        self.kv_cache_memory = pages * page_bytes_per_device(self.model, self.mesh, self.page_size, dtype)
+        self.gpu_memory_utilization = None
+
     def num_pages(self, max_model_len: int, lengths: Sequence[int] = ()) -> int:
         """Pages per context rank: from the memory budget when one is given, else enough for `lengths`
         (peak tokens per request) at once, or max_num_seqs sequences of max_model_len."""
@@ -556,6 +567,7 @@ class LLM:
             ttft_s=max((v for v in first.values()), default=0.0), decode_s=decode_s,
             decode_tokens_per_s=decoded / decode_s if decode_s > 0 else 0.0, wall_s=result["wall_s"],
             kv_capacity_tokens=result["kv_capacity_tokens"], kv_pages=result["pages_total"],
+            kv_shards=layout.num_shards,
             preemptions=result["preemptions"], compilations=len(server.compiled),
             requests=[dict(ttft_s=first.get(r.request_id), prompt_tokens=r.num_prompt_tokens,
                            generated_tokens=len(r.output_token_ids), finish_reason=r.finish_reason,

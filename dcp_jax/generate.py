@@ -209,6 +209,9 @@ def run(argv=None) -> int:
         llm = LLM.load(model_dir, tp=tp, dcp=dcp, interleave=args.interleave, dtype=args.dtype, impl=args.impl,
                        page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization)
+        if default_run and args.kv_cache_memory is None and args.gpu_memory_utilization is None:
+            # the default run reserves a whole 16K-token sequence, which is what its KV report measures
+            llm.reserve_tokens(args.max_seq_len or DEFAULT_MAX_SEQ_LEN)
         if args.save:
             step = llm.save(args.save)
             print(f"loaded {llm.source}; saved orbax checkpoint {args.save} (step {step})")
@@ -310,7 +313,7 @@ def report(s: dict, kv_heads: int, source: str) -> str:
         f"mesh        tp={s['tp']} x dcp={s['dcp']} ({n} devices), interleave {s['interleave']}",
         f"context     {s['prompt_tokens']:,} prompt + {s['generated_tokens']:,} generated tokens in "
         f"{s['batch']} request(s), up to {s['max_seq_len']:,} tokens each",
-        f"KV pool     {s['kv_pages']:,} pages of {s['page_size']} slots x dcp {s['dcp']}: "
+        f"KV pool     {s['kv_pages']:,} page(s) of {s['page_size']} slots x {s['kv_shards']} shard(s): "
         f"{s['kv_capacity_tokens']:,} tokens of capacity, {s['preemptions']} preemption(s)",
         f"KV cache    {mib(s['kv_bytes_per_device'])} per device; TP alone on {n} devices would hold "
         f"{mib(tp_only)} per device ({'the MLA latent has no head axis' if kv_heads == 1 else f'{kv_heads} kv heads'}: "
