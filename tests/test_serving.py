@@ -135,3 +135,13 @@ def test_bad_requests_fail_alone():
     run_requests(server, [big, ok])
     assert big.finish_reason == "error" and "the whole pool has 3" in big.error
     assert ok.finish_reason == "length" and len(ok.output_token_ids) == 2
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "deepseek-v3"])
+def test_pallas_kernel_over_pages_end_to_end(name):
+    # The GPU kernel (in Pallas' interpreter) reads the paged pool through the block table inside the
+    # DCP island, prefill chunks and decode alike: the same tokens as transformers.
+    exp = expected(name)
+    llm = load(name, 1, 2, page_size=4, impl="pallas_interpret")
+    out = llm.generate(exp["prompts"], max_new_tokens=exp["max_new_tokens"], ignore_eos=True, prefill_chunk=8)
+    assert out.tokens == exp["greedy"]
