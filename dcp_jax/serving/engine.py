@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dcp_jax import mesh as mesh_lib
+from dcp_jax.engine import host, kv_bytes
 from dcp_jax.errors import UserError
 from dcp_jax.layers import AttentionContext
 from dcp_jax.layout import PagedLayout
@@ -237,7 +238,7 @@ class ServingEngine:
                     if on_prefill is not None:
                         on_prefill(len(ids))
                 if chunk.is_last:
-                    tok, lp = int(np.asarray(tok)[0]), float(np.asarray(lp)[0])
+                    tok, lp = int(host(tok)[0]), float(host(lp)[0])
                 sampled.append(tok if chunk.is_last else None)
                 logprobs.append(lp if chunk.is_last else None)
             self.pools = pools
@@ -251,13 +252,11 @@ class ServingEngine:
                 plan.block_table, SamplingRows.of(rows), np.int32(plan.decode_steps))
             self.pools = pools
             k = plan.decode_steps
-            sched.update_decode(plan, np.asarray(out)[:, :k], np.asarray(out_lp)[:, :k])
+            sched.update_decode(plan, host(out)[:, :k], host(out_lp)[:, :k])
         return plan
 
     def kv_bytes(self) -> dict:
         """KV bytes one device holds (its shards of the pool) and the pool's logical bytes."""
-        from dcp_jax.engine import kv_bytes
-
         return kv_bytes(self.allocate(), self.model.kv_replication)
 
 
