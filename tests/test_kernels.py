@@ -259,12 +259,33 @@ def test_paged_bad_table():
                                 scale=0.1, block_table=jnp.zeros((2, 2), jnp.int32))
 
 
+@pytest.mark.parametrize("impl", ["reference", PALLAS])
+@pytest.mark.parametrize("paged", [False, True])
+def test_layer_of_stacked_caches_is_read_in_place(impl, paged):
+    # Scanned layers keep their caches stacked [L, ...]: the kernels read layer i (traced) in place, the
+    # same result as the cache of that layer alone.
+    x = make_inputs(2, 3, 8, 2, 32, 16, 16, runs=(1, 1, 2))
+    rng = np.random.default_rng(3)
+    others = [jnp.asarray(rng.standard_normal(x["k"].shape), jnp.float32) for _ in range(2)]
+    k, v, extra = x["k"], x["v"], {}
+    if paged:
+        (k, table), (v, _) = to_pages(k, 16), to_pages(v, 16)
+        others = [to_pages(o, 16)[0] for o in others]
+        extra = dict(block_table=table)
+    k_stack = jnp.stack([others[0], k, others[1]])
+    v_stack = jnp.stack([others[1], v, others[0]])
+    fn = jax.jit(lambda kk, vv, i: attention(**dict(x, k=kk, v=vv), impl=impl, layer=i, **extra))
+    o, lse = fn(k_stack, v_stack, jnp.int32(1))
+    check_against_oracle(o, lse, x, 1e-5)
+
+
 # --- lowering for CUDA without a GPU (DESIGN.md §5) -------------------------------------------------
 
-def lower_for_cuda(b, t, h, kh, s, dk, dv, dtype, shared_v=False, page=0, **opts):
+def lower_for_cuda(b, t, h, kh, s, dk, dv, dtype, shared_v=False, page=0, layers=0, **opts):
     """The kernel exported for CUDA; with `page`, over a pool of s // page pages of `page` slots per
     sequence (b·s/page pages in all) through a block table."""
     kv = (b, kh, s) if not page else (b * s // page, kh, page)
+    kv = ((layers,) if layers else ()) + kv
     args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in [
         ((b, t, h, dk), dtype), (kv + (dk,), dtype), (kv + (dv,), dtype),
         ((b, t), jnp.int32), ((), jnp.int32), ((b,), jnp.int32)]]
@@ -272,10 +293,14 @@ def lower_for_cuda(b, t, h, kh, s, dk, dv, dtype, shared_v=False, page=0, **opts
     if page:
         args.append(jax.ShapeDtypeStruct((b, s // page), jnp.int32))
 
-    def f(q, k, v, q_pos, kv_pos, kv_len, *table):
+    if layers:
+        args.append(jax.ShapeDtypeStruct((), jnp.int32))
+
+    def f(q, k, v, q_pos, kv_pos, kv_len, *rest):
+        table = rest[0] if page else None
+        layer = rest[-1] if layers else None
         return triton_kernel.attention(q, k, None if shared_v else v, q_pos, kv_pos, kv_len, scale=0.1,
-                                       v_dim=dv if shared_v else None, block_table=table[0] if table else None,
-                                       **opts)
+                                       v_dim=dv if shared_v else None, block_table=table, layer=layer, **opts)
     gpu = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
         device_kind="NVIDIA H200", num_cores=None, platform="gpu"))
     with jax.sharding.use_abstract_mesh(gpu):
@@ -307,20 +332,23 @@ def large_copies(text: str, elements: int) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("name,shape,dtype,shared_v,page", [
-    ("decode-gqa", (4, 1, 32, 8, 4096, 128, 128), jnp.bfloat16, False, 0),
-    ("prefill-chunk", (1, 64, 32, 8, 2048, 128, 128), jnp.bfloat16, False, 0),
-    ("prefill-chunk-2048", (2, 2048, 32, 8, 32768, 128, 128), jnp.bfloat16, False, 0),
-    ("decode-mla-absorbed", (2, 1, 16, 1, 2048, 576, 512), jnp.bfloat16, True, 0),
-    ("prefill-mla-absorbed", (1, 256, 16, 1, 32768, 576, 512), jnp.bfloat16, True, 0),
-    ("decode-f32-odd", (3, 1, 6, 3, 1000, 80, 80), jnp.float32, False, 0),
-    ("paged-decode-gqa", (4, 1, 32, 8, 4096, 128, 128), jnp.bfloat16, False, 128),
-    ("paged-prefill-chunk", (2, 1024, 32, 8, 16384, 128, 128), jnp.bfloat16, False, 64),
-    ("paged-decode-mla", (2, 1, 16, 1, 4096, 576, 512), jnp.bfloat16, True, 64),
+@pytest.mark.parametrize("name,shape,dtype,shared_v,page,layers", [
+    ("decode-gqa", (4, 1, 32, 8, 4096, 128, 128), jnp.bfloat16, False, 0, 0),
+    ("prefill-chunk", (1, 64, 32, 8, 2048, 128, 128), jnp.bfloat16, False, 0, 0),
+    ("prefill-chunk-2048", (2, 2048, 32, 8, 32768, 128, 128), jnp.bfloat16, False, 0, 0),
+    ("decode-mla-absorbed", (2, 1, 16, 1, 2048, 576, 512), jnp.bfloat16, True, 0, 0),
+    ("prefill-mla-absorbed", (1, 256, 16, 1, 32768, 576, 512), jnp.bfloat16, True, 0, 0),
+    ("decode-f32-odd", (3, 1, 6, 3, 1000, 80, 80), jnp.float32, False, 0, 0),
+    ("paged-decode-gqa", (4, 1, 32, 8, 4096, 128, 128), jnp.bfloat16, False, 128, 0),
+    ("paged-prefill-chunk", (2, 1024, 32, 8, 16384, 128, 128), jnp.bfloat16, False, 64, 0),
+    ("paged-decode-mla", (2, 1, 16, 1, 4096, 576, 512), jnp.bfloat16, True, 64, 0),
+    ("stacked-paged-decode", (4, 1, 32, 8, 4096, 128, 128), jnp.bfloat16, False, 128, 4),
+    ("stacked-dense-prefill", (1, 256, 32, 8, 8192, 128, 128), jnp.bfloat16, False, 0, 3),
 ])
-def test_pallas_lowers_for_cuda_without_copying_the_cache(name, shape, dtype, shared_v, page):
+def test_pallas_lowers_for_cuda_without_copying_the_cache(name, shape, dtype, shared_v, page, layers):
+    # (with `layers`, the caches are stacked over layers and "cache-sized" means one layer's share)
     b, t, h, kh, s, dk, dv = shape
-    text = lower_for_cuda(*shape, dtype, shared_v=shared_v, page=page)
+    text = lower_for_cuda(*shape, dtype, shared_v=shared_v, page=page, layers=layers)
     assert "__gpu$xla.gpu.triton" in text
     assert "dcp_flash_attention" in text
     # The cache goes to the kernel as it is: no pad, slice, concatenate, transpose or copy of it (or of

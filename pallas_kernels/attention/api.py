@@ -22,7 +22,7 @@ def default_impl() -> str:
 
 
 def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float | None = None, impl: str | None = None,
-              v_dim: int | None = None, block_table=None, **kernel_options):
+              v_dim: int | None = None, block_table=None, layer=None, **kernel_options):
     """Attention of a query block over one KV slice, with its log-sum-exp.
 
     Args:
@@ -39,11 +39,18 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float | None = None, imp
       block_table: [B, NB] int (paged cache): k [P, K, page, Dk] and v [P, K, page, Dv] are pools of
         pages, and sequence b's slot j (positions from kv_pos, as for a dense slice) lives in page
         block_table[b, j // page] at j % page.
+      layer: a scalar (may be traced): k and v lead with a layer axis (the stacked caches of scanned
+        layers) and that layer is read in place, never sliced out.
     Returns:
       (o [B, T, H, Dv] in q.dtype, lse [B, T, H] float32, natural log). A row that sees no slot gets
       o = 0 and lse = -inf.
     """
-    check_inputs(q, k, v, q_pos, kv_pos, kv_len, v_dim, block_table)
+    if layer is not None:  # check one layer's shapes
+        k1 = jax.ShapeDtypeStruct(k.shape[1:], k.dtype)
+        v1 = None if v is None else jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
+        check_inputs(q, k1, v1, q_pos, kv_pos, kv_len, v_dim, block_table)
+    else:
+        check_inputs(q, k, v, q_pos, kv_pos, kv_len, v_dim, block_table)
     impl = impl or default_impl()
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {IMPLEMENTATIONS}")
@@ -56,4 +63,4 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float | None = None, imp
         fn = functools.partial(reference.attention, **kernel_options)
     else:
         fn = functools.partial(triton.attention, interpret=impl == "pallas_interpret", **kernel_options)
-    return fn(q, k, v, q_pos, kv_pos, kv_len, scale=scale, v_dim=v_dim, block_table=block_table)
+    return fn(q, k, v, q_pos, kv_pos, kv_len, scale=scale, v_dim=v_dim, block_table=block_table, layer=layer)

@@ -28,7 +28,7 @@ HIGHEST = lax.Precision.HIGHEST
 
 
 def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 512, block_k_masked: int = 128,
-              v_dim: int | None = None, block_table=None):
+              v_dim: int | None = None, block_table=None, layer=None):
     """q [B,T,H,Dk], k [B,K,S,Dk], v [B,K,S,Dv] -> (o [B,T,H,Dv] in q.dtype, lse [B,T,H] float32).
 
     kv_pos: the slice's SlotPositions. GQA groups query heads per kv head; no repeated KV is materialised.
@@ -36,13 +36,17 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
     block_table [B, NB] (paged): k [P, K, page, Dk] and v [P, K, page, Dv] are page pools, and sequence
     b's slot j lives in page block_table[b, j // page] at j % page (S = NB·page slots). Blocks are then
     whole pages, gathered one block at a time: nothing sequence-sized is assembled.
+    layer (a scalar, may be traced): k and v carry a leading layer axis (the stacked caches of scanned
+    layers) and layer `layer` is read, block by block, without slicing it out first.
     """
     b, t, h, dk = q.shape
-    kh = k.shape[1]
+    lead = () if layer is None else (layer,)
+    kshape = k.shape[len(lead):]
+    kh = kshape[1]
     if block_table is None:
-        s, unit = k.shape[2], 1
+        s, unit = kshape[2], 1
     else:
-        unit = k.shape[2]  # blocks are whole pages
+        unit = kshape[2]  # blocks are whole pages
         s = block_table.shape[1] * unit
     dv = v_dim if v is None else v.shape[-1]
     g = h // kh
@@ -65,10 +69,12 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
     num_masked = jnp.maximum(visible - unmasked_end + bm - 1, 0) // bm
 
     def read(x, start, n):  # slots [start, start + n) of every sequence: [B, K, n, D]
+        d = x.shape[-1]
         if block_table is None:
-            return lax.dynamic_slice_in_dim(x, start, n, axis=2)
+            starts = (*lead, 0, 0, start, 0)
+            return lax.dynamic_slice(x, starts, (1,) * len(lead) + (b, kh, n, d)).reshape(b, kh, n, d)
         pages = lax.dynamic_slice_in_dim(block_table, start // unit, n // unit, axis=1)  # [B, n / page]
-        return jnp.moveaxis(x[pages], 2, 1).reshape(b, kh, n, x.shape[-1])
+        return jnp.moveaxis(x[(*lead, pages)], 2, 1).reshape(b, kh, n, d)
 
     def block(start, n):
         kb = read(k, start, n).astype(jnp.float32)

@@ -39,11 +39,12 @@ LN2 = math.log(2.0)
 
 
 def _kernel(start_ref, q_ref, lim_ref, *refs, block_k, precision, run, stride, num_slots, num_splits,
-            k_pieces, v_pieces, shared_v, page_size):
+            k_pieces, v_pieces, shared_v, page_size, layered):
     # start_ref []; q_ref [BQ, Dk] (pre-scaled, log2 domain); lim_ref [BQ]; table_ref [NB] (paged only);
     # k_ref [S, Dk] or, paged, [P, page, Dk]; v_ref likewise with Dv (absent when the values are k's
     # first Dv columns); o_ref [BQ, Dv]; lse_ref [BQ]
     refs = list(refs)
+    layer_ref = refs.pop(0) if layered else None  # [] (stacked caches: k_ref/v_ref lead with layers)
     table_ref = refs.pop(0) if page_size else None
     k_ref = refs.pop(0)
     v_ref = None if shared_v else refs.pop(0)
@@ -60,10 +61,12 @@ def _kernel(start_ref, q_ref, lim_ref, *refs, block_k, precision, run, stride, n
     num_unmasked = jnp.maximum(jnp.minimum(seen_by_all, end) - first, 0) // block_k
     num_blocks = pl.cdiv(jnp.maximum(end - first, 0), block_k)
 
+    lead = (layer_ref[()],) if layered else ()
+
     def load(ref, start, off, w, masked):
         if page_size:  # a block lies inside one page (page_size % block_k == 0); slots never pass the table
-            return ref[table_ref[start // page_size], pl.ds(start % page_size, block_k), pl.ds(off, w)]
-        idx = (pl.ds(start, block_k), pl.ds(off, w))
+            return ref[(*lead, table_ref[start // page_size], pl.ds(start % page_size, block_k), pl.ds(off, w))]
+        idx = (*lead, pl.ds(start, block_k), pl.ds(off, w))
         if not masked:
             return ref[idx]
         inside = start + lax.broadcasted_iota(jnp.int32, (block_k, w), 0) < num_slots  # the slice's tail
@@ -110,18 +113,22 @@ def _kernel(start_ref, q_ref, lim_ref, *refs, block_k, precision, run, stride, n
 def attention(
     q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_q: int | None = None, block_k: int | None = None,
     num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-    interpret: bool = False, v_dim: int | None = None, block_table=None,
+    interpret: bool = False, v_dim: int | None = None, block_table=None, layer=None,
 ):
     """Same contract as `reference.attention`: (o [B,T,H,Dv] in q.dtype, lse [B,T,H] float32).
 
     Block sizes, warps and stages default to `configs.pick`'s; `num_splits` to `configs.num_splits`.
     block_table [B, NB] (paged): k/v are page pools [P, K, page, D]; the kernel reads each block's page
     number from the table (a ref: the GPU lowering has no scalar prefetch). The KV block divides the page.
+    layer (scalar, may be traced): k/v lead with a layer axis; the kernel reads layer `layer` in place
+    (its index is a ref too), so scanned layers' stacked caches are never sliced.
     """
     b, t, h, dk = q.shape
-    kh = k.shape[1]
-    page_size = 0 if block_table is None else k.shape[2]
-    s = k.shape[2] if block_table is None else block_table.shape[1] * page_size
+    layered = layer is not None
+    kshape = k.shape[1:] if layered else k.shape
+    kh = kshape[1]
+    page_size = 0 if block_table is None else kshape[2]
+    s = kshape[2] if block_table is None else block_table.shape[1] * page_size
     shared_v = v is None
     dv = v_dim if shared_v else v.shape[-1]
     g = h // kh
@@ -153,14 +160,18 @@ def attention(
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(
         _kernel, block_k=bk, precision=precision, run=kv_pos.run, stride=kv_pos.stride, num_slots=s,
-        num_splits=splits, k_pieces=k_pieces, v_pieces=v_pieces, shared_v=shared_v, page_size=page_size)
+        num_splits=splits, k_pieces=k_pieces, v_pieces=v_pieces, shared_v=shared_v, page_size=page_size,
+        layered=layered)
+    lead = (k.shape[0],) if layered else ()  # every layer: the kernel indexes its own
     if page_size:  # the whole pool of this kv head; and the sequence's row of the block table
-        whole_slice = lambda d: pl.BlockSpec((k.shape[0], None, page_size, d),  # noqa: E731
-                                             lambda i, j, r, c: (0, j, 0, 0))
+        whole_slice = lambda d: pl.BlockSpec((*lead, kshape[0], None, page_size, d),  # noqa: E731
+                                             lambda i, j, r, c: (*(0,) * len(lead), 0, j, 0, 0))
         table = [pl.BlockSpec((None, block_table.shape[1]), lambda i, j, r, c: (i, 0))]
     else:
-        whole_slice = lambda d: pl.BlockSpec((None, None, s, d), lambda i, j, r, c: (i, j, 0, 0))  # noqa: E731
+        whole_slice = lambda d: pl.BlockSpec((*lead, None, None, s, d),  # noqa: E731
+                                             lambda i, j, r, c: (*(0,) * len(lead), i, j, 0, 0))
         table = []
+    layers = [pl.BlockSpec((), lambda i, j, r, c: ())] if layered else []
     out_dtype = q.dtype if splits == 1 else jnp.float32  # one split needs no merge: write the result
     o, lse = pl.pallas_call(
         kernel,
@@ -169,6 +180,7 @@ def attention(
             pl.BlockSpec((), lambda i, j, r, c: ()),
             pl.BlockSpec((None, None, bq, dk), lambda i, j, r, c: (i, j, r, 0)),
             pl.BlockSpec((None, bq), lambda i, j, r, c: (i, r)),
+            *layers,
             *table,
             whole_slice(dk),
             *([] if shared_v else [whole_slice(dv)]),
@@ -185,7 +197,8 @@ def attention(
                                              num_stages=num_stages or cfg.num_stages),
         interpret=interpret,
         name="dcp_flash_attention",
-    )(start, qg, lim, *([] if block_table is None else [block_table.astype(jnp.int32)]), k,
+    )(start, qg, lim, *([jnp.asarray(layer, jnp.int32)] if layered else []),
+      *([] if block_table is None else [block_table.astype(jnp.int32)]), k,
       *([] if shared_v else [v]))
 
     if splits == 1:
