@@ -75,6 +75,7 @@ def dcp_attention(
     return_lse: bool = False,
     v_dim: int | None = None,
     block_table=None,
+    layer=None,
     **kernel_options,
 ):
     """Exact attention of queries over a KV cache sharded along the sequence.
@@ -89,17 +90,21 @@ def dcp_attention(
       block_table: [B, blocks] int (paged, with a `PagedLayout`): k_cache/v_cache are page pools
         [N·pages, K, page, D] (`mesh.kv_pool_spec`): every context rank reads its own pages through the
         same replicated table.
+      layer: a scalar (may be traced): the caches are the stacked caches of scanned layers [L, ...]
+        and layer `layer` is attended, read in place by the kernel.
       combine: "auto" (psum_scatter when heads divide, else psum), "scatter", "psum" or "all_to_all".
       return_lse: also return the merged LSE [B, T, H] (float32).
     Returns:
       out [B, T, H, Dv] in q.dtype, sharded per `mesh.attn_out_spec` (and the LSE if asked).
     """
-    paged = block_table is not None
-    check_inputs(q, k_cache, v_cache, q_pos, None, kv_len, v_dim, block_table)
+    paged, stacked = block_table is not None, layer is not None
+    one = (lambda c: c) if not stacked else (lambda c: None if c is None else jax.ShapeDtypeStruct(c.shape[1:], c.dtype))
+    k1 = one(k_cache)
+    check_inputs(q, k1, one(v_cache), q_pos, None, kv_len, v_dim, block_table)
     n_heads_shards = mesh_lib.axis_size(mesh, head_axes)
     n_ctx = mesh_lib.axis_size(mesh, context_axes)
-    h, kh = q.shape[2], k_cache.shape[1]
-    s = block_table.shape[1] * layout.tokens_per_block if paged else k_cache.shape[2]
+    h, kh = q.shape[2], k1.shape[1]
+    s = block_table.shape[1] * layout.tokens_per_block if paged else k1.shape[2]
     if h % n_heads_shards:
         raise ValueError(f"query heads ({h}) must divide by the {n_heads_shards} shards of {head_axes}")
     if kh % n_heads_shards:
@@ -111,8 +116,8 @@ def dcp_attention(
         raise ValueError(f"layout has {layout.num_shards} shards but context axes {context_axes} have {n_ctx}")
     if paged != isinstance(layout, PagedLayout):
         raise ValueError("a paged pool takes a PagedLayout and its block_table; a dense cache a KVLayout")
-    if paged and (k_cache.shape[2] != layout.page_size or k_cache.shape[0] % n_ctx):
-        raise ValueError(f"pool {k_cache.shape} does not hold pages of {layout.page_size} slots on "
+    if paged and (k1.shape[2] != layout.page_size or k1.shape[0] % n_ctx):
+        raise ValueError(f"pool {k1.shape} does not hold pages of {layout.page_size} slots on "
                          f"{n_ctx} context shards")
     if not paged and s != layout.max_seq_len:
         raise ValueError(f"cache holds {s} slots but the layout places {layout.max_seq_len}")
@@ -129,11 +134,11 @@ def dcp_attention(
     def body(q, k, *rest):
         rest = list(rest)
         v = None if shared_v else rest.pop(0)
-        q_pos, kv_len, *table = rest
+        q_pos, kv_len, *extra = rest
         rank = lax.axis_index(context_axes) if context_axes else 0
         o, lse = kernels.attention(
             q, k, v, q_pos, layout.slice_positions(rank), kv_len, scale=scale, impl=impl, v_dim=v_dim,
-            block_table=table[0] if paged else None, **kernel_options
+            block_table=extra[0] if paged else None, layer=extra[-1] if stacked else None, **kernel_options
         )
         if not context_axes:  # one whole copy of the cache: nothing to combine
             return o, (lse if exchanged else lse[None])
@@ -156,14 +161,14 @@ def dcp_attention(
         # claim to prove to shard_map) and keep rank 0's copy.
         return out.astype(q.dtype), lse_total[None]
 
-    cache_spec = (mesh_lib.kv_pool_spec if paged else mesh_lib.kv_cache_spec)(head_axes, context_axes)
+    cache_spec = (mesh_lib.kv_pool_spec if paged else mesh_lib.kv_cache_spec)(head_axes, context_axes, stacked)
     caches = (k_cache,) if shared_v else (k_cache, v_cache)
-    tables = (block_table,) if paged else ()
+    extras = ((block_table,) if paged else ()) + ((jnp.asarray(layer, jnp.int32),) if stacked else ())
     out, lse = jax.shard_map(
         body,
         mesh=mesh,
         in_specs=(mesh_lib.q_spec(head_axes), *(cache_spec for _ in caches), mesh_lib.lengths_spec(),
-                  mesh_lib.lengths_spec(), *(mesh_lib.lengths_spec() for _ in tables)),
+                  mesh_lib.lengths_spec(), *(mesh_lib.lengths_spec() for _ in extras)),  # block table, layer: replicated
         out_specs=(
             mesh_lib.attn_out_spec(head_axes, context_axes, scattered),
             (mesh_lib.attn_lse_spec(head_axes, context_axes) if exchanged
@@ -172,7 +177,7 @@ def dcp_attention(
         # A pallas_call (in interpret mode on CPU for certain) does not carry shard_map's
         # varying-manual-axes annotations, so those checks are off for the kernel; the reference keeps them.
         check_vma=not impl.startswith("pallas"),
-    )(q, *caches, q_pos, kv_len, *tables)
+    )(q, *caches, q_pos, kv_len, *extras)
     if exchanged:
         return (out, lse) if return_lse else out
     return (out, lse[0]) if return_lse else out
@@ -189,6 +194,7 @@ def write_kv(
     head_axes: tuple[str, ...] = (mesh_lib.TP,),
     context_axes: tuple[str, ...] = (mesh_lib.DCP,),
     block_table=None,
+    layer=None,
 ):
     """Write new tokens' entries into the cache shards that own their positions, in place.
 
@@ -198,31 +204,36 @@ def write_kv(
     owns; every other index is dropped, so no cache-sized temporary is made. Returns the new caches.
     Paged (`block_table` [B, blocks] with a `PagedLayout`): caches are pools [N·pages, K, page, D_i]
     and position t of sequence b goes to page block_table[b, block_of(t)], slot page_slot_of(t).
+    `layer` (scalar, may be traced): the caches are stacked over layers [L, ...]; only that layer is
+    written, in place.
     """
     b, t = positions.shape
     n = len(caches)
-    paged = block_table is not None
+    paged, stacked = block_table is not None, layer is not None
 
     def body(*args):
-        cs, ns, (pos, ok, *table) = args[:n], args[n:2 * n], args[2 * n:]
+        cs, ns, (pos, ok, *extra) = args[:n], args[n:2 * n], args[2 * n:]
+        lead = (jnp.broadcast_to(extra[-1], (b, t)),) if stacked else ()  # the layer, for every token
         rank = lax.axis_index(context_axes) if context_axes else 0
         mine = ok & (layout.rank_of(pos) == rank)
         if paged:
-            num_pages = cs[0].shape[0]
-            blocks = jnp.minimum(layout.block_of(pos), table[0].shape[1] - 1)
-            page = jnp.where(mine, jnp.take_along_axis(table[0], blocks, axis=1), num_pages)  # else dropped
-            return tuple(c.at[page, :, layout.page_slot_of(pos)].set(x.astype(c.dtype), mode="drop")
+            table = extra[0]
+            num_pages = cs[0].shape[len(lead)]
+            blocks = jnp.minimum(layout.block_of(pos), table.shape[1] - 1)
+            page = jnp.where(mine, jnp.take_along_axis(table, blocks, axis=1), num_pages)  # else dropped
+            return tuple(c.at[(*lead, page, slice(None), layout.page_slot_of(pos))].set(x.astype(c.dtype), mode="drop")
                          for c, x in zip(cs, ns))
         slot = jnp.where(mine, layout.slot_of(pos), layout.slots_per_shard)  # out of range: dropped
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-        return tuple(c.at[rows, :, slot].set(x.astype(c.dtype), mode="drop") for c, x in zip(cs, ns))
+        return tuple(c.at[(*lead, rows, slice(None), slot)].set(x.astype(c.dtype), mode="drop")
+                     for c, x in zip(cs, ns))
 
-    cache_spec = (mesh_lib.kv_pool_spec if paged else mesh_lib.kv_cache_spec)(head_axes, context_axes)
-    tables = (block_table,) if paged else ()
+    cache_spec = (mesh_lib.kv_pool_spec if paged else mesh_lib.kv_cache_spec)(head_axes, context_axes, stacked)
+    extras = ((block_table,) if paged else ()) + ((jnp.asarray(layer, jnp.int32),) if stacked else ())
     return jax.shard_map(
         body,
         mesh=mesh,
         in_specs=(*(cache_spec,) * n, *(mesh_lib.q_spec(head_axes),) * n, mesh_lib.lengths_spec(),
-                  mesh_lib.lengths_spec(), *(mesh_lib.lengths_spec() for _ in tables)),
+                  mesh_lib.lengths_spec(), *(mesh_lib.lengths_spec() for _ in extras)),  # block table, layer: replicated
         out_specs=(cache_spec,) * n,
-    )(*caches, *new, positions, valid, *tables)
+    )(*caches, *new, positions, valid, *extras)

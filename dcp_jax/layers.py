@@ -40,6 +40,7 @@ class AttentionContext:
     combine: str = "auto"
     block_table: jax.Array | None = None
     max_seq_len: int | None = None
+    layer: jax.Array | None = None  # the layer within a scanned stack (its caches are stacked)
 
     @property
     def seq_len(self) -> int:
@@ -48,7 +49,28 @@ class AttentionContext:
 
     def placement(self) -> dict:
         """The keywords `attention.write_kv` and `attention.dcp_attention` take from the context."""
-        return dict(mesh=self.mesh, layout=self.layout, block_table=self.block_table)
+        return dict(mesh=self.mesh, layout=self.layout, block_table=self.block_table, layer=self.layer)
+
+
+LAYER = "{layer}"  # the placeholder for the layer index in the names of a scanned stack's weights
+
+
+def stacked_source(get: WeightSource, indices, mesh: Mesh) -> WeightSource:
+    """A WeightSource for layers `indices` scanned together: a name holding `{layer}` is read once per
+    layer and the tensors are stacked on a new leading axis (not sharded; the rest keeps its spec).
+    Abstract sources (ShapeDtypeStructs) stay abstract."""
+    from jax.sharding import PartitionSpec
+
+    indices = tuple(indices)
+
+    def stacked(name, shape, spec, kv_rep=1):
+        parts = [get(name.format(layer=i), shape, spec, kv_rep=kv_rep) for i in indices]
+        sharding = mesh_lib.named(mesh, PartitionSpec(None, *spec))
+        if isinstance(parts[0], jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct((len(parts), *parts[0].shape), parts[0].dtype, sharding=sharding)
+        return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*parts)
+
+    return stacked
 
 
 def param(get: WeightSource, name: str, shape, spec, kv_rep: int = 1) -> nnx.Param:

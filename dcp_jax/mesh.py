@@ -188,16 +188,18 @@ def token_split_spec() -> P:
     return P(None, DCP, None)
 
 
-def kv_cache_spec(head_axes: AxisNames = (TP,), context_axes: AxisNames = (DCP,)) -> P:
-    """KV cache [B, K, S, D]: kv heads over `head_axes`, sequence slots over `context_axes`."""
-    return P(None, _group(head_axes), _group(context_axes), None)
+def kv_cache_spec(head_axes: AxisNames = (TP,), context_axes: AxisNames = (DCP,), stacked: bool = False) -> P:
+    """KV cache [B, K, S, D]: kv heads over `head_axes`, sequence slots over `context_axes`. `stacked`:
+    the caches of scanned layers, [L, B, K, S, D] (layers not sharded)."""
+    return P(*((None,) if stacked else ()), None, _group(head_axes), _group(context_axes), None)
 
 
-def kv_pool_spec(head_axes: AxisNames = (TP,), context_axes: AxisNames = (DCP,)) -> P:
+def kv_pool_spec(head_axes: AxisNames = (TP,), context_axes: AxisNames = (DCP,), stacked: bool = False) -> P:
     """Paged KV pool [N·pages, K, page, D]: each context rank holds its own `pages` pages (the first
     axis over `context_axes`), kv heads over `head_axes`. One block-table entry names the same page
-    index on every context rank: each holds its share of that block there."""
-    return P(_group(context_axes), _group(head_axes), None, None)
+    index on every context rank: each holds its share of that block there. `stacked`: the pools of
+    scanned layers, [L, N·pages, K, page, D]."""
+    return P(*((None,) if stacked else ()), _group(context_axes), _group(head_axes), None, None)
 
 
 def lengths_spec() -> P:

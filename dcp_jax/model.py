@@ -13,6 +13,7 @@ one latent [B, 1, S, kv_lora_rank + rope] with slots over ("tp","dcp") (MLA).
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import jax
@@ -26,7 +27,8 @@ from dcp_jax import mesh as mesh_lib
 from dcp_jax import mla
 from dcp_jax.config import ModelConfig
 from dcp_jax.errors import UserError
-from dcp_jax.layers import MLP, AttentionContext, WeightSource, linear, norm, param, rope, stack_names
+from dcp_jax.layers import (LAYER, MLP, AttentionContext, WeightSource, linear, norm, param, rope, stack_names,
+                            stacked_source)
 from dcp_jax.layout import KVLayout
 from dcp_jax.mesh import AXES, DCP, TP
 from pallas_kernels.attention import SlotPositions
@@ -125,9 +127,12 @@ class Attention(nnx.Module):
 
 
 class Block(nnx.Module):
+    """One decoder layer. `index` picks its kind (dense or MoE); `prefix` names its weights (default
+    `model.layers.{index}`; a scanned stack passes the `{layer}` placeholder)."""
+
     def __init__(self, cfg: ModelConfig, index: int, get: WeightSource, mesh: Mesh, *,
-                 latent_axes=mla.CONTEXT_AXES, q_gather: bool = False):
-        p = f"model.layers.{index}"
+                 latent_axes=mla.CONTEXT_AXES, q_gather: bool = False, prefix: str | None = None):
+        p = prefix or f"model.layers.{index}"
         e = cfg.hidden_size
         self.input_layernorm = norm(get, f"{p}.input_layernorm.weight", e, cfg.rms_norm_eps)
         if cfg.mla:
@@ -144,6 +149,48 @@ class Block(nnx.Module):
         a, cache = self.self_attn(self.input_layernorm(x), positions, valid, kv_len, inv_freq, cache, ctx)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class LayerStack(nnx.Module):
+    """Consecutive layers of one kind, their weights stacked [n, ...] and run by one `lax.scan`, so
+    compile time does not grow with depth. The stack's caches are stacked too, [n, ...]: they ride in
+    the scan's carry and each layer writes and reads its own in place (write_kv and the kernels take
+    the layer index), so no layer's cache is ever sliced out or copied."""
+
+    def __init__(self, cfg: ModelConfig, indices, get: WeightSource, mesh: Mesh, **kw):
+        self.indices = tuple(int(i) for i in indices)
+        self.block = Block(cfg, self.indices[0], stacked_source(get, self.indices, mesh), mesh,
+                           prefix=f"model.layers.{LAYER}", **kw)
+        for _, var in nnx.iter_graph(self.block):
+            if isinstance(var, nnx.Param):
+                var.set_metadata(layers=self.indices)  # hf_weights unstacks by these
+
+    def __call__(self, x, positions, valid, kv_len, inv_freq, cache, ctx):
+        graphdef, state = nnx.split(self.block)
+
+        def body(carry, xs):
+            x, cache = carry
+            weights, layer = xs
+            layer_ctx = None if ctx is None else dataclasses.replace(ctx, layer=layer)
+            x, cache = nnx.merge(graphdef, weights)(x, positions, valid, kv_len, inv_freq, cache, layer_ctx)
+            return (x, cache), None
+
+        layers = jnp.arange(len(self.indices), dtype=jnp.int32)
+        (x, cache), _ = jax.lax.scan(body, (x, cache), (state, layers))
+        return x, cache
+
+
+def layer_runs(cfg: ModelConfig) -> list[list[int]]:
+    """The layers cut into runs of one kind (dense / MoE): each run is one scanned `LayerStack`."""
+    runs: list[list[int]] = []
+    kind = None
+    for i in range(cfg.num_layers):
+        k = bool(cfg.moe and cfg.moe.is_moe_layer(i))
+        if k != kind:
+            runs.append([])
+            kind = k
+        runs[-1].append(i)
+    return runs
 
 
 class CausalLM(nnx.Module):
@@ -168,8 +215,8 @@ class CausalLM(nnx.Module):
         # (a tied table stays vocab-split: it is the output head too, where the vocab split pays)
         self.embed_tokens = param(get, "model.embed_tokens.weight", (v, e),
                                    vocab if cfg.tie_embeddings else hidden)
-        self.layers = nnx.List([Block(cfg, i, get, mesh, latent_axes=latent_axes, q_gather=q_gather)
-                                for i in range(cfg.num_layers)])
+        self.stacks = nnx.List([LayerStack(cfg, run, get, mesh, latent_axes=latent_axes, q_gather=q_gather)
+                                for run in layer_runs(cfg)])
         self.norm = norm(get, "model.norm.weight", e, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_embeddings else param(get, "lm_head.weight", (v, e), vocab)
         self.kv_replication = kv_replication(cfg, mesh.shape[TP])
@@ -181,13 +228,19 @@ class CausalLM(nnx.Module):
             self.head_axes, self.context_axes = (TP,), (DCP,)
 
     def cache_shapes(self, batch: int, max_seq_len: int) -> tuple:
-        """Per layer, the shapes of its cache arrays: ((B,K,S,D), (B,K,S,D)), or ((B,1,S,latent),) for MLA."""
-        one = (batch, self.kv_heads, max_seq_len, self.config.head_dim)
-        return tuple(((one,) if self.config.mla else (one, one)) for _ in range(self.config.num_layers))
+        """Per layer stack, the shapes of its stacked cache arrays: ((n,B,K,S,D), (n,B,K,S,D)), or
+        ((n,B,1,S,latent),) for MLA."""
+        return self.stacked_shapes((batch, self.kv_heads, max_seq_len, self.config.head_dim))
+
+    def stacked_shapes(self, one: tuple) -> tuple:
+        """Per layer stack, (k, v) (MLA: (latent,)) shapes of `one` layer's array stacked over its layers."""
+        return tuple(tuple((len(st.indices), *one) for _ in range(1 if self.config.mla else 2))
+                     for st in self.stacks)
 
     def __call__(self, tokens, positions, valid, kv_len, cache, ctx: AttentionContext, logits_at=None):
         """tokens, positions, valid [B, T]; kv_len [B] cache length after this block is written;
-        cache: tuple over layers of (k, v) [B, K, S, D] (MLA: (latent,)). Returns (logits, cache): logits
+        cache: tuple over layer stacks of (k, v) [n, B, K, S, D] (MLA: (latent,)), or of paged pools
+        [n, N·pages, K, page, D] with `ctx.block_table`. Returns (logits, cache): logits
         [B, T, V], or [B, V] at index `logits_at` [B] of each sequence when given (prefill needs only the last).
         """
         x, new_cache = self._trunk(tokens, positions, valid, kv_len, cache, ctx, ctx.seq_len)
@@ -208,9 +261,9 @@ class CausalLM(nnx.Module):
         if ctx is not None:  # the lookup table is split over the hidden dim; the residual stream is not
             x = jax.lax.with_sharding_constraint(x, mesh_lib.named(ctx.mesh, mesh_lib.residual_spec()))
         new_cache = []
-        for i, layer in enumerate(self.layers):
-            x, layer_cache = layer(x, positions, valid, kv_len, inv_freq, None if cache is None else cache[i], ctx)
-            new_cache.append(layer_cache)
+        for i, stack in enumerate(self.stacks):
+            x, stack_cache = stack(x, positions, valid, kv_len, inv_freq, None if cache is None else cache[i], ctx)
+            new_cache.append(stack_cache)
         return x, (None if cache is None else tuple(new_cache))
 
     def _logits(self, x):
@@ -224,16 +277,21 @@ class CausalLM(nnx.Module):
         for _, var in nnx.iter_graph(self):
             if isinstance(var, nnx.Param) and getattr(var, "hf_name", None):
                 value = var[...]
-                rep = var.kv_rep
-                if rep > 1:
-                    d = self.config.head_dim
-                    value = value.reshape((-1, rep, d) + value.shape[1:])[:, 0].reshape((-1,) + value.shape[1:])
-                out[var.hf_name] = value
+                layers = var.get_metadata().get("layers")
+                named = ([(var.hf_name.format(layer=i), value[j]) for j, i in enumerate(layers)] if layers
+                         else [(var.hf_name, value)])
+                for name, value in named:
+                    rep = var.kv_rep
+                    if rep > 1:
+                        d = self.config.head_dim
+                        value = value.reshape((-1, rep, d) + value.shape[1:])[:, 0].reshape((-1,) + value.shape[1:])
+                    out[name] = value
         return out
 
 
 def cache_sharding(model: CausalLM, mesh: Mesh):
-    return mesh_lib.named(mesh, mesh_lib.kv_cache_spec(model.head_axes, model.context_axes))
+    """Every (stacked) cache array: layers unsharded, kv heads and slots as `mesh.kv_cache_spec`."""
+    return mesh_lib.named(mesh, mesh_lib.kv_cache_spec(model.head_axes, model.context_axes, stacked=True))
 
 
 def init_cache(model: CausalLM, batch: int, layout: KVLayout, mesh: Mesh, dtype):

@@ -54,22 +54,63 @@ def _shape_bytes(text: str) -> int:
 _RING = {"all-reduce": 2}
 
 
+_COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
+_CALLED = re.compile(r"(body|calls|to_apply|branch_computations)=\{?%?([\w.\-]+(?:, %?[\w.\-]+)*)\}?")
+
+
+def _executions(lines: list[str]) -> dict[str, int]:
+    """How many times each computation runs per call of the module: a while loop's body runs its known
+    trip count times per run of its caller (the scanned layers: one body, `layers` runs); computations
+    called otherwise run once per caller run. Bodies without a known trip count count once."""
+    comps: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in lines:
+        m = _COMPUTATION.match(line)
+        if m:
+            current = m.group(2)
+            comps[current] = []
+            entry = current if m.group(1) else entry
+        elif current is not None:
+            comps[current].append(line)
+    runs = {entry: 1}
+    todo = [entry]
+    while todo:
+        comp = todo.pop()
+        for line in comps.get(comp, []):
+            trip = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
+            for kind, names in _CALLED.findall(line):
+                times = int(trip.group(1)) if kind == "body" and trip else 1
+                for name in re.split(r",\s*%?", names):
+                    if name in comps and name not in runs:
+                        runs[name] = runs[comp] * times
+                        todo.append(name)
+    return {name: runs.get(name, 1) for name in comps}
+
+
 def _collectives(hlo: str):
-    """(kind, ring bytes) of every collective in an HLO module (see the module docstring)."""
+    """(kind, ring bytes) of every collective the module runs per call (see the module docstring); one
+    in a loop body counts once per iteration (`_executions`)."""
     # XLA prints /*index=5*/ inside long tuples: drop comments, or their "=" hides the tuple's first elements
     lines = [re.sub(r"/\*.*?\*/", "", line) for line in hlo.splitlines()]
+    runs = _executions(lines)
     shapes = {}
     for line in lines:
         m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ([^ ]+)", line)
         if m:
             shapes[m.group(1)] = m.group(2)
+    current = None
     for line in lines:
+        c = _COMPUTATION.match(line)
+        if c:
+            current = c.group(2)
+            continue
         m = _COLLECTIVE.search(line)
         if not m or "-done" in line:
             continue
         result, kind, operands = m.groups()
         operand_bytes = sum(_shape_bytes(shapes.get(o.strip().lstrip("%"), "")) for o in operands.split(","))
-        yield kind, _RING.get(kind, 1) * max(_shape_bytes(result), operand_bytes)
+        for _ in range(runs.get(current, 1)):
+            yield kind, _RING.get(kind, 1) * max(_shape_bytes(result), operand_bytes)
 
 
 def collective_bytes(hlo: str) -> dict[str, int]:

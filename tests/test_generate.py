@@ -60,8 +60,8 @@ def test_comm_variants_generate_the_same(name, mesh, q_gather, combine):
 def test_q_gather_splits_q_proj_over_the_whole_mesh():
     mesh = make_mesh(2, 4)
     model, _ = load_hf(FIXTURES / "llama-gqa", mesh, q_gather=True)
-    q = model.layers[0].self_attn.q_proj[...]
-    assert q.addressable_shards[0].data.shape == (q.shape[0] // 8, q.shape[1])
+    q = model.stacks[0].block.self_attn.q_proj[...]  # [layers, rows, hidden]: the layers are stacked
+    assert q.addressable_shards[0].data.shape == (q.shape[0], q.shape[1] // 8, q.shape[2])
     with pytest.raises(Exception, match="q_gather needs the 8 attention heads to divide by tp x dcp = 3"):
         load_hf(FIXTURES / "llama-gqa", make_mesh(1, 3), q_gather=True)
 

@@ -54,15 +54,16 @@ def test_latent_cache_is_split_over_every_device(mesh):
 def test_cache_placement_and_param_shardings():
     mesh = make_mesh(2, 4)
     model, _ = load_hf(FIXTURES / "deepseek-v3", mesh)
-    layer = model.layers[1]
-    # experts: 8 stacked, one per device
+    assert [st.indices for st in model.stacks] == [(0,), (1,)]  # a dense layer, then an MoE one
+    layer = model.stacks[1].block
+    # experts: 8 stacked, one per device (behind the stack's layer axis)
     shard = layer.mlp.gate_proj[...].addressable_shards[0].data
-    assert layer.mlp.gate_proj[...].shape[0] == 8 and shard.shape[0] == 1
+    assert layer.mlp.gate_proj[...].shape[:2] == (1, 8) and shard.shape[:2] == (1, 1)
     eng = Engine(model, mesh)
     cache = eng._specs(2, eng.layout(64))[0]
     (latent,) = cache[0]
-    assert latent.shape == (2, 1, 64, 40)
-    assert latent.sharding.spec == jax.sharding.PartitionSpec(None, None, ("tp", "dcp"), None)
+    assert latent.shape == (1, 2, 1, 64, 40)
+    assert latent.sharding.spec == jax.sharding.PartitionSpec(None, None, None, ("tp", "dcp"), None)
 
 
 def test_checkpoint_round_trip_on_another_mesh(tmp_path):

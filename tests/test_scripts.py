@@ -76,3 +76,15 @@ def test_bench_memory_quick(capsys):
     tp_only = next(r for r in rows if r["dcp"] == 1)
     dcp8 = next(r for r in rows if r["dcp"] == 8)
     assert dcp8["weight_bytes_per_device"] > tp_only["weight_bytes_per_device"]  # dcp=8 does not split heads
+
+
+def test_bench_compile_quick(capsys):
+    mod = runpy.run_path(str(SCRIPTS / "bench_compile.py"), run_name="bench_compile")
+    assert mod["main"](["--quick", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    shallow, deep = out["rows"]
+    assert (shallow["layers"], deep["layers"]) == (4, 32)
+    # the same program whatever the depth (exact); the compile-time ratio is reported, not asserted
+    assert shallow["decode_instructions"] == deep["decode_instructions"]
+    assert shallow["prefill_instructions"] == deep["prefill_instructions"]
+    assert out["ratio_deepest_to_shallowest"]["decode"] > 0

@@ -116,11 +116,33 @@ def test_pool_bytes_per_device_and_aliasing(name, tp, dcp):
     shard_bytes = sum(np.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(pool))
     assert prog.memory_analysis().alias_size_in_bytes >= shard_bytes
     leaf = jax.tree.leaves(pool)[0]
-    shard = "f32[" + ",".join(map(str, leaf.sharding.shard_shape(leaf.shape))) + "]"
+    shape = leaf.sharding.shard_shape(leaf.shape)  # [layers, pages, K, page, D] of one stack
+    shard, one_layer = ("f32[" + ",".join(map(str, dims)) + "]" for dims in (shape, shape[1:]))
     for body in loop_bodies(prog.as_text()):
         for line in body.splitlines():
             if "copy(" in line or "copy-start(" in line:
-                assert shard not in line.split("=")[1].split("(")[0], line
+                result = line.split("=")[1].split("(")[0]
+                assert shard not in result and one_layer not in result, line
+
+
+def test_program_size_does_not_grow_with_depth():
+    # The layers are one lax.scan: a 32-layer model compiles the same program as a 4-layer one (XLA's
+    # instruction count, exact; scripts/bench_compile.py times the compiles side by side).
+    import json
+
+    from dcp_jax import make_mesh
+    from dcp_jax.config import ModelConfig
+    from dcp_jax.model import CausalLM, random_source
+
+    base = json.loads((FIXTURES / "llama-gqa" / "config.json").read_text())
+    mesh = make_mesh(1, 2)
+    sizes = {}
+    for layers in (4, 32):
+        cfg = ModelConfig.from_dict(dict(base, num_hidden_layers=layers))
+        server = LLM(CausalLM(cfg, random_source(cfg, mesh), mesh), mesh, page_size=4).server(64, 8, 9)
+        sizes[layers] = [sum(1 for line in prog.as_text().splitlines() if " = " in line)
+                         for prog in (server.decode_program(), server.prefill_program(8))]
+    assert sizes[4] == sizes[32], sizes
 
 
 def test_bad_requests_fail_alone():

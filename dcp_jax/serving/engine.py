@@ -128,16 +128,17 @@ class ServingEngine:
             vocab_size=model.config.vocab_size)
         self.scheduler = Scheduler(self.scheduler_config, detokenize=detokenize)
         self.replicated = mesh_lib.named(mesh, mesh_lib.spec())
-        self.pool_sharding = mesh_lib.named(mesh, mesh_lib.kv_pool_spec(model.head_axes, model.context_axes))
+        self.pool_sharding = mesh_lib.named(
+            mesh, mesh_lib.kv_pool_spec(model.head_axes, model.context_axes, stacked=True))
         self.compiled: dict = {}  # (program, shape) -> executable: a test counts these
         self.pools = None
 
     # --- the pool --------------------------------------------------------------------------------
     def pool_shapes(self, num_pages: int | None = None) -> tuple:
-        """Per layer, the global shapes of its pools: [N·pages, K, page, D] ((k, v), or MLA's latent)."""
+        """Per layer stack, the global shapes of its pools: [layers, N·pages, K, page, D] ((k, v), or
+        MLA's latent)."""
         n = self.layout.num_shards * (num_pages or self.config.num_pages)
-        one = (n, self.model.kv_heads, self.config.page_size, self.model.config.head_dim)
-        return tuple(((one,) if self.model.config.mla else (one, one)) for _ in range(self.model.config.num_layers))
+        return self.model.stacked_shapes((n, self.model.kv_heads, self.config.page_size, self.model.config.head_dim))
 
     def allocate(self):
         """The zeroed pool, sharded from the start (never whole on one device)."""

@@ -1,0 +1,83 @@
+"""Compile time of the serving programs against depth: a shallow and a deep model of the same width,
+compiled side by side in one run (the layers are one lax.scan, so the deep one should cost about the
+same), with XLA's instruction count of each program. Prints a table, or one JSON object with --json.
+
+    python scripts/bench_compile.py                   # 4 vs 32 layers, Llama-3.1-8B width, 1 x 2 mesh
+    python scripts/bench_compile.py --quick --json    # the tiny width
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+WIDTHS = {
+    "llama-3.1-8b": dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
+                         intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         max_position_embeddings=131072),
+    "tiny": dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=128, intermediate_size=384,
+                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096),
+}
+
+
+def measure(width: str, layers: int, tp: int, dcp: int, repeats: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from dcp_jax import make_mesh
+    from dcp_jax.config import ModelConfig
+    from dcp_jax.engine import LLM
+    from dcp_jax.mesh import named
+    from dcp_jax.model import CausalLM
+
+    cfg = ModelConfig.from_dict(dict(WIDTHS[width], num_hidden_layers=layers))
+    mesh = make_mesh(tp, dcp)
+
+    def abstract(name, shape, spec, kv_rep=1):  # nothing allocated: the programs compile from shapes
+        return jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=named(mesh, spec))
+
+    row = dict(width=width, layers=layers, tp=tp, dcp=dcp)
+    best = {}
+    for _ in range(repeats):
+        server = LLM(CausalLM(cfg, abstract, mesh), mesh, page_size=64).server(4096, 256, 65)
+        for name, build in (("decode", server.decode_program), ("prefill", lambda: server.prefill_program(256))):
+            t = time.perf_counter()
+            prog = build()
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
+            row[f"{name}_instructions"] = sum(1 for line in prog.as_text().splitlines() if " = " in line)
+    row.update({f"{k}_compile_s": round(v, 3) for k, v in best.items()})
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--width", choices=sorted(WIDTHS), default="llama-3.1-8b")
+    p.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")], default=[4, 32])
+    p.add_argument("--repeats", type=int, default=2, help="compiles per program (the best is reported)")
+    p.add_argument("--quick", action="store_true", help="tiny width, one repeat")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.width, args.repeats = "tiny", 1
+
+    from dcp_jax.mesh import ensure_cpu_devices
+
+    ensure_cpu_devices(2)
+    rows = [measure(args.width, n, 1, 2, args.repeats) for n in args.layers]
+    ratios = {name: rows[-1][f"{name}_compile_s"] / rows[0][f"{name}_compile_s"] for name in ("decode", "prefill")}
+    if args.json:
+        print(json.dumps(dict(rows=rows, ratio_deepest_to_shallowest=ratios)))
+        return 0
+    print(f"{'layers':>6} {'decode s':>9} {'prefill s':>9} {'decode instr':>13} {'prefill instr':>14}")
+    for r in rows:
+        print(f"{r['layers']:>6} {r['decode_compile_s']:>9.3f} {r['prefill_compile_s']:>9.3f} "
+              f"{r['decode_instructions']:>13} {r['prefill_instructions']:>14}")
+    print(f"{args.layers[-1]} / {args.layers[0]} layers compile time: decode {ratios['decode']:.2f}x, "
+          f"prefill {ratios['prefill']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
