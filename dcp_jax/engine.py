@@ -380,13 +380,15 @@ class LLM:
     def __init__(self, model: CausalLM, mesh: Mesh, tokenizer=None, *, interleave: int | str = 1,
                  impl: str | None = None, source: str = "in memory", page_size: int | None = None,
                  max_num_seqs: int = 8, kv_cache_memory: int | str | None = None,
-                 gpu_memory_utilization: float | None = None, decode_steps: int = 8):
+                 gpu_memory_utilization: float | None = None, decode_steps: int = 8,
+                 max_num_batched_tokens: int | None = None):
         from dcp_jax.serving.engine import parse_bytes
 
         self.model, self.mesh, self.tokenizer, self.source = model, mesh, tokenizer, source
         self.impl, self.interleave = impl, interleave
         self.engine = Engine(model, mesh, interleave=interleave, impl=impl)  # the static-batch baseline
-        for name, value in (("max_num_seqs", max_num_seqs), ("decode_steps", decode_steps)):
+        for name, value in (("max_num_seqs", max_num_seqs), ("decode_steps", decode_steps),
+                            ("max_num_batched_tokens", 1 if max_num_batched_tokens is None else max_num_batched_tokens)):
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise UserError(f"{name} must be an integer >= 1, got {value!r}")
         if page_size is None:
@@ -400,6 +402,7 @@ class LLM:
         if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
             raise UserError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         self.page_size, self.max_num_seqs, self.decode_steps = page_size, max_num_seqs, decode_steps
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.kv_cache_memory = None if kv_cache_memory is None else parse_bytes(kv_cache_memory)
         self.gpu_memory_utilization = gpu_memory_utilization
         self._servers = {}  # PoolConfig -> ServingEngine (its compiled programs)
@@ -408,7 +411,7 @@ class LLM:
     def load(cls, model_dir, *, tp: int = 1, dcp: int = 1, interleave: int | str = 1, dtype: str = "float32",
              impl: str | None = None, devices=None, page_size: int | None = None, max_num_seqs: int = 8,
              kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
-             decode_steps: int = 8) -> "LLM":
+             decode_steps: int = 8, max_num_batched_tokens: int | None = None) -> "LLM":
         from dcp_jax.weights import load_any
 
         if interleave != "contiguous" and not (isinstance(interleave, int) and interleave >= 1):
@@ -417,7 +420,8 @@ class LLM:
         model, tokenizer, source = load_any(model_dir, mesh, dtype)
         return cls(model, mesh, tokenizer, interleave=interleave, impl=impl, source=source, page_size=page_size,
                    max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory,
-                   gpu_memory_utilization=gpu_memory_utilization, decode_steps=decode_steps)
+                   gpu_memory_utilization=gpu_memory_utilization, decode_steps=decode_steps,
+                   max_num_batched_tokens=max_num_batched_tokens)
 
     def save(self, path) -> int:
         """Save weights, config and tokenizer as an orbax checkpoint (atomically); returns the step."""
@@ -472,7 +476,7 @@ class LLM:
         interleave = self.page_size if self.interleave == "contiguous" else self.interleave
         config = PoolConfig(num_pages=num_pages, page_size=self.page_size, max_num_seqs=self.max_num_seqs,
                             max_model_len=max_model_len, prefill_chunk=prefill_chunk,
-                            decode_steps=self.decode_steps)
+                            decode_steps=self.decode_steps, max_num_batched_tokens=self.max_num_batched_tokens)
         if config not in self._servers:
             self._servers[config] = ServingEngine(
                 self.model, self.mesh, config, interleave=interleave, impl=self.impl,
@@ -532,7 +536,7 @@ class LLM:
         compile_s = time.perf_counter() - tc
 
         total = sum(len(p) for p in ids)
-        progress = dict(done=0, step=0, emitted=[0] * len(ids), first=None)
+        progress = dict(done=0, step=0, emitted=[0] * len(ids))
 
         def on_prefill(n):
             progress["done"] += n
@@ -540,8 +544,6 @@ class LLM:
                 on_chunk(min(progress["done"], total), total)
 
         def on_step(plan):
-            if progress["first"] is None and any(r.output_token_ids for r in requests):
-                progress["first"] = time.perf_counter()
             if on_token is None:
                 return
             new = [r.output_token_ids[e:] for r, e in zip(requests, progress["emitted"])]
@@ -550,15 +552,17 @@ class LLM:
                 progress["step"] += 1
             progress["emitted"] = [len(r.output_token_ids) for r in requests]
 
+        timing0 = dict(server.timing)
         result = run_requests(server, requests, on_step=on_step, on_prefill=on_prefill)
+        timing = {k: server.timing[k] - timing0[k] for k in timing0}
         errors = [r.error for r in requests]
         if all(e is not None for e in errors):
             raise UserError(errors[0])
-        end = time.perf_counter()
         first = result["first_token_s"]
         generated = sum(len(r.output_token_ids) for r in requests)
-        decode_s = end - progress["first"] if progress["first"] is not None else 0.0
-        decoded = sum(max(len(r.output_token_ids) - 1, 0) for r in requests)
+        # decode speed: the tokens the decode program made for requests, over its own time (prefill
+        # chunks of other requests interleave with decoding; they are not counted against it)
+        decode_s, decoded = timing["decode_s"], timing["decode_tokens"]
         layout = server.layout
         stats = dict(
             tp=self.mesh.shape[mesh_lib.TP], dcp=self.mesh.shape[mesh_lib.DCP], interleave=layout.interleave,
@@ -566,6 +570,7 @@ class LLM:
             prompt_tokens=total, generated_tokens=generated, compile_s=compile_s,
             ttft_s=max((v for v in first.values()), default=0.0), decode_s=decode_s,
             decode_tokens_per_s=decoded / decode_s if decode_s > 0 else 0.0, wall_s=result["wall_s"],
+            prefill_s=timing["prefill_s"], decode_steps=timing["decode_steps"],
             kv_capacity_tokens=result["kv_capacity_tokens"], kv_pages=result["pages_total"],
             kv_shards=layout.num_shards,
             preemptions=result["preemptions"], compilations=len(server.compiled),

@@ -645,7 +645,10 @@ class E2E:
         from dcp_jax import LLM
 
         t = time.perf_counter()
-        self.llm = LLM.load(str(ckpt), dtype="bfloat16")
+        # every request decodes at once (max_num_seqs = the batch), and one scheduler iteration may
+        # prefill the whole batch, so decode runs at the full batch as transformers' generate does
+        self.llm = LLM.load(str(ckpt), dtype="bfloat16", max_num_seqs=max_batch, decode_steps=16,
+                            max_num_batched_tokens=max_batch * prompt_len)
         self.load_s = time.perf_counter() - t
         rng = np.random.default_rng(0)
         vocab = self.llm.model.config.vocab_size

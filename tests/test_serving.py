@@ -167,3 +167,17 @@ def test_pallas_kernel_over_pages_end_to_end(name):
     llm = load(name, 1, 2, page_size=4, impl="pallas_interpret")
     out = llm.generate(exp["prompts"], max_new_tokens=exp["max_new_tokens"], ignore_eos=True, prefill_chunk=8)
     assert out.tokens == exp["greedy"]
+
+
+def test_token_budget_and_decode_timing():
+    # A budget of several chunks prefills more requests per iteration: same tokens. The decode speed
+    # counts only the decode program's tokens and time.
+    exp = expected("llama-gqa")
+    llm = load("llama-gqa", 2, 4, page_size=2, max_num_seqs=3, max_num_batched_tokens=64)
+    out = llm.generate(exp["prompts"], max_new_tokens=exp["max_new_tokens"], ignore_eos=True, prefill_chunk=4)
+    assert out.tokens == exp["greedy"]
+    s = out.stats
+    assert s["decode_s"] > 0 and s["decode_tokens_per_s"] == pytest.approx(
+        (s["generated_tokens"] - len(exp["prompts"])) / s["decode_s"])
+    with pytest.raises(Exception, match="max_num_batched_tokens must be an integer >= 1"):
+        load("llama-gqa", 1, 1, max_num_batched_tokens=-3)

@@ -100,7 +100,9 @@ def parse_bytes(text) -> int:
 @dataclasses.dataclass(frozen=True)
 class PoolConfig:
     """Shapes that fix the compiled programs: pages per context rank, page size, slots, blocks per
-    sequence, the longest prefill chunk and the decode steps per program call."""
+    sequence, the prefill chunk and the decode steps per program call; and the scheduler's prefill token
+    budget per iteration (`max_num_batched_tokens`, default one chunk: prefill and decode interleave
+    finely; larger prefills more requests before the next decode steps)."""
 
     num_pages: int
     page_size: int
@@ -108,6 +110,7 @@ class PoolConfig:
     max_model_len: int
     prefill_chunk: int
     decode_steps: int
+    max_num_batched_tokens: int | None = None
 
 
 class ServingEngine:
@@ -123,7 +126,8 @@ class ServingEngine:
         self.layout = PagedLayout(n_ctx, interleave, config.page_size)
         self.scheduler_config = SchedulerConfig(
             layout=self.layout, num_pages=config.num_pages, max_model_len=config.max_model_len,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.prefill_chunk,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens or config.prefill_chunk,
             decode_steps=config.decode_steps, eos_token_ids=tuple(model.config.eos_token_ids),
             vocab_size=model.config.vocab_size)
         self.scheduler = Scheduler(self.scheduler_config, detokenize=detokenize)
@@ -132,6 +136,8 @@ class ServingEngine:
             mesh, mesh_lib.kv_pool_spec(model.head_axes, model.context_axes, stacked=True))
         self.compiled: dict = {}  # (program, shape) -> executable: a test counts these
         self.pools = None
+        # time in the device programs (results on the host) and the tokens they produced for requests
+        self.timing = dict(prefill_s=0.0, prefill_tokens=0, decode_s=0.0, decode_tokens=0, decode_steps=0)
 
     # --- the pool --------------------------------------------------------------------------------
     def pool_shapes(self, num_pages: int | None = None) -> tuple:
@@ -221,6 +227,7 @@ class ServingEngine:
         plan = sched.schedule()
         pools = self.allocate()
         if plan.prefills:
+            t0 = time.perf_counter()
             sampled, logprobs = [], []
             for chunk in plan.prefills:
                 tok = lp = None
@@ -243,8 +250,13 @@ class ServingEngine:
                 sampled.append(tok if chunk.is_last else None)
                 logprobs.append(lp if chunk.is_last else None)
             self.pools = pools
+            jax.block_until_ready(pools)
+            self.timing["prefill_s"] += time.perf_counter() - t0
+            self.timing["prefill_tokens"] += plan.num_prefill_tokens
             sched.update_prefill(plan, sampled, logprobs)
         if plan.decode_slots:
+            t0 = time.perf_counter()
+            before = sum(len(r.output_token_ids) for r in plan.decode_requests)
             rows = [None] * self.config.max_num_seqs
             for r, slot in zip(plan.decode_requests, plan.decode_slots):
                 rows[slot] = r
@@ -253,7 +265,11 @@ class ServingEngine:
                 plan.block_table, SamplingRows.of(rows), np.int32(plan.decode_steps))
             self.pools = pools
             k = plan.decode_steps
-            sched.update_decode(plan, host(out)[:, :k], host(out_lp)[:, :k])
+            tokens, logprobs = host(out)[:, :k], host(out_lp)[:, :k]
+            self.timing["decode_s"] += time.perf_counter() - t0
+            self.timing["decode_steps"] += k
+            sched.update_decode(plan, tokens, logprobs)
+            self.timing["decode_tokens"] += sum(len(r.output_token_ids) for r in plan.decode_requests) - before
         return plan
 
     def kv_bytes(self) -> dict:
