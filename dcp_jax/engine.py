@@ -391,8 +391,9 @@ class LLM:
                             ("max_num_batched_tokens", 1 if max_num_batched_tokens is None else max_num_batched_tokens)):
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise UserError(f"{name} must be an integer >= 1, got {value!r}")
-        if page_size is None:
-            page_size = max(DEFAULT_PAGE_SIZE, interleave if isinstance(interleave, int) else 1)
+        if page_size is None:  # the default, rounded up to whole runs of the interleave
+            run = interleave if isinstance(interleave, int) else 1
+            page_size = run * -(-DEFAULT_PAGE_SIZE // run)
         if not (isinstance(page_size, int) and not isinstance(page_size, bool) and page_size >= 1):
             raise UserError(f"page_size must be an integer >= 1, got {page_size!r}")
         if isinstance(interleave, int) and page_size % interleave:
@@ -530,7 +531,7 @@ class LLM:
         requests = [Request(f"r{i}", p, sampling=sampling, seed=seed, max_tokens=max_new_tokens,
                             ignore_eos=ignore_eos) for i, p in enumerate(ids)]
         tc = time.perf_counter()
-        decode_prog = server.decode_program()
+        server.decode_program()
         server.prefill_program(chunk)
         server.allocate()
         compile_s = time.perf_counter() - tc
@@ -579,7 +580,6 @@ class LLM:
                            preemptions=r.num_preemptions) for r in requests],
             **server.kv_bytes(),
         )
-        del decode_prog
         out = Generation([list(r.output_token_ids) for r in requests], [list(r.output_logprobs) for r in requests],
                          stats, finish_reasons=[r.finish_reason for r in requests], errors=errors)
         out.text = None if self.tokenizer is None else [self.decode(r.output_token_ids) for r in requests]

@@ -46,6 +46,10 @@ class SamplingRows:
     seed: jax.Array  # uint32
 
     @classmethod
+    def spec(cls, rows: int) -> "SamplingRows":
+        return cls(*(jax.ShapeDtypeStruct((rows,), dt) for dt in (jnp.float32, jnp.int32, jnp.float32, jnp.uint32)))
+
+    @classmethod
     def of(cls, requests: list[Request | None]) -> "SamplingRows":
         """Host arrays for `requests` (None rows: greedy, never read)."""
         temp = [r.sampling.temperature if r else 0.0 for r in requests]
@@ -53,6 +57,30 @@ class SamplingRows:
                    top_k=np.asarray([r.sampling.top_k if r else 0 for r in requests], np.int32),
                    top_p=np.asarray([r.sampling.top_p if r else 1.0 for r in requests], np.float32),
                    seed=np.asarray([r.seed if r else 0 for r in requests], np.uint32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """What a step program runs on, by name: R rows (sequences) of T tokens.
+
+    tokens, positions int32 [R, T]; valid bool [R, T] (padding and idle slots False: nothing written);
+    kv_len int32 [R] (tokens in cache once the row is written); block_table int32 [R, blocks];
+    sampling: per-row SamplingRows [R].
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    valid: jax.Array
+    kv_len: jax.Array
+    block_table: jax.Array
+    sampling: SamplingRows
+
+    @classmethod
+    def spec(cls, rows: int, tokens: int, blocks: int) -> "StepInputs":
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        return cls(i32(rows, tokens), i32(rows, tokens), jax.ShapeDtypeStruct((rows, tokens), jnp.bool_), i32(rows),
+                   i32(rows, blocks), SamplingRows.spec(rows))
 
 
 def sample_rows(logits, params: SamplingRows, positions):
@@ -164,27 +192,29 @@ class ServingEngine:
         return AttentionContext(self.mesh, self.layout, self.impl, self.combine, block_table=block_table,
                                 max_seq_len=self.config.max_model_len)
 
-    def _prefill(self, params, pools, tokens, positions, valid, kv_len, table, last, sampling):
+    def _prefill(self, params, pools, step: "StepInputs", last):
         model = nnx.merge(self.graphdef, params)
-        logits, pools = model(tokens, positions, valid, kv_len, pools, self.context(table), logits_at=last)
-        tok, lp = sample_rows(logits, sampling, kv_len)  # the new token's position is kv_len
+        logits, pools = model(step.tokens, step.positions, step.valid, step.kv_len, pools,
+                              self.context(step.block_table), logits_at=last)
+        tok, lp = sample_rows(logits, step.sampling, step.kv_len)  # the new token's position is kv_len
         return pools, tok, lp
 
-    def _decode(self, params, pools, tokens, positions, active, table, sampling, num_steps):
+    def _decode(self, params, pools, step: "StepInputs", num_steps):
         model = nnx.merge(self.graphdef, params)
-        s, k_max = tokens.shape[0], self.config.decode_steps
-        ctx = self.context(table)
+        s, k_max = step.tokens.shape[0], self.config.decode_steps
+        ctx = self.context(step.block_table)
+        active = step.valid[:, 0]
 
         def body(state):
             k, pools, cur, pos, out, out_lp = state
             kv_len = jnp.where(active, pos + 1, 0)
             logits, pools = model(cur[:, None], pos[:, None], active[:, None], kv_len, pools, ctx)
-            tok, lp = sample_rows(logits[:, 0], sampling, pos + 1)
+            tok, lp = sample_rows(logits[:, 0], step.sampling, pos + 1)
             out = jax.lax.dynamic_update_index_in_dim(out, tok, k, axis=1)
             out_lp = jax.lax.dynamic_update_index_in_dim(out_lp, lp, k, axis=1)
             return k + 1, pools, tok, pos + 1, out, out_lp
 
-        state = (jnp.int32(0), pools, tokens, positions, jnp.zeros((s, k_max), jnp.int32),
+        state = (jnp.int32(0), pools, step.tokens[:, 0], step.positions[:, 0], jnp.zeros((s, k_max), jnp.int32),
                  jnp.zeros((s, k_max), jnp.float32))
         _, pools, _, _, out, out_lp = jax.lax.while_loop(lambda st: st[0] < num_steps, body, state)
         return pools, out, out_lp
@@ -198,27 +228,19 @@ class ServingEngine:
         return self.compiled[key]
 
     def prefill_program(self, chunk: int):
-        """The compiled prefill of one request's chunk of `chunk` tokens. Arguments: (params, pools,
-        tokens [1, C], positions [1, C], valid [1, C], kv_len [1], block table [1, blocks], last row
-        [1], SamplingRows [1]) -> (pools, token [1], logprob [1])."""
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        """The compiled prefill of one request's chunk of `chunk` tokens: (params, pools,
+        StepInputs [1, C], last row [1]) -> (pools, token [1], logprob [1])."""
         nb = self.scheduler_config.max_blocks_per_seq
-        return self._program("prefill", self._prefill, self.params, self.pool_spec(), i32(1, chunk), i32(1, chunk),
-                             jax.ShapeDtypeStruct((1, chunk), jnp.bool_), i32(1), i32(1, nb), i32(1),
-                             self._sampling_spec(1))
+        return self._program("prefill", self._prefill, self.params, self.pool_spec(), StepInputs.spec(1, chunk, nb),
+                             jax.ShapeDtypeStruct((1,), jnp.int32))
 
     def decode_program(self):
-        """The compiled decode loop over every slot. Arguments: (params, pools, tokens [S], positions
-        [S], active [S], block table [S, blocks], SamplingRows [S], num_steps) -> (pools, tokens [S, K],
+        """The compiled decode loop over every slot: (params, pools, StepInputs [S, 1] (the tokens and
+        positions to start from, valid = the slot decodes), num_steps) -> (pools, tokens [S, K],
         logprobs [S, K]); runs num_steps <= K steps."""
         s, nb = self.config.max_num_seqs, self.scheduler_config.max_blocks_per_seq
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        return self._program("decode", self._decode, self.params, self.pool_spec(), i32(s), i32(s),
-                             jax.ShapeDtypeStruct((s,), jnp.bool_), i32(s, nb), self._sampling_spec(s), i32())
-
-    def _sampling_spec(self, r):
-        return SamplingRows(jax.ShapeDtypeStruct((r,), jnp.float32), jax.ShapeDtypeStruct((r,), jnp.int32),
-                            jax.ShapeDtypeStruct((r,), jnp.float32), jax.ShapeDtypeStruct((r,), jnp.uint32))
+        return self._program("decode", self._decode, self.params, self.pool_spec(), StepInputs.spec(s, 1, nb),
+                             jax.ShapeDtypeStruct((), jnp.int32))
 
     # --- one iteration -----------------------------------------------------------------------------
     def step(self, on_prefill=None) -> SchedulePlan:
@@ -239,10 +261,10 @@ class ServingEngine:
                     tokens[0, :len(ids)] = ids
                     positions = np.arange(start, start + c, dtype=np.int32)[None]
                     valid = np.arange(c)[None] < len(ids)
-                    kv_len = np.asarray([start + len(ids)], np.int32)
-                    pools, tok, lp = self.prefill_program(c)(
-                        self.params, pools, tokens, positions, valid, kv_len, row,
-                        np.asarray([len(ids) - 1], np.int32), SamplingRows.of([chunk.request]))
+                    inputs = StepInputs(tokens, positions, valid, np.asarray([start + len(ids)], np.int32), row,
+                                        SamplingRows.of([chunk.request]))
+                    pools, tok, lp = self.prefill_program(c)(self.params, pools, inputs,
+                                                             np.asarray([len(ids) - 1], np.int32))
                     if on_prefill is not None:
                         on_prefill(len(ids))
                 if chunk.is_last:
@@ -260,9 +282,10 @@ class ServingEngine:
             rows = [None] * self.config.max_num_seqs
             for r, slot in zip(plan.decode_requests, plan.decode_slots):
                 rows[slot] = r
-            pools, out, out_lp = self.decode_program()(
-                self.params, pools, plan.decode_tokens, plan.decode_positions, plan.decode_mask,
-                plan.block_table, SamplingRows.of(rows), np.int32(plan.decode_steps))
+            inputs = StepInputs(plan.decode_tokens[:, None], plan.decode_positions[:, None],
+                                plan.decode_mask[:, None], np.where(plan.decode_mask, plan.decode_positions + 1, 0),
+                                plan.block_table, SamplingRows.of(rows))
+            pools, out, out_lp = self.decode_program()(self.params, pools, inputs, np.int32(plan.decode_steps))
             self.pools = pools
             k = plan.decode_steps
             tokens, logprobs = host(out)[:, :k], host(out_lp)[:, :k]
