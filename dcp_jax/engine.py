@@ -412,13 +412,14 @@ class LLM:
     def load(cls, model_dir, *, tp: int = 1, dcp: int = 1, interleave: int | str = 1, dtype: str = "float32",
              impl: str | None = None, devices=None, page_size: int | None = None, max_num_seqs: int = 8,
              kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
-             decode_steps: int = 8, max_num_batched_tokens: int | None = None) -> "LLM":
+             decode_steps: int = 8, max_num_batched_tokens: int | None = None,
+             scan_layers: bool = True) -> "LLM":
         from dcp_jax.weights import load_any
 
         if interleave != "contiguous" and not (isinstance(interleave, int) and interleave >= 1):
             raise UserError(f"interleave must be an integer >= 1 or 'contiguous', got {interleave!r}")
         mesh = mesh_lib.make_mesh(tp, dcp, devices)
-        model, tokenizer, source = load_any(model_dir, mesh, dtype)
+        model, tokenizer, source = load_any(model_dir, mesh, dtype, scan_layers=scan_layers)
         return cls(model, mesh, tokenizer, interleave=interleave, impl=impl, source=source, page_size=page_size,
                    max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory,
                    gpu_memory_utilization=gpu_memory_utilization, decode_steps=decode_steps,

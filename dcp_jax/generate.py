@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests decoding at once (default 8)")
     k.add_argument("--max-num-batched-tokens", type=_positive("--max-num-batched-tokens"), default=None,
                    metavar="N", help="prompt tokens prefilled per scheduler iteration (default: one chunk)")
+    k.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
+                   help="run consecutive layers as one lax.scan (compile time flat in depth; default) or "
+                        "one program per layer (--no-scan-layers: no per-step slicing of stacked weights)")
     k.add_argument("--kv-cache-memory", type=_size, default=None, metavar="SIZE",
                    help="KV cache bytes per device, e.g. 512MiB or 2GB (default: enough for the prompts given)")
     k.add_argument("--gpu-memory-utilization", type=_non_negative_float("--gpu-memory-utilization", 1.0),
@@ -210,7 +213,7 @@ def run(argv=None) -> int:
             tp, dcp = 1, 1
         llm = LLM.load(model_dir, tp=tp, dcp=dcp, interleave=args.interleave, dtype=args.dtype, impl=args.impl,
                        page_size=args.page_size, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_num_batched_tokens=args.max_num_batched_tokens, scan_layers=args.scan_layers,
                        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization)
         if default_run and args.kv_cache_memory is None and args.gpu_memory_utilization is None:
             # the default run reserves a whole 16K-token sequence, which is what its KV report measures

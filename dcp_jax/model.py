@@ -180,13 +180,14 @@ class LayerStack(nnx.Module):
         return x, cache
 
 
-def layer_runs(cfg: ModelConfig) -> list[list[int]]:
-    """The layers cut into runs of one kind (dense / MoE): each run is one scanned `LayerStack`."""
+def layer_runs(cfg: ModelConfig, scan: bool = True) -> list[list[int]]:
+    """The layers cut into runs of one kind (dense / MoE): each run is one scanned `LayerStack`.
+    `scan=False`: a stack per layer (a trip-count-1 scan is no loop: the program grows with depth)."""
     runs: list[list[int]] = []
     kind = None
     for i in range(cfg.num_layers):
         k = bool(cfg.moe and cfg.moe.is_moe_layer(i))
-        if k != kind:
+        if k != kind or not scan:
             runs.append([])
             kind = k
         runs[-1].append(i)
@@ -202,10 +203,15 @@ class CausalLM(nnx.Module):
     "dcp" before attention, instead of computing all of the tp group's heads on every dcp rank
     (`mesh.q_proj_axes`). Same numbers either way; it trades q_proj compute and weight memory for one
     all-gather of q per layer.
+    `scan_layers`: consecutive layers of one kind run as one `lax.scan` (the default: program size and
+    compile time flat in depth). False gives each layer its own stack: the program grows with depth,
+    but no layer's weights are sliced out of a stack at run time (XLA:CPU copies each scanned layer's
+    weights out of the stack every step: about 9% of a 4K-context decode step measured on CPU;
+    docs/PERFORMANCE.md).
     """
 
     def __init__(self, cfg: ModelConfig, get: WeightSource, mesh: Mesh, *, latent_axes=mla.CONTEXT_AXES,
-                 q_gather: bool = False):
+                 q_gather: bool = False, scan_layers: bool = True):
         self.config = cfg
         v, e = cfg.vocab_size, cfg.hidden_size
         vocab = mesh_lib.spec(mesh_lib.fit_axes(mesh, v), ())
@@ -216,7 +222,7 @@ class CausalLM(nnx.Module):
         self.embed_tokens = param(get, "model.embed_tokens.weight", (v, e),
                                    vocab if cfg.tie_embeddings else hidden)
         self.stacks = nnx.List([LayerStack(cfg, run, get, mesh, latent_axes=latent_axes, q_gather=q_gather)
-                                for run in layer_runs(cfg)])
+                                for run in layer_runs(cfg, scan_layers)])
         self.norm = norm(get, "model.norm.weight", e, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_embeddings else param(get, "lm_head.weight", (v, e), vocab)
         self.kv_replication = kv_replication(cfg, mesh.shape[TP])

@@ -142,7 +142,7 @@ def load_tokenizer(model_dir: Path):
         raise UserError(f"cannot read {path}: {e}") from None
 
 
-def load_hf(model_dir, mesh: Mesh, dtype: str = "float32", *, q_gather: bool = False):
+def load_hf(model_dir, mesh: Mesh, dtype: str = "float32", *, q_gather: bool = False, scan_layers: bool = True):
     """(model, tokenizer or None) from a Hugging Face checkpoint directory, placed on `mesh`
     (`q_gather`: see `CausalLM`)."""
     from dcp_jax.model import CausalLM
@@ -151,7 +151,8 @@ def load_hf(model_dir, mesh: Mesh, dtype: str = "float32", *, q_gather: bool = F
         raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     path = check_model_dir(model_dir)
     cfg = ModelConfig.from_file(path / "config.json")
-    model = CausalLM(cfg, SafetensorsSource(path, cfg, mesh, DTYPES[dtype]), mesh, q_gather=q_gather)
+    model = CausalLM(cfg, SafetensorsSource(path, cfg, mesh, DTYPES[dtype]), mesh, q_gather=q_gather,
+                     scan_layers=scan_layers)
     return model, load_tokenizer(path)
 
 
@@ -243,7 +244,7 @@ class _DictSource:
         return expand(x)
 
 
-def load_checkpoint(path, mesh: Mesh, dtype: str = "float32"):
+def load_checkpoint(path, mesh: Mesh, dtype: str = "float32", *, scan_layers: bool = True):
     """(model, tokenizer or None, step) from an orbax checkpoint, restored onto `mesh`'s shardings."""
     import orbax.checkpoint as ocp
     from dcp_jax.model import CausalLM
@@ -264,7 +265,7 @@ def load_checkpoint(path, mesh: Mesh, dtype: str = "float32"):
             wanted[name] = (shape, spec, kv_rep)
             return jax.ShapeDtypeStruct(shape, DTYPES[dtype], sharding=mesh_lib.named(mesh, spec))
 
-        CausalLM(cfg, record, mesh)  # abstract: every weight is a ShapeDtypeStruct
+        CausalLM(cfg, record, mesh, scan_layers=scan_layers)  # abstract: every weight is a ShapeDtypeStruct
         target = {}
         for name, (shape, spec, rep) in wanted.items():
             stored = (shape[0] // rep,) + tuple(shape[1:])
@@ -274,18 +275,18 @@ def load_checkpoint(path, mesh: Mesh, dtype: str = "float32"):
             arrays = mngr.restore(step, args=ocp.args.Composite(weights=ocp.args.StandardRestore(target)))
         except (ValueError, KeyError, FileNotFoundError) as e:
             raise UserError(f"cannot restore {path} step {step}: {e}") from None
-    model = CausalLM(cfg, _DictSource(arrays["weights"], cfg, mesh, DTYPES[dtype]), mesh)
+    model = CausalLM(cfg, _DictSource(arrays["weights"], cfg, mesh, DTYPES[dtype]), mesh, scan_layers=scan_layers)
     return model, tokenizer_from_str(meta.get("tokenizer")), step
 
 
-def load_any(model_dir, mesh: Mesh, dtype: str = "float32"):
+def load_any(model_dir, mesh: Mesh, dtype: str = "float32", *, scan_layers: bool = True):
     """(model, tokenizer, description) from a Hugging Face directory or an orbax checkpoint."""
     path = check_model_dir(model_dir)
     if is_orbax_checkpoint(path):
-        model, tokenizer, step = load_checkpoint(path, mesh, dtype)
+        model, tokenizer, step = load_checkpoint(path, mesh, dtype, scan_layers=scan_layers)
         return model, tokenizer, f"orbax checkpoint {path} (step {step})"
     if not (path / "config.json").exists():
         raise UserError(f"{path} is neither a Hugging Face checkpoint (no config.json) nor an orbax "
                         "checkpoint (no complete step directory)")
-    model, tokenizer = load_hf(path, mesh, dtype)
+    model, tokenizer = load_hf(path, mesh, dtype, scan_layers=scan_layers)
     return model, tokenizer, f"Hugging Face checkpoint {path}"

@@ -1,6 +1,8 @@
 """Compile time of the serving programs against depth: a shallow and a deep model of the same width,
 compiled side by side in one run (the layers are one lax.scan, so the deep one should cost about the
-same), with XLA's instruction count of each program. Prints a table, or one JSON object with --json.
+same), with XLA's instruction count of each program; and what the scan costs at run time: decode
+tokens/s with the layers scanned vs one program per layer (`scan_layers=False`), alternating in one
+run. Prints a table, or one JSON object with --json.
 
     python scripts/bench_compile.py                   # 4 vs 32 layers, Llama-3.1-8B width, 1 x 2 mesh
     python scripts/bench_compile.py --quick --json    # the tiny width
@@ -51,24 +53,56 @@ def measure(width: str, layers: int, tp: int, dcp: int, repeats: int) -> dict:
     return row
 
 
+def decode_speed(context: int, new_tokens: int, repeats: int) -> list[dict]:
+    """Decode tokens/s of one request with `context` prompt tokens, layers scanned vs one stack per
+    layer, on a random 8-layer model of hidden 512 (measured alternately, best of `repeats`)."""
+    import numpy as np
+
+    from dcp_jax import make_mesh
+    from dcp_jax.config import ModelConfig
+    from dcp_jax.engine import LLM
+    from dcp_jax.model import CausalLM, random_source
+
+    cfg = ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=4096, hidden_size=512,
+                                     intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2,
+                                     num_hidden_layers=8, max_position_embeddings=1 << 16))
+    mesh = make_mesh(1, 1)
+    llms = {scan: LLM(CausalLM(cfg, random_source(cfg, mesh), mesh, scan_layers=scan), mesh, page_size=64)
+            for scan in (True, False)}
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, size=context).tolist()
+    best: dict = {}
+    tokens = {}
+    for _ in range(repeats):
+        for scan, llm in llms.items():
+            out = llm.generate([prompt], max_new_tokens=new_tokens, ignore_eos=True)
+            best[scan] = max(best.get(scan, 0.0), out.stats["decode_tokens_per_s"])
+            tokens[scan] = out.tokens
+    assert tokens[True] == tokens[False], "scanned and per-layer programs disagree"
+    return [dict(scan_layers=scan, context=context, decode_tokens_per_s=round(best[scan], 2)) for scan in (True, False)]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--width", choices=sorted(WIDTHS), default="llama-3.1-8b")
     p.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")], default=[4, 32])
     p.add_argument("--repeats", type=int, default=2, help="compiles per program (the best is reported)")
     p.add_argument("--quick", action="store_true", help="tiny width, one repeat")
+    p.add_argument("--context", type=int, default=4096, help="prompt tokens of the decode-speed comparison")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
-        args.width, args.repeats = "tiny", 1
+        args.width, args.repeats, args.context = "tiny", 1, 256
 
     from dcp_jax.mesh import ensure_cpu_devices
 
     ensure_cpu_devices(2)
     rows = [measure(args.width, n, 1, 2, args.repeats) for n in args.layers]
     ratios = {name: rows[-1][f"{name}_compile_s"] / rows[0][f"{name}_compile_s"] for name in ("decode", "prefill")}
+    speed = decode_speed(args.context, 8 if args.quick else 32, args.repeats + 1)
+    speed_ratio = speed[0]["decode_tokens_per_s"] / speed[1]["decode_tokens_per_s"]
     if args.json:
-        print(json.dumps(dict(rows=rows, ratio_deepest_to_shallowest=ratios)))
+        print(json.dumps(dict(rows=rows, ratio_deepest_to_shallowest=ratios, decode_speed=speed,
+                              scanned_to_per_layer_decode=speed_ratio)))
         return 0
     print(f"{'layers':>6} {'decode s':>9} {'prefill s':>9} {'decode instr':>13} {'prefill instr':>14}")
     for r in rows:
@@ -76,6 +110,8 @@ def main(argv=None) -> int:
               f"{r['decode_instructions']:>13} {r['prefill_instructions']:>14}")
     print(f"{args.layers[-1]} / {args.layers[0]} layers compile time: decode {ratios['decode']:.2f}x, "
           f"prefill {ratios['prefill']:.2f}x")
+    print(f"decode at {args.context} context, 8 layers of hidden 512: scanned {speed[0]['decode_tokens_per_s']} "
+          f"tok/s, one program per layer {speed[1]['decode_tokens_per_s']} tok/s ({speed_ratio:.2f}x)")
     return 0
 
 

@@ -181,3 +181,19 @@ def test_token_budget_and_decode_timing():
         (s["generated_tokens"] - len(exp["prompts"])) / s["decode_s"])
     with pytest.raises(Exception, match="max_num_batched_tokens must be an integer >= 1"):
         load("llama-gqa", 1, 1, max_num_batched_tokens=-3)
+
+
+def test_one_stack_per_layer_gives_the_same_tokens_without_weight_slices():
+    # scan_layers=False: a stack (a trip-count-1 scan) per layer: the same tokens, and the decode program
+    # never slices a layer's weights out of a stack (what XLA:CPU does, copying, for scanned layers).
+    import re
+
+    exp = expected("llama-gqa")
+    llm = load("llama-gqa", 2, 4, page_size=2, scan_layers=False)
+    assert [st.indices for st in llm.model.stacks] == [(0,), (1,)]
+    out = llm.generate(exp["prompts"], max_new_tokens=exp["max_new_tokens"], ignore_eos=True)
+    assert out.tokens == exp["greedy"]
+    q = llm.model.stacks[0].block.self_attn.q_proj[...]
+    shard = "f32[" + ",".join(map(str, q.sharding.shard_shape(q.shape)[1:])) + "]"
+    hlo = llm.server(64, 8, 9).decode_program().as_text()
+    assert not [line for line in hlo.splitlines() if re.search(r"slice\S* = " + re.escape(shard), line)]
