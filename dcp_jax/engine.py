@@ -471,12 +471,14 @@ class LLM:
         most = self.max_num_seqs * blocks(max_model_len)
         return 1 + (min(most, sum(blocks(n) for n in lengths)) if lengths else most)
 
-    def server(self, max_model_len: int, prefill_chunk: int, num_pages: int):
-        """The `ServingEngine` for these sizes (kept: its programs compile once per configuration)."""
+    def server(self, max_model_len: int, prefill_chunk: int, num_pages: int, max_num_seqs: int | None = None):
+        """The `ServingEngine` for these sizes (kept: its programs compile once per configuration).
+        `max_num_seqs` (default the LLM's) sets the decode program's slots."""
         from dcp_jax.serving.engine import PoolConfig, ServingEngine
 
         interleave = self.page_size if self.interleave == "contiguous" else self.interleave
-        config = PoolConfig(num_pages=num_pages, page_size=self.page_size, max_num_seqs=self.max_num_seqs,
+        config = PoolConfig(num_pages=num_pages, page_size=self.page_size,
+                            max_num_seqs=max_num_seqs or self.max_num_seqs,
                             max_model_len=max_model_len, prefill_chunk=prefill_chunk,
                             decode_steps=self.decode_steps, max_num_batched_tokens=self.max_num_batched_tokens)
         if config not in self._servers:
@@ -527,7 +529,9 @@ class LLM:
         # the compiled chunk: no longer than the longest prompt needs (a short prompt pads little)
         chunk = min(prefill_chunk, max(16, 1 << math.ceil(math.log2(max(longest, 1)))))
         peaks = [min(len(p) + max_new_tokens, max_model_len) for p in ids]
-        server = self.server(max_model_len, chunk, self.num_pages(max_model_len, peaks))
+        # no more decode slots than requests: an idle slot still costs its rows in every decode step
+        server = self.server(max_model_len, chunk, self.num_pages(max_model_len, peaks),
+                             max_num_seqs=min(self.max_num_seqs, len(ids)))
 
         requests = [Request(f"r{i}", p, sampling=sampling, seed=seed, max_tokens=max_new_tokens,
                             ignore_eos=ignore_eos) for i, p in enumerate(ids)]
@@ -568,7 +572,8 @@ class LLM:
         layout = server.layout
         stats = dict(
             tp=self.mesh.shape[mesh_lib.TP], dcp=self.mesh.shape[mesh_lib.DCP], interleave=layout.interleave,
-            page_size=layout.page_size, batch=len(ids), max_seq_len=max_model_len, max_num_seqs=self.max_num_seqs,
+            page_size=layout.page_size, batch=len(ids), max_seq_len=max_model_len,
+            max_num_seqs=server.config.max_num_seqs,
             prompt_tokens=total, generated_tokens=generated, compile_s=compile_s,
             ttft_s=max((v for v in first.values()), default=0.0), decode_s=decode_s,
             decode_tokens_per_s=decoded / decode_s if decode_s > 0 else 0.0, wall_s=result["wall_s"],

@@ -90,20 +90,25 @@ def sample_rows(logits, params: SamplingRows, positions):
     row at the same position draws the same token, whatever else shares the batch.
     """
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     v = logits.shape[-1]
-    x = logits / jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
-    desc = -jnp.sort(-x, axis=-1)
-    kth = jnp.take_along_axis(desc, jnp.clip(params.top_k - 1, 0, v - 1)[:, None], axis=-1)
-    x = jnp.where((params.top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
-    desc = -jnp.sort(-x, axis=-1)
-    probs = jax.nn.softmax(desc, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
-    cutoff = jnp.min(jnp.where(before < params.top_p[:, None], desc, jnp.inf), axis=-1)
-    x = jnp.where(x < cutoff[:, None], -jnp.inf, x)
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(params.seed, positions)
-    drawn = jax.vmap(jax.random.categorical)(keys, x)
-    tokens = jnp.where(params.temperature > 0, drawn, greedy).astype(jnp.int32)
+
+    def draw():
+        x = logits / jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
+        desc = -jnp.sort(-x, axis=-1)
+        kth = jnp.take_along_axis(desc, jnp.clip(params.top_k - 1, 0, v - 1)[:, None], axis=-1)
+        x = jnp.where((params.top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
+        desc = -jnp.sort(-x, axis=-1)
+        probs = jax.nn.softmax(desc, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
+        cutoff = jnp.min(jnp.where(before < params.top_p[:, None], desc, jnp.inf), axis=-1)
+        x = jnp.where(x < cutoff[:, None], -jnp.inf, x)
+        keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(params.seed, positions)
+        drawn = jax.vmap(jax.random.categorical)(keys, x)
+        return jnp.where(params.temperature > 0, drawn, greedy).astype(jnp.int32)
+
+    # an all-greedy batch skips the sorts and the draw
+    tokens = jax.lax.cond(jnp.any(params.temperature > 0), draw, lambda: greedy)
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
 
