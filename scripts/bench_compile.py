@@ -54,31 +54,39 @@ def measure(width: str, layers: int, tp: int, dcp: int, repeats: int) -> dict:
 
 
 def decode_speed(context: int, new_tokens: int, repeats: int) -> list[dict]:
-    """Decode tokens/s of one request with `context` prompt tokens, layers scanned vs one stack per
-    layer, on a random 8-layer model of hidden 512 (measured alternately, best of `repeats`)."""
+    """Decode tokens/s and TTFT of one request with `context` prompt tokens on a random 8-layer Llama of
+    hidden 512: `LLM.generate` (paged, continuous batching) and the dense static `Engine`, each with the
+    layers scanned and with one stack per layer; alternating, best of `repeats`."""
     import numpy as np
 
     from dcp_jax import make_mesh
     from dcp_jax.config import ModelConfig
-    from dcp_jax.engine import LLM
+    from dcp_jax.engine import LLM, Engine
     from dcp_jax.model import CausalLM, random_source
 
     cfg = ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=4096, hidden_size=512,
                                      intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2,
                                      num_hidden_layers=8, max_position_embeddings=1 << 16))
     mesh = make_mesh(1, 1)
-    llms = {scan: LLM(CausalLM(cfg, random_source(cfg, mesh), mesh, scan_layers=scan), mesh, page_size=64)
-            for scan in (True, False)}
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, size=context).tolist()
+    runs = {}
+    for scan in (True, False):
+        model = CausalLM(cfg, random_source(cfg, mesh), mesh, scan_layers=scan)
+        llm, dense = LLM(model, mesh), Engine(model, mesh)
+        runs[("paged", scan)] = lambda llm=llm: llm.generate([prompt], max_new_tokens=new_tokens, ignore_eos=True)
+        runs[("dense", scan)] = lambda dense=dense: dense.generate([prompt], max_new_tokens=new_tokens,
+                                                                     ignore_eos=True)
     best: dict = {}
-    tokens = {}
+    tokens = set()
     for _ in range(repeats):
-        for scan, llm in llms.items():
-            out = llm.generate([prompt], max_new_tokens=new_tokens, ignore_eos=True)
-            best[scan] = max(best.get(scan, 0.0), out.stats["decode_tokens_per_s"])
-            tokens[scan] = out.tokens
-    assert tokens[True] == tokens[False], "scanned and per-layer programs disagree"
-    return [dict(scan_layers=scan, context=context, decode_tokens_per_s=round(best[scan], 2)) for scan in (True, False)]
+        for key, run in runs.items():
+            out = run()
+            tok_s, ttft = best.get(key, (0.0, float("inf")))
+            best[key] = (max(tok_s, out.stats["decode_tokens_per_s"]), min(ttft, out.stats["ttft_s"]))
+            tokens.add(tuple(out.tokens[0]))
+    assert len(tokens) == 1, "the four programs disagree"
+    return [dict(engine=engine, scan_layers=scan, context=context, decode_tokens_per_s=round(best[(engine, scan)][0], 2),
+                 ttft_s=round(best[(engine, scan)][1], 3)) for engine, scan in runs]
 
 
 def main(argv=None) -> int:
@@ -99,7 +107,8 @@ def main(argv=None) -> int:
     rows = [measure(args.width, n, 1, 2, args.repeats) for n in args.layers]
     ratios = {name: rows[-1][f"{name}_compile_s"] / rows[0][f"{name}_compile_s"] for name in ("decode", "prefill")}
     speed = decode_speed(args.context, 8 if args.quick else 32, args.repeats + 1)
-    speed_ratio = speed[0]["decode_tokens_per_s"] / speed[1]["decode_tokens_per_s"]
+    by = {(r["engine"], r["scan_layers"]): r["decode_tokens_per_s"] for r in speed}
+    speed_ratio = by[("paged", True)] / by[("paged", False)]
     if args.json:
         print(json.dumps(dict(rows=rows, ratio_deepest_to_shallowest=ratios, decode_speed=speed,
                               scanned_to_per_layer_decode=speed_ratio)))
@@ -110,8 +119,11 @@ def main(argv=None) -> int:
               f"{r['decode_instructions']:>13} {r['prefill_instructions']:>14}")
     print(f"{args.layers[-1]} / {args.layers[0]} layers compile time: decode {ratios['decode']:.2f}x, "
           f"prefill {ratios['prefill']:.2f}x")
-    print(f"decode at {args.context} context, 8 layers of hidden 512: scanned {speed[0]['decode_tokens_per_s']} "
-          f"tok/s, one program per layer {speed[1]['decode_tokens_per_s']} tok/s ({speed_ratio:.2f}x)")
+    print(f"\ndecode of one {args.context}-token request, 8 layers of hidden 512 (best of {args.repeats + 1}):")
+    for r in speed:
+        print(f"  {r['engine']:>5} engine, {'layers scanned' if r['scan_layers'] else 'one stack per layer':>19}: "
+              f"{r['decode_tokens_per_s']:7.2f} tok/s, TTFT {r['ttft_s']:.3f} s")
+    print(f"  paged, scanned / per layer: {speed_ratio:.2f}x")
     return 0
 
 

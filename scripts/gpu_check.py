@@ -9,6 +9,7 @@ measured is kept even when it fails or runs out of time):
   e2e_dcp         dcp_jax LLM.generate at batch 16 × 32K prompt: TTFT, decode tokens/s, roofline
   e2e_transformers  transformers' model.generate (SDPA, bf16) on the same prompts (subprocess)
   prefill_chunk_sweep  TTFT at batch 4 × 32K for prefill_chunk 2048/4096/1024/512 (batch 4's e2e figures)
+  scan_cost       decode at batch 16 × 2K with the layers scanned vs one stack per layer (scan_layers=False)
   prefill_kernel  the Pallas prefill kernel vs cuDNN causal at T = S = 8192
   kernel_tests    pytest tests/test_kernels.py with the kernel compiled for the GPU (subprocess)
 
@@ -56,9 +57,9 @@ PLAUSIBLE_MAX_COPY_GBS = 6000.0
 
 # Stage caps in seconds (a stage also never runs past the overall deadline). Typical use is well under.
 BUDGETS = dict(copy=25, decode_kernel=70, checkpoint=70, e2e_dcp=100, e2e_transformers=80,
-               prefill_chunk_sweep=80, prefill_kernel=30, kernel_tests=150)
+               prefill_chunk_sweep=80, scan_cost=60, prefill_kernel=30, kernel_tests=150)
 QUICK_BUDGETS = dict(copy=20, decode_kernel=30, checkpoint=70, e2e_dcp=60, e2e_transformers=50,
-                     prefill_chunk_sweep=40, prefill_kernel=30, kernel_tests=150)
+                     prefill_chunk_sweep=40, scan_cost=40, prefill_kernel=30, kernel_tests=150)
 STAGES = tuple(BUDGETS)
 MIN_STAGE_S = 8  # a stage that would get less than this is skipped
 
@@ -247,6 +248,15 @@ def headline_rows(results: dict) -> list[tuple[str, str, str, str]]:
     best = sweep.get("best_prefill_chunk")
     ttfts = ", ".join(f"{c}: {_fmt(t, '.2f')} s" for c, t in (sweep.get("ttft_by_chunk") or {}).items())
     rows.append(("best prefill chunk (TTFT b=4)", f"{best} ({ttfts})" if best else _why(sweep), "report", "—"))
+    sc = st.get("scan_cost", {})
+    if sc.get("scanned_over_per_layer"):
+        r = sc["runs"]
+        rows.append((f"decode b={sc['batch']} @{sc['prompt_len']}: layers scanned vs one stack per layer",
+                     f"{_fmt(r['scanned']['decode_tokens_per_s'], '.0f')} vs "
+                     f"{_fmt(r['per_layer']['decode_tokens_per_s'], '.0f')} tok/s "
+                     f"({_fmt(sc['scanned_over_per_layer'], '.2f')}x)", "report (CPU: ~0.8x)", "—"))
+    else:
+        rows.append(("decode: layers scanned vs one stack per layer", _why(sc), "report", "—"))
     kt = st.get("kernel_tests", {})
     if kt.get("counts"):
         c = kt["counts"]
@@ -748,6 +758,42 @@ def stage_prefill_chunk_sweep(rec: dict, budget_s: float, save, e2e: E2E, chunks
     rec["e2e"] = {str(batch): row}
 
 
+def stage_scan_cost(rec: dict, budget_s: float, save, ckpt: Path, batch: int = 16, prompt_len: int = 2048,
+                    new_tokens: int = 32) -> None:
+    """Decode speed with the layers scanned (weights stacked, one lax.scan: the default) against one stack
+    per layer (`scan_layers=False`). XLA:CPU copies each scanned layer's weights out of the stack every
+    step (~16-22% of a CPU decode step); this measures whether XLA:GPU does. A short context, so the
+    weights dominate each step."""
+    import numpy as np
+
+    from dcp_jax import LLM
+
+    t_end = time.perf_counter() + budget_s
+    ids = None
+    rec.update(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, runs={})
+    for scan in (True, False):
+        if time.perf_counter() > t_end:
+            rec["note"] = "out of time"
+            break
+        t = time.perf_counter()
+        llm = LLM.load(str(ckpt), dtype="bfloat16", max_num_seqs=batch, decode_steps=16,
+                       max_num_batched_tokens=batch * prompt_len, scan_layers=scan)
+        load_s = time.perf_counter() - t
+        if ids is None:
+            vocab = llm.model.config.vocab_size
+            ids = np.random.default_rng(1).integers(min(3, vocab - 1), vocab, size=(batch, prompt_len)).tolist()
+        llm.generate(ids, max_new_tokens=new_tokens, ignore_eos=True)  # compile + first execution
+        out = llm.generate(ids, max_new_tokens=new_tokens, ignore_eos=True)
+        rec["runs"]["scanned" if scan else "per_layer"] = dict(
+            decode_tokens_per_s=out.stats["decode_tokens_per_s"], ttft_s=out.stats["ttft_s"],
+            load_s=load_s)
+        save()
+        del llm, out
+    runs = rec["runs"]
+    if "scanned" in runs and "per_layer" in runs:
+        rec["scanned_over_per_layer"] = runs["scanned"]["decode_tokens_per_s"] / runs["per_layer"]["decode_tokens_per_s"]
+
+
 def stage_kernel_tests(rec: dict, budget_s: float, save) -> None:
     import importlib.util
 
@@ -899,7 +945,7 @@ def main(argv=None) -> int:
         run.stage("copy", stage_copy)
     if "decode_kernel" in wanted:
         run.stage("decode_kernel", stage_decode_kernel, lengths, copy_gbs())
-    need_model = {"e2e_dcp", "e2e_transformers", "prefill_chunk_sweep"} & set(wanted)
+    need_model = {"e2e_dcp", "e2e_transformers", "prefill_chunk_sweep", "scan_cost"} & set(wanted)
     holder = {}
     if need_model:
         run.stage("checkpoint", stage_checkpoint, work, holder, prompt_len, 4 if args.quick else 16,
@@ -922,6 +968,8 @@ def main(argv=None) -> int:
                       Path(st["checkpoint"]["path"]), work)
         if "prefill_chunk_sweep" in wanted and not args.quick:
             sweep()
+        if "scan_cost" in wanted:
+            run.stage("scan_cost", stage_scan_cost, Path(st["checkpoint"]["path"]), 4 if args.quick else 16)
         hf = st.get("e2e_transformers", {})
         for b in (16, 4):  # our greedy tokens against transformers', widest batch both ran
             theirs = (hf.get("tokens") or {}).get(str(b))

@@ -88,4 +88,5 @@ def test_bench_compile_quick(capsys):
     assert shallow["decode_instructions"] == deep["decode_instructions"]
     assert shallow["prefill_instructions"] == deep["prefill_instructions"]
     assert out["ratio_deepest_to_shallowest"]["decode"] > 0
-    assert [r["scan_layers"] for r in out["decode_speed"]] == [True, False]  # (same tokens: asserted inside)
+    assert {(r["engine"], r["scan_layers"]) for r in out["decode_speed"]} == {
+        ("paged", True), ("paged", False), ("dense", True), ("dense", False)}  # (same tokens: asserted inside)
