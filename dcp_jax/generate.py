@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=None,
                    help=f"default 32 ({DEFAULT_NEW_TOKENS} for the default run)")
     p.add_argument("--max-seq-len", type=_positive("--max-seq-len"), default=None,
-                   help="cache capacity per sequence (default: longest prompt + max new tokens)")
+                   help="the model context: the most tokens (prompt + generated) a request may reach "
+                        "(default: longest prompt + max new tokens)")
     p.add_argument("--prefill-chunk", type=_positive("--prefill-chunk"), default=None,
                    help="prompt tokens per prefill step (default 256 on CPU, 2048 on GPU)")
     k = p.add_argument_group("paged KV cache and continuous batching")

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
 import re
 import signal
@@ -447,7 +446,7 @@ def stage_decode_kernel(rec: dict, budget_s: float, save, lengths, copy_gbs: flo
     rec["lengths"] = list(lengths)
     rec["shape"] = "q [8,1,32,128], k/v [8,8,S,128] bf16; cuDNN in [B,T,N,H] (K/V transposed outside)"
     rec["rows"] = []
-    last = None
+    last = last_s = None  # seconds the previous length took, and that length
     for s in lengths:
         left = t_end - time.perf_counter()
         if last is not None and left < last * (s / last_s) * 0.6:

@@ -1,6 +1,6 @@
 """The device side of continuous batching: a paged, sequence-sharded KV pool and two fixed-shape programs.
 
-    pool (per layer):  [N·pages, K, page, D] (kv heads over "tp", each context rank its own pages)
+    pool (per layer stack): [L, N·pages, K, page, D] (kv heads over "tp", each context rank its own pages)
     prefill program:   one request's chunk [1, C] -> write its KV through its block-table row, sample
                        the token after its last row                                      [jit, donated]
     decode program:    every slot [S] for up to K steps in one while_loop: forward one token, write,
@@ -9,7 +9,7 @@
 The host (`dcp_jax.serving.scheduler`) decides what runs: it admits requests while pages and slots
 are free, cuts prompts into chunks under a token budget, reserves the pages of K decode steps
 before the decode program runs, and preempts the newest request when pages run out. Shapes depend
-only on the configuration (slots, blocks per sequence, chunk buckets, K): requests come and go with
+only on the configuration (slots, blocks per sequence, chunk length, K): requests come and go with
 no recompilation. Sampling is per row (temperature, top-k, top-p, seed) with a key derived from
 (seed, position), so a request recomputed after preemption samples the same tokens again.
 """
@@ -33,7 +33,8 @@ from dcp_jax.layers import AttentionContext
 from dcp_jax.layout import PagedLayout
 from dcp_jax.model import CausalLM
 from dcp_jax.serving.request import Request
-from dcp_jax.serving.scheduler import NULL_PAGE, SchedulePlan, Scheduler, SchedulerConfig
+from dcp_jax.serving.scheduler import SchedulePlan, Scheduler, SchedulerConfig
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
