@@ -91,8 +91,25 @@ class Generation:
     errors: list[str | None] | None = None
 
 
+def _per_instance(method):
+    """Memoise a method by its arguments in the instance itself (functools.lru_cache on a method would
+    keep every engine alive in a class-level cache)."""
+
+    @functools.wraps(method)
+    def cached(self, *args):
+        memo = self.__dict__.setdefault("_memo", {})
+        key = (method.__name__, *args)
+        if key not in memo:
+            memo[key] = method(self, *args)
+        return memo[key]
+
+    return cached
+
+
 class Engine:
-    """Runs a `CausalLM` on a ("tp","dcp") mesh with a KV cache sharded along the sequence."""
+    """The dense static-batch engine: one padded batch, a `[B, K, S, D]` cache sharded along the sequence,
+    chunked prefill and one donated decode loop. `LLM` serves through `dcp_jax.serving`; this engine is the
+    static baseline of scripts/bench_serving.py and what the memory and communication benchmarks compile."""
 
     def __init__(self, model: CausalLM, mesh: Mesh, *, interleave: int | str = 1, impl: str | None = None,
                  combine: str = "auto"):
@@ -102,8 +119,8 @@ class Engine:
         self.eos = tuple(model.config.eos_token_ids)
         self._executables = {}
 
-    def _compile(self, fn, *args):
-        """AOT-compile `fn` for these argument shapes once (so timings below exclude compilation)."""
+    def compile(self, fn, *args):
+        """AOT-compile the jitted `fn` for these argument shapes once (so timings exclude compilation)."""
         key = (fn, jax.tree.structure(args),
                tuple((np.shape(x), str(x.dtype)) for x in jax.tree.leaves(args)))
         if key not in self._executables:
@@ -114,8 +131,10 @@ class Engine:
     def layout(self, max_seq_len: int) -> KVLayout:
         return KVLayout.create(max_seq_len, mesh_lib.axis_size(self.mesh, self.model.context_axes), self.interleave)
 
-    @functools.lru_cache(maxsize=16)
-    def _prefill_fn(self, layout: KVLayout):
+    @_per_instance
+    def prefill_fn(self, layout: KVLayout):
+        """The jitted prefill chunk (params, cache, last_logits, tokens, positions, valid, kv_len, last_idx,
+        take) -> (cache, last_logits); one token through it is the decode step's program."""
         ctx = AttentionContext(self.mesh, layout, self.impl, self.combine)
 
         def chunk(params, cache, last_logits, tokens, positions, valid, kv_len, last_idx, take):
@@ -128,17 +147,17 @@ class Engine:
         return jax.jit(chunk, donate_argnames=("cache", "last_logits"),
                        out_shardings=(cache_out, replicated))
 
-    @functools.lru_cache(maxsize=1)
+    @_per_instance
     def _keys_fn(self):
         replicated = mesh_lib.named(self.mesh, mesh_lib.spec())
         return jax.jit(lambda seed: jax.random.split(jax.random.key(seed)), out_shardings=replicated)
 
-    @functools.lru_cache(maxsize=16)
+    @_per_instance
     def _first_fn(self, sampling: SamplingParams):
         replicated = mesh_lib.named(self.mesh, mesh_lib.spec())
         return jax.jit(lambda logits, key: sample(logits, key, sampling), out_shardings=(replicated, replicated))
 
-    @functools.lru_cache(maxsize=16)
+    @_per_instance
     def _decode_fn(self, layout: KVLayout, sampling: SamplingParams, stop_on_eos: bool):
         ctx = AttentionContext(self.mesh, layout, self.impl, self.combine)
         eos = jnp.asarray(self.eos if stop_on_eos and self.eos else (-1,), jnp.int32)
@@ -176,7 +195,7 @@ class Engine:
         return jax.jit(decode, donate_argnames=("cache", "tokens", "logprobs", "lengths", "done", "key"),
                        out_shardings=(cache_out, *(replicated,) * 6))
 
-    def _specs(self, batch: int, layout: KVLayout):
+    def abstract_state(self, batch: int, layout: KVLayout):
         """Abstract cache (with its sharding) and last-logits buffer: nothing allocated."""
         sharding = model_lib.cache_sharding(self.model, self.mesh)
         cache = jax.tree.map(
@@ -198,10 +217,10 @@ class Engine:
         done [B] bool, key, step int32, stop_step int32) -> (cache, tokens, logprobs, lengths, done, key,
         step): runs steps [step, stop_step) and returns the state to resume from.
         """
-        cache, _ = self._specs(batch, layout)
+        cache, _ = self.abstract_state(batch, layout)
         b, n = batch, max_new_tokens
         scalar = jax.ShapeDtypeStruct((), jnp.int32)
-        return self._compile(
+        return self.compile(
             self._decode_fn(layout, sampling, stop_on_eos), self.params, cache,
             jax.ShapeDtypeStruct((b, n), jnp.int32), jax.ShapeDtypeStruct((b, n), jnp.float32),
             jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_),
@@ -275,12 +294,12 @@ class Engine:
 
         # Compile first (abstract arguments: nothing is allocated), so the timings below are runs only.
         tc = time.perf_counter()
-        cache_spec, logits_spec = self._specs(b, layout)
-        prefill = self._compile(self._prefill_fn(layout), *chunk_args(0, cache_spec, logits_spec))
-        first_fn = self._compile(self._first_fn(sampling), logits_spec, self._key_spec())
+        cache_spec, logits_spec = self.abstract_state(b, layout)
+        prefill = self.compile(self.prefill_fn(layout), *chunk_args(0, cache_spec, logits_spec))
+        first_fn = self.compile(self._first_fn(sampling), logits_spec, self._key_spec())
         decode = self.decode_program(b, layout, n, sampling, stop)
         # the RNG key lives replicated on the mesh (every process of a multi-process run holds it)
-        make_keys = self._compile(self._keys_fn(), np.uint32(seed))
+        make_keys = self.compile(self._keys_fn(), np.uint32(seed))
         compile_s = time.perf_counter() - tc
         replicated = logits_spec.sharding
         tokens = np.full((b, n), -1, np.int32)

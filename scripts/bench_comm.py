@@ -148,8 +148,8 @@ def step_hlo(model_name: str, layers: int, tp: int, dcp: int, context: int, vari
     combine, _, option = variant.partition("+")
     engine = Engine(CausalLM(cfg, abstract, mesh, q_gather=option == "q_gather"), mesh, combine=combine)
     layout = engine.layout(context)
-    cache, logits = engine._specs(batch, layout)
-    step = engine._prefill_fn(layout)  # one token through every layer: the decode step's program
+    cache, logits = engine.abstract_state(batch, layout)
+    step = engine.prefill_fn(layout)  # one token through every layer: the decode step's program
     tok = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
     vec_i = jax.ShapeDtypeStruct((batch,), jnp.int32)
     vec_b = jax.ShapeDtypeStruct((batch,), jnp.bool_)

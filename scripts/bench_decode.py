@@ -283,10 +283,10 @@ class Ours:
                     pos < lens[:, None], np.minimum(lens, (c + 1) * chunk), (lens - 1) % chunk,
                     (lens - 1) // chunk == c)
 
-        cache_spec, logits_spec = engine._specs(b, layout)
+        cache_spec, logits_spec = engine.abstract_state(b, layout)
         replicated = mesh_lib.named(self.mesh, mesh_lib.spec())
         tc = time.perf_counter()
-        prefill = engine._compile(engine._prefill_fn(layout), *chunk_args(0, cache_spec, logits_spec))
+        prefill = engine.compile(engine.prefill_fn(layout), *chunk_args(0, cache_spec, logits_spec))
         tok_spec = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=replicated)
         step = self._step_fn(layout).lower(engine.params, cache_spec, tok_spec, tok_spec).compile()
         compile_s = time.perf_counter() - tc

@@ -104,7 +104,7 @@ def analyse(name: str, layers: int, tp: int, dcp: int, context: int, batch: int,
     engine = Engine(model, mesh)
     layout = engine.layout(context)
     memory = engine.decode_program(batch, layout, 1).memory_analysis()
-    cache, _ = engine._specs(batch, layout)
+    cache, _ = engine.abstract_state(batch, layout)
 
     def shard_bytes(tree):
         return sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize for a in jax.tree.leaves(tree))

@@ -34,7 +34,7 @@ def engine(request):
 
 
 def cache_shard_bytes(engine, layout):
-    cache, _ = engine._specs(B, layout)
+    cache, _ = engine.abstract_state(B, layout)
     return sum(np.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(cache))
 
 
@@ -56,7 +56,7 @@ def test_decode_aliases_cache_and_temp_is_flat(engine):
         ma = prog.memory_analysis()
         shard = cache_shard_bytes(engine, layout)
         assert ma.alias_size_in_bytes >= shard, (ma.alias_size_in_bytes, shard)
-        leaf = jax.tree.leaves(engine._specs(B, layout)[0])[0]
+        leaf = jax.tree.leaves(engine.abstract_state(B, layout)[0])[0]
         stats[s] = (ma.temp_size_in_bytes, shard, prog.as_text(), leaf.sharding.shard_shape(leaf.shape))
     assert stats[large][1] == 4 * stats[small][1]  # the cache did grow 4x ...
     assert stats[large][0] == stats[small][0]  # ... the temporaries did not

@@ -60,7 +60,7 @@ def test_cache_placement_and_param_shardings():
     shard = layer.mlp.gate_proj[...].addressable_shards[0].data
     assert layer.mlp.gate_proj[...].shape[:2] == (1, 8) and shard.shape[:2] == (1, 1)
     eng = Engine(model, mesh)
-    cache = eng._specs(2, eng.layout(64))[0]
+    cache = eng.abstract_state(2, eng.layout(64))[0]
     (latent,) = cache[0]
     assert latent.shape == (1, 2, 1, 64, 40)
     assert latent.sharding.spec == jax.sharding.PartitionSpec(None, None, None, ("tp", "dcp"), None)
