@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared helpers
+import random_llama  # noqa: E402
+from random_llama import hf_tensors  # noqa: E402,F401  (the benchmarks' checkpoint writer; tests use it)
 
 DEFAULT_CHECKPOINT = Path("~/.cache/dcp_jax/bench-llama-30m").expanduser()
 # the Python 3.11 venv beside the checkout that scripts/make_fixtures.py's docstring sets up
@@ -119,56 +122,9 @@ def hf_config(model: str) -> dict:
                 eos_token_id=2, dtype="float32", torch_dtype="float32", use_cache=True, **m)
 
 
-def hf_tensors(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
-    """Hugging Face Llama weights, [out, in]: normal * 0.02, norms = 1."""
-    rng = np.random.default_rng(seed)
-    e, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    d = cfg["head_dim"]
-    h, k = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-
-    def w(*shape):
-        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
-
-    out = {"model.embed_tokens.weight": w(v, e)}
-    for layer in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{layer}"
-        out.update({
-            f"{p}.self_attn.q_proj.weight": w(h, e), f"{p}.self_attn.k_proj.weight": w(k, e),
-            f"{p}.self_attn.v_proj.weight": w(k, e), f"{p}.self_attn.o_proj.weight": w(e, h),
-            f"{p}.mlp.gate_proj.weight": w(i, e), f"{p}.mlp.up_proj.weight": w(i, e),
-            f"{p}.mlp.down_proj.weight": w(e, i),
-            f"{p}.input_layernorm.weight": np.ones(e, np.float32),
-            f"{p}.post_attention_layernorm.weight": np.ones(e, np.float32),
-        })
-    out["model.norm.weight"] = np.ones(e, np.float32)
-    out["lm_head.weight"] = w(v, e)
-    return out
-
-
 def ensure_checkpoint(path: Path, model: str) -> Path:
-    """`path` as is when it holds a config.json; else write the `model` checkpoint there (atomically)."""
-    path = Path(path).expanduser()
-    if (path / "config.json").is_file():
-        return path
-    if path.exists() and any(path.iterdir()):
-        raise SystemExit(f"error: {path} exists but has no config.json; give an empty or new --checkpoint")
-    from safetensors.numpy import save_file
-
-    cfg = hf_config(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        save_file(hf_tensors(cfg), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        tmp.chmod(0o755)  # mkdtemp made it private
-        if path.exists():
-            path.rmdir()
-        tmp.rename(path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    """`path` as is when it holds a config.json; else write the random `model` checkpoint there."""
+    return random_llama.ensure_checkpoint(path, hf_config(model))
 
 
 def count_params(path: Path) -> int:

@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared helpers
+import random_llama  # noqa: E402
 
 # Hugging Face LlamaConfig fields of the generated checkpoints (random weights; head_dim 64 / 16).
 MODELS = {
@@ -80,51 +82,9 @@ def hf_config(model: str) -> dict:
                 eos_token_id=2, torch_dtype="float32", use_cache=True, **m)
 
 
-def hf_tensors(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
-    """Hugging Face Llama weights under their HF names, [out, in]: normal * 0.02, norms = 1."""
-    rng = np.random.default_rng(seed)
-    e, i, v, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
-    h, k = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-
-    def w(*shape):
-        return rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
-
-    out = {"model.embed_tokens.weight": w(v, e), "model.norm.weight": np.ones(e, np.float32),
-           "lm_head.weight": w(v, e)}
-    for layer in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{layer}"
-        out.update({
-            f"{p}.self_attn.q_proj.weight": w(h, e), f"{p}.self_attn.k_proj.weight": w(k, e),
-            f"{p}.self_attn.v_proj.weight": w(k, e), f"{p}.self_attn.o_proj.weight": w(e, h),
-            f"{p}.mlp.gate_proj.weight": w(i, e), f"{p}.mlp.up_proj.weight": w(i, e),
-            f"{p}.mlp.down_proj.weight": w(e, i),
-            f"{p}.input_layernorm.weight": np.ones(e, np.float32),
-            f"{p}.post_attention_layernorm.weight": np.ones(e, np.float32),
-        })
-    return out
-
-
 def ensure_checkpoint(path: Path, model: str) -> Path:
-    """`path` as it is when it holds a config.json; else write the `model` checkpoint there."""
-    path = Path(path).expanduser()
-    if (path / "config.json").is_file():
-        return path
-    if path.exists() and any(path.iterdir()):
-        raise SystemExit(f"error: {path} exists but has no config.json; give an empty or new --checkpoint")
-    from safetensors.numpy import save_file
-
-    cfg = hf_config(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        save_file(hf_tensors(cfg), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        if path.exists():
-            path.rmdir()
-        tmp.rename(path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    """`path` as is when it holds a config.json; else write the random `model` checkpoint there."""
+    return random_llama.ensure_checkpoint(path, hf_config(model))
 
 
 # --- the workload ----------------------------------------------------------------------------------
