@@ -109,7 +109,7 @@ class AsyncEngine:
                 self.publish()
                 if self.on_step is not None and plan is not None:
                     self.on_step(plan, self.stats)
-        except BaseException as e:  # a device failure: fail every request rather than hang them
+        except BaseException as e:  # noqa: BLE001 - a device failure: fail every request rather than hang them
             self.failure = e
         for t in list(self.tracked.values()):
             if not t.request.is_finished:
