@@ -247,12 +247,12 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
         if first.get("type") == "json_invalid":
             return error_response(400, "the body is not valid JSON", code="invalid_json")
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
+        param = loc[0] if loc else None  # the field; a union's member names follow it
         msg = first.get("msg", "invalid request")
         if first.get("type") == "missing":
-            msg = f"missing required field {param!r}"
+            msg = f"missing required field {'.'.join(loc)!r}"
         elif param:
-            msg = f"{param}: {msg}"
+            msg = f"{param}: wrong type or value ({msg})"
         return error_response(400, msg, param=param, code="invalid_type" if first.get("type") != "missing"
                               else "missing_field")
 
@@ -287,6 +287,12 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
             if name in extra and extra[name] is not None and extra[name] != neutral:
                 raise APIError(400, f"{name} is not supported by this server", param=name,
                                code="unsupported_parameter")
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if len(prompt_ids) >= max_model_len:
+            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens but the model context is "
+                           f"{max_model_len}: shorten it to at most {max_model_len - 1} tokens", param="prompt",
+                           code="context_length_exceeded")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:
             max_tokens = default_max
@@ -295,12 +301,6 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
         if max_tokens is not None and max_tokens + len(prompt_ids) > max_model_len:
             raise APIError(400, f"max_tokens ({max_tokens}) + the prompt ({len(prompt_ids)} tokens) exceed the "
                            f"model context of {max_model_len} tokens: lower max_tokens", param="max_tokens")
-        if not prompt_ids:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        if len(prompt_ids) >= max_model_len:
-            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens but the model context is "
-                           f"{max_model_len}: shorten it to at most {max_model_len - 1} tokens", param="prompt",
-                           code="context_length_exceeded")
         seed = body.seed if body.seed is not None else random.getrandbits(31)
         if not 0 <= seed < 2**32:
             raise APIError(400, f"seed must be in [0, 2**32), got {seed}", param="seed")
