@@ -35,6 +35,8 @@ def build_parser():
     p.add_argument("--page-size", type=_positive("--page-size"), default=None, help="slots per KV page (default 64)")
     p.add_argument("--prefill-chunk", type=_positive("--prefill-chunk"), default=None,
                    help="prompt tokens per prefill program call (default 256 on CPU, 2048 on GPU)")
+    p.add_argument("--decode-steps", type=_positive("--decode-steps"), default=8,
+                   help="decode steps per program call: more is faster, fewer streams and admits more finely (default 8)")
     p.add_argument("--max-pending", type=_positive("--max-pending"), default=256,
                    help="unfinished requests held at once; more get 503 (default 256)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
@@ -45,7 +47,7 @@ def build_parser():
 def make_app(model_dir=None, *, tp: int | None = None, dcp: int | None = None, served_model_name: str | None = None,
              kv_cache_memory=None, max_num_seqs: int = 8, max_model_len: int | None = None,
              page_size: int | None = None, prefill_chunk: int | None = None, max_pending: int = 256,
-             dtype: str = "float32"):
+             dtype: str = "float32", decode_steps: int = 8):
     """Load the model, size the pool, compile, and return (FastAPI app, LLM). Raises UserError/ValueError
     on bad sizes or checkpoints."""
     import math
@@ -61,7 +63,7 @@ def make_app(model_dir=None, *, tp: int | None = None, dcp: int | None = None, s
         tp, dcp = mesh_lib.local_mesh_shape(max_tp=2)
     tp, dcp = tp or 1, dcp or 1
     llm = LLM.load(path, tp=tp, dcp=dcp, dtype=dtype, page_size=page_size, max_num_seqs=max_num_seqs,
-                   kv_cache_memory=kv_cache_memory)
+                   kv_cache_memory=kv_cache_memory, decode_steps=decode_steps)
     max_model_len = max_model_len or (DEFAULT_EMBEDDED_MAX_MODEL_LEN if embedded else DEFAULT_MAX_MODEL_LEN)
     if max_model_len < 2:
         raise ValueError(f"--max-model-len must be >= 2, got {max_model_len}")
@@ -100,7 +102,8 @@ def run(argv=None) -> int:
         app, llm = make_app(args.model, tp=tp, dcp=dcp, served_model_name=args.served_model_name,
                             kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                             max_model_len=args.max_model_len, page_size=args.page_size,
-                            prefill_chunk=args.prefill_chunk, max_pending=args.max_pending, dtype=args.dtype)
+                            prefill_chunk=args.prefill_chunk, max_pending=args.max_pending, dtype=args.dtype,
+                            decode_steps=args.decode_steps)
     except (ValueError, ImportError) as e:  # UserError and the library's own ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return RUN_ERROR

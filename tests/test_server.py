@@ -40,7 +40,7 @@ def server(tmp_path_factory):
     cfg["chat_template"] = TEMPLATE
     cfg_path.write_text(json.dumps(cfg))
     app, llm = make_app(ckpt, tp=1, dcp=2, served_model_name=MODEL, max_num_seqs=8, max_model_len=MAX_MODEL_LEN,
-                        page_size=8, prefill_chunk=32)
+                        page_size=8, prefill_chunk=32, decode_steps=2)  # 2: streams arrive in several chunks
     # each prompt alone through LLM.generate, before the server's thread starts
     alone = [llm.generate([p], max_new_tokens=8, max_seq_len=MAX_MODEL_LEN).text[0] for p in PROMPTS]
 
@@ -260,6 +260,7 @@ def test_load_with_disconnects_frees_everything(server):
     assert m["dcp_jax_generation_tokens_total"] > 0 and m["dcp_jax_prompt_tokens_total"] > 0
     assert m["dcp_jax_time_to_first_token_seconds_count"] > 0
     assert m["dcp_jax_time_per_output_token_seconds_count"] > 0
+    assert m['dcp_jax_requests_finished_total{reason="abort"}'] >= 1  # some disconnects came mid-stream
 
 
 @pytest.mark.parametrize("argv,needle", [

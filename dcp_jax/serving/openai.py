@@ -158,6 +158,8 @@ class Metrics:
                               buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60), registry=r)
         self.tpot = Histogram(p + "time_per_output_token_seconds", "Mean time between a request's tokens",
                               buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5), registry=r)
+        self.finished = Counter(p + "requests_finished", "Requests finished, by finish reason (abort: the client "
+                                "went away)", ["reason"], registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
         self.running = Gauge(p + "num_requests_running", "Requests holding a decode slot", registry=r)
@@ -216,7 +218,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
         metrics.update(stats)
 
     def on_finish(r: Request):
-        metrics.update(engine.stats)
+        metrics.finished.labels(r.finish_reason).inc()
 
     engine.on_step, engine.on_finish = on_step, on_finish
     metrics.update(engine.stats)
