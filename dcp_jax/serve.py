@@ -11,7 +11,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from dcp_jax.generate import DEFAULT_MODEL, RUN_ERROR, USAGE_ERROR, _mesh, _Parser, _positive, _size, _Usage
+from dcp_jax.generate import (
+    DEFAULT_MODEL,
+    RUN_ERROR,
+    USAGE_ERROR,
+    _mesh,
+    _Parser,
+    _positive,
+    _size,
+    _Usage,
+)
 
 DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_EMBEDDED_MAX_MODEL_LEN = 256  # the embedded model was trained on 256-byte windows

@@ -164,6 +164,9 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "temperature": -1}, None),
     ({"model": MODEL, "prompt": "hi", "top_p": 0}, None),
     ({"model": MODEL, "prompt": "hi", "logprobs": 50}, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 5}, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "stop": 3}, "stop"),
+    ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
 ]
 
 
@@ -272,7 +275,8 @@ def test_load_with_disconnects_frees_everything(server):
     (["--bogus"], "unrecognized"),
 ])
 def test_cli_usage_errors(argv, needle):
-    p = subprocess.run([sys.executable, "-m", "dcp_jax.serve", *argv], capture_output=True, text=True, timeout=60)
+    p = subprocess.run([sys.executable, "-m", "dcp_jax.serve", *argv], capture_output=True, text=True, timeout=60,
+                       check=False)
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], p.stderr

@@ -111,10 +111,22 @@ class AsyncEngine:
                     self.on_step(plan, self.stats)
         except BaseException as e:  # noqa: BLE001 - a device failure: fail every request rather than hang them
             self.failure = e
+        self.stopping.set()  # submit refuses from now on; commands already queued are answered below
+        reason = "the server is shutting down" if self.failure is None else f"the engine stopped: {self.failure}"
+        while True:
+            try:
+                kind, arg = self.commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":  # never admitted: finish it without the scheduler
+                arg.request.finish("abort", error=reason)
+                self.push(arg, Update([], [], time.monotonic(), True, "abort", reason))
+                with self.lock:
+                    self.pending -= 1
         for t in list(self.tracked.values()):
             if not t.request.is_finished:
                 sched.cancel(t.request.request_id)
-        self.publish(error=None if self.failure is None else f"the engine stopped: {self.failure}")
+        self.publish(error=reason)
 
     def drain(self, block: bool) -> None:
         """Apply queued commands; wait for one first when there is no work."""

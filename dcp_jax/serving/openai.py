@@ -421,8 +421,10 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
                                param="prompt", code="unsupported_parameter")
             p = p[0]
         prompt_ids = encode(p) if isinstance(p, str) else list(p)
-        if body.logprobs is not None and not 0 <= body.logprobs <= 20:
-            raise APIError(400, f"logprobs must be in [0, 20], got {body.logprobs}", param="logprobs")
+        if body.logprobs is not None and not 0 <= body.logprobs <= 1:
+            # the engine samples on the device and returns the chosen token's logprob only
+            raise APIError(400, f"logprobs must be 0 or 1 (the chosen token's logprob; top alternatives are not "
+                           f"supported), got {body.logprobs}", param="logprobs", code="unsupported_parameter")
         request = make_request(body, prompt_ids, 16)
         sink = submit(request)
         first = await first_update(request, sink)
