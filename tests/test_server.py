@@ -280,3 +280,17 @@ def test_cli_usage_errors(argv, needle):
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], p.stderr
+
+
+def test_seeded_sampling_repeats(server):
+    c = server["client"]
+    kw = dict(model=MODEL, prompt="Hello world", max_tokens=8, temperature=1.0, seed=1234, extra_body={"top_k": 50})
+    a, b = (c.completions.create(**kw).choices[0].text for _ in range(2))
+    assert a == b
+
+
+def test_cli_missing_model_is_a_runtime_error(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "dcp_jax.serve", "--model", str(tmp_path / "nowhere"), "--port", "0"],
+                       capture_output=True, text=True, timeout=120, check=False)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), p.stderr
