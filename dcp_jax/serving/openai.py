@@ -310,8 +310,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
             raise APIError(400, f"top_k must be >= 0, got {body.top_k}", param="top_k")
         try:
             sampling = SamplingParams(float(body.temperature), int(body.top_k), float(body.top_p))
-        except UserError as e:
-            raise APIError(400, str(e)) from None
+        except UserError as e:  # SamplingParams owns these ranges; its message starts with the field
+            field = str(e).split()[0]
+            raise APIError(400, str(e), param=field if field in ("temperature", "top_k", "top_p") else None) from None
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if stop and tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer", param="stop")
