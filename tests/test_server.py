@@ -218,7 +218,7 @@ def test_no_chat_template_and_full_queue(server):
         r = tc.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
         r = tc.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
-        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"]
         assert 'dcp_jax_requests_total{status="503"} 1.0' in tc.get("/metrics").text
 
 

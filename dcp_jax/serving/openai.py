@@ -57,7 +57,7 @@ class APIError(Exception):
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
-                        status_code=status)
+                        status_code=status, headers={"Retry-After": "1"} if status == 503 else None)
 
 
 # --- request bodies (strict: a wrong type is a 400, not a silent coercion) ------------------------------
