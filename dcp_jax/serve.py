@@ -1,0 +1,134 @@
+"""The OpenAI-compatible server: `python -m dcp_jax.serve [--model DIR] [--mesh tp=2,dcp=4] [--port 8000]`.
+
+With no --model it serves the embedded tiny model on the mesh the default CLI run picks. The KV pool is
+sized once at start (--kv-cache-memory, else --max-num-seqs x --max-model-len tokens) and every program
+is compiled before the port opens, so the first request pays no compile time. Command-line mistakes end
+with one `error: ...` line and exit 2, like `python -m dcp_jax.generate`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from dcp_jax.generate import (
+    DEFAULT_MODEL,
+    RUN_ERROR,
+    USAGE_ERROR,
+    _mesh,
+    _Parser,
+    _positive,
+    _size,
+    _Usage,
+)
+
+DEFAULT_MAX_MODEL_LEN = 2048
+DEFAULT_EMBEDDED_MAX_MODEL_LEN = 256  # the embedded model was trained on 256-byte windows
+
+
+def build_parser():
+    p = _Parser(prog="python -m dcp_jax.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="Hugging Face or orbax checkpoint (default: the embedded tiny model)")
+    p.add_argument("--mesh", type=_mesh, default=None, help="tp=N,dcp=M")
+    p.add_argument("--tp", type=_positive("--tp"), default=None, help="tensor-parallel size (default 1)")
+    p.add_argument("--dcp", type=_positive("--dcp"), default=None, help="decode-context-parallel size (default 1)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=lambda t: 0 if t == "0" else _positive("--port")(t), default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
+    p.add_argument("--kv-cache-memory", type=_size, default=None, metavar="SIZE",
+                   help="KV cache bytes per device (default: max-num-seqs x max-model-len tokens)")
+    p.add_argument("--max-num-seqs", type=_positive("--max-num-seqs"), default=8, help="requests decoding at once")
+    p.add_argument("--max-model-len", type=_positive("--max-model-len"), default=None,
+                   help=f"the context: prompt + generated tokens per request (default {DEFAULT_MAX_MODEL_LEN}, "
+                        f"{DEFAULT_EMBEDDED_MAX_MODEL_LEN} for the embedded model)")
+    p.add_argument("--page-size", type=_positive("--page-size"), default=None, help="slots per KV page (default 64)")
+    p.add_argument("--prefill-chunk", type=_positive("--prefill-chunk"), default=None,
+                   help="prompt tokens per prefill program call (default 256 on CPU, 2048 on GPU)")
+    p.add_argument("--decode-steps", type=_positive("--decode-steps"), default=8,
+                   help="decode steps per program call: more is faster, fewer streams and admits more finely (default 8)")
+    p.add_argument("--max-pending", type=_positive("--max-pending"), default=256,
+                   help="unfinished requests held at once; more get 503 (default 256)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    return p
+
+
+def make_app(model_dir=None, *, tp: int | None = None, dcp: int | None = None, served_model_name: str | None = None,
+             kv_cache_memory=None, max_num_seqs: int = 8, max_model_len: int | None = None,
+             page_size: int | None = None, prefill_chunk: int | None = None, max_pending: int = 256,
+             dtype: str = "float32", decode_steps: int = 8):
+    """Load the model, size the pool, compile, and return (FastAPI app, LLM). Raises UserError/ValueError
+    on bad sizes or checkpoints."""
+    import math
+
+    from dcp_jax import mesh as mesh_lib
+    from dcp_jax.engine import LLM, default_prefill_chunk
+    from dcp_jax.serving.async_engine import AsyncEngine
+    from dcp_jax.serving.openai import ChatTemplate, create_app
+
+    embedded = model_dir is None
+    path = Path(model_dir) if model_dir is not None else DEFAULT_MODEL
+    if tp is None and dcp is None and embedded:
+        tp, dcp = mesh_lib.local_mesh_shape(max_tp=2)
+    tp, dcp = tp or 1, dcp or 1
+    llm = LLM.load(path, tp=tp, dcp=dcp, dtype=dtype, page_size=page_size, max_num_seqs=max_num_seqs,
+                   kv_cache_memory=kv_cache_memory, decode_steps=decode_steps)
+    max_model_len = max_model_len or (DEFAULT_EMBEDDED_MAX_MODEL_LEN if embedded else DEFAULT_MAX_MODEL_LEN)
+    if max_model_len < 2:
+        raise ValueError(f"--max-model-len must be >= 2, got {max_model_len}")
+    window = llm.model.config.sliding_window
+    if window and max_model_len > window:
+        raise ValueError(f"the model uses a {window}-token sliding window, which dcp_jax does not implement; "
+                         f"give --max-model-len <= {window}")
+    chunk = prefill_chunk or default_prefill_chunk(llm.mesh.devices.flat[0].platform)
+    chunk = min(chunk, max(16, 1 << math.ceil(math.log2(max_model_len))))  # no longer than a whole context
+    engine = llm.server(max_model_len, chunk, llm.num_pages(max_model_len))
+    engine.decode_program()  # compile before the port opens
+    engine.prefill_program(chunk)
+    engine.allocate()
+    template = ChatTemplate.from_tokenizer_config(path / "tokenizer_config.json") if path.is_dir() else None
+    name = served_model_name or ("dcp-jax-tiny" if embedded else path.resolve().name)
+    app = create_app(AsyncEngine(engine, max_pending=max_pending), model_name=name, max_model_len=max_model_len,
+                     tokenizer=llm.tokenizer, chat_template=template, tp=tp, dcp=dcp)
+    return app, llm
+
+
+def run(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if args.mesh and (args.tp or args.dcp):
+            raise _Usage("give either --mesh or --tp/--dcp, not both")
+    except _Usage as e:
+        print(f"error: {e}", file=sys.stderr)
+        return USAGE_ERROR
+    try:
+        import uvicorn
+    except ImportError:
+        print("error: the server needs the 'serve' extra: pip install 'dcp_jax[serve]'", file=sys.stderr)
+        return RUN_ERROR
+    tp, dcp = args.mesh or (args.tp, args.dcp)
+    try:
+        app, llm = make_app(args.model, tp=tp, dcp=dcp, served_model_name=args.served_model_name,
+                            kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                            max_model_len=args.max_model_len, page_size=args.page_size,
+                            prefill_chunk=args.prefill_chunk, max_pending=args.max_pending, dtype=args.dtype,
+                            decode_steps=args.decode_steps)
+    except (ValueError, ImportError) as e:  # UserError and the library's own ValueErrors
+        print(f"error: {e}", file=sys.stderr)
+        return RUN_ERROR
+    print(f"serving {llm.source} on http://{args.host}:{args.port}/v1 (tp={llm.mesh.shape['tp']} x "
+          f"dcp={llm.mesh.shape['dcp']})", file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    except (OSError, SystemExit) as e:  # e.g. the port is taken
+        print(f"error: could not serve on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return RUN_ERROR
+    return 0
+
+
+def main():
+    sys.exit(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""The `ServingEngine` behind an asyncio server: one background thread owns the engine.
+
+The scheduler and the device programs are not thread-safe, and JAX programs block: so exactly one
+thread touches them. HTTP handlers only put commands on a thread-safe queue (add a request, cancel
+one) and await their own `asyncio.Queue`; the thread admits queued requests, runs `engine.step()`
+while there is work, and after each step pushes every request's new tokens (and its finish) to that
+request's queue with `loop.call_soon_threadsafe`. Cancellation goes through the same thread, so
+`Scheduler.cancel` frees the pages at once and never races with a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import queue
+import threading
+import time
+
+from dcp_jax.serving.request import Request
+
+
+class QueueFull(Exception):
+    """The server holds `max_pending` unfinished requests already: the caller answers 503."""
+
+
+@dataclasses.dataclass
+class Update:
+    """What one request produced since its previous update. `finished` comes once, last; then
+    `finish_reason`, `error` and `text` (the final text, cut before a stop string) are set."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    time: float
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    text: str | None = None
+
+
+@dataclasses.dataclass
+class _Tracked:
+    request: Request
+    loop: asyncio.AbstractEventLoop
+    sink: asyncio.Queue
+    emitted: int = 0
+
+
+class AsyncEngine:
+    """Drives `engine` (a `ServingEngine`) from one thread; `submit` and `cancel` may be called from
+    any thread (the event loop's). At most `max_pending` requests are unfinished at once (queued or in
+    the scheduler): beyond that `submit` raises `QueueFull` instead of letting latency grow unbounded.
+    `on_step(plan, stats)` runs on the engine thread after every step (metrics)."""
+
+    def __init__(self, engine, *, max_pending: int = 256, on_step=None, on_finish=None):
+        self.engine = engine
+        self.max_pending = max_pending
+        self.on_step, self.on_finish = on_step, on_finish
+        self.commands: queue.Queue = queue.Queue()
+        self.tracked: dict[str, _Tracked] = {}  # owned by the engine thread
+        self.pending = 0  # unfinished requests submitted: guarded by `lock`
+        self.lock = threading.Lock()
+        self.stats = dict(engine.scheduler.stats())  # a snapshot the engine thread replaces after each step
+        self.thread: threading.Thread | None = None
+        self.stopping = threading.Event()
+        self.failure: BaseException | None = None
+
+    # --- any thread -------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self.run, name="dcp-jax-engine", daemon=True)
+            self.thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the thread after its current step; unfinished requests are aborted (their clients get
+        a final update)."""
+        self.stopping.set()
+        self.commands.put(("wake", None))
+        if self.thread is not None:
+            self.thread.join(timeout)
+            self.thread = None
+
+    def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Queue:
+        """Queue `request`; its `Update`s arrive on the returned queue (in `loop`, default the running one)."""
+        if self.stopping.is_set() or self.failure is not None:
+            raise QueueFull("the engine is shutting down" if self.failure is None
+                            else f"the engine stopped: {self.failure}")
+        with self.lock:
+            if self.pending >= self.max_pending:
+                raise QueueFull(f"the server already holds {self.max_pending} requests: retry later")
+            self.pending += 1
+        loop = loop or asyncio.get_running_loop()
+        sink: asyncio.Queue = asyncio.Queue()
+        self.commands.put(("add", _Tracked(request, loop, sink)))
+        return sink
+
+    def cancel(self, request_id: str) -> None:
+        """Abort a request (e.g. its client went away); its pages are freed by the engine thread."""
+        self.commands.put(("cancel", request_id))
+
+    # --- the engine thread ------------------------------------------------------------------------
+    def run(self) -> None:
+        sched = self.engine.scheduler
+        try:
+            while not self.stopping.is_set():
+                self.drain(block=not sched.has_unfinished())
+                if self.stopping.is_set():
+                    break
+                plan = self.engine.step() if sched.has_unfinished() else None
+                self.publish()
+                if self.on_step is not None and plan is not None:
+                    self.on_step(plan, self.stats)
+        except BaseException as e:  # noqa: BLE001 - a device failure: fail every request rather than hang them
+            self.failure = e
+        self.stopping.set()  # submit refuses from now on; commands already queued are answered below
+        reason = "the server is shutting down" if self.failure is None else f"the engine stopped: {self.failure}"
+        while True:
+            try:
+                kind, arg = self.commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":  # never admitted: finish it without the scheduler
+                arg.request.finish("abort", error=reason)
+                self.push(arg, Update([], [], time.monotonic(), True, "abort", reason))
+                with self.lock:
+                    self.pending -= 1
+        for t in list(self.tracked.values()):
+            if not t.request.is_finished:
+                sched.cancel(t.request.request_id)
+        self.publish(error=reason)
+
+    def drain(self, block: bool) -> None:
+        """Apply queued commands; wait for one first when there is no work."""
+        sched = self.engine.scheduler
+        while True:
+            try:
+                kind, arg = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
+            except queue.Empty:
+                if block:
+                    continue  # idle: keep waiting (the loop re-checks `stopping`)
+                return
+            block = False
+            if kind == "add":
+                self.tracked[arg.request.request_id] = arg
+                sched.add_request(arg.request)  # a request that can never run finishes at once ("error")
+            elif kind == "cancel":
+                sched.cancel(arg)
+            elif kind == "wake":
+                return
+            self.publish()
+
+    def publish(self, error: str | None = None) -> None:
+        """Push each tracked request's new tokens, and finished requests' final updates."""
+        now = time.monotonic()
+        for t in self.tracked.values():
+            r = t.request
+            n = len(r.output_token_ids)
+            if n > t.emitted and not r.is_finished:
+                self.push(t, Update(r.output_token_ids[t.emitted:n], r.output_logprobs[t.emitted:n], now))
+                t.emitted = n
+        for r in self.engine.scheduler.pop_finished():
+            t = self.tracked.pop(r.request_id, None)
+            if t is None:
+                continue
+            n = len(r.output_token_ids)
+            self.push(t, Update(r.output_token_ids[t.emitted:n], r.output_logprobs[t.emitted:n], now, True,
+                                r.finish_reason, r.error or (error if r.finish_reason == "abort" else None), r.text))
+            with self.lock:
+                self.pending -= 1
+            if self.on_finish is not None:
+                self.on_finish(r)
+        self.stats = dict(self.engine.scheduler.stats())
+
+    @staticmethod
+    def push(t: _Tracked, update: Update) -> None:
+        try:
+            t.loop.call_soon_threadsafe(t.sink.put_nowait, update)
+        except RuntimeError:  # the loop closed (server stopped): nobody is listening
+            pass

@@ -1,0 +1,537 @@
+"""An OpenAI-compatible HTTP front end (FastAPI) over an `AsyncEngine`.
+
+`create_app(...)` serves `POST /v1/completions`, `POST /v1/chat/completions` (streaming with SSE or
+not), `GET /v1/models`, `GET /health` and `GET /metrics` (Prometheus text, one registry per app so
+two apps in one process never share counters). Requests become `dcp_jax.serving.request.Request`s and
+go through the scheduler like any other: validation that the scheduler owns (prompt longer than the
+context, a pool too small, stop strings without a tokenizer) comes back from it as an "error" finish
+and is answered 400 here. Every error is OpenAI's JSON shape, never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import time
+import uuid
+from typing import Any
+
+from dcp_jax.engine import SamplingParams
+from dcp_jax.errors import UserError
+from dcp_jax.serving.async_engine import AsyncEngine, QueueFull
+from dcp_jax.serving.request import Request
+
+try:
+    from fastapi import FastAPI
+    from fastapi import Request as HTTPRequest
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from prometheus_client import (
+        CollectorRegistry,
+        Counter,
+        Gauge,
+        Histogram,
+        generate_latest,
+    )
+    from pydantic import BaseModel, ConfigDict, Field, ValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+except ImportError as e:  # pragma: no cover - the message names the fix
+    raise ImportError(f"the server needs the 'serve' extra: pip install 'dcp_jax[serve]' ({e})") from None
+
+# Parameters of OpenAI's API that this server does not implement: a request that sets one to anything
+# but its neutral value is refused (400) rather than silently answered differently.
+UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "logit_bias": None, "presence_penalty": 0,
+               "frequency_penalty": 0, "tools": None, "tool_choice": None, "functions": None,
+               "function_call": None, "response_format": None, "top_logprobs": 0, "parallel_tool_calls": None,
+               "prediction": None, "audio": None, "modalities": None}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                        status_code=status, headers={"Retry-After": "1"} if status == 503 else None)
+
+
+# --- request bodies (strict: a wrong type is a 400, not a silent coercion) ------------------------------
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(_Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+
+
+# --- chat templates -------------------------------------------------------------------------------------
+class ChatTemplate:
+    """A checkpoint's Jinja chat template, rendered the way transformers renders it: a sandboxed
+    environment with trim_blocks/lstrip_blocks, `raise_exception`, `tojson`, and the variables
+    messages, add_generation_prompt, bos_token, eos_token."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
+                                                                                      ensure_ascii=ensure_ascii)
+        env.globals["raise_exception"] = raise_exception
+        self.template = env.from_string(source)
+        self.bos_token, self.eos_token = bos_token, eos_token
+
+    @classmethod
+    def from_tokenizer_config(cls, path) -> ChatTemplate | None:
+        """The template in `path` (tokenizer_config.json), or None when there is none."""
+        from pathlib import Path
+
+        path = Path(path)
+        if not path.is_file():
+            return None
+        cfg = json.loads(path.read_text())
+        source = cfg.get("chat_template")
+        if isinstance(source, list):  # named templates: the default one
+            source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+        if not source:
+            return None
+
+        def token(x):
+            return (x.get("content", "") if isinstance(x, dict) else x) or ""
+
+        return cls(source, token(cfg.get("bos_token")), token(cfg.get("eos_token")))
+
+    def render(self, messages: list[dict]) -> str:
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
+                                        eos_token=self.eos_token)
+        except TemplateError as e:
+            raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
+
+
+# --- metrics --------------------------------------------------------------------------------------------
+class Metrics:
+    """Prometheus metrics in a registry of this app's own."""
+
+    def __init__(self, tp: int, dcp: int):
+        self.registry = r = CollectorRegistry()
+        p = "dcp_jax_"
+        self.requests = Counter(p + "requests", "HTTP requests answered, by status code", ["status"], registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to the first generated token",
+                              buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60), registry=r)
+        self.tpot = Histogram(p + "time_per_output_token_seconds", "Mean time between a request's tokens",
+                              buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5), registry=r)
+        self.finished = Counter(p + "requests_finished", "Requests finished, by finish reason (abort: the client "
+                                "went away)", ["reason"], registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
+        self.running = Gauge(p + "num_requests_running", "Requests holding a decode slot", registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "Requests queued in the scheduler", registry=r)
+        self.preemptions = Gauge(p + "num_preemptions", "Preemptions since the start (cumulative)", registry=r)
+        self.pages_used = Gauge(p + "kv_pages_used", "KV pages in use (per context rank)", registry=r)
+        self.pages_total = Gauge(p + "kv_pages_total", "Usable KV pages (per context rank)", registry=r)
+        self.capacity = Gauge(p + "kv_capacity_tokens", "Tokens the whole KV pool holds", registry=r)
+        Gauge(p + "tp", "Tensor-parallel size", registry=r).set(tp)
+        Gauge(p + "dcp", "Decode-context-parallel size", registry=r).set(dcp)
+
+    def update(self, stats: dict) -> None:
+        self.running.set(stats["running"])
+        self.waiting.set(stats["waiting"])
+        self.preemptions.set(stats["preemptions"])
+        self.pages_used.set(stats["pages_used"])
+        self.pages_total.set(stats["pages_total"])
+        self.capacity.set(stats["kv_capacity_tokens"])
+
+
+# --- text deltas ----------------------------------------------------------------------------------------
+class TextStream:
+    """Turns cumulative token ids into text deltas whose concatenation is the final text: it holds back
+    an incomplete UTF-8 character and any tail that could begin a stop string (the scheduler cuts the
+    final text before a stop string, so what was sent must never include part of one)."""
+
+    def __init__(self, detokenize, stop: tuple[str, ...]):
+        self.detokenize, self.stop, self.sent = detokenize, stop, ""
+
+    def delta(self, ids: list[int], final_text: str | None = None, finished: bool = False) -> str:
+        if self.detokenize is None:
+            return ""
+        text = final_text if finished and final_text is not None else self.detokenize(ids)
+        if not finished:
+            text = text.rstrip("\ufffd")
+            hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            text = text[:len(text) - hold]
+        if not text.startswith(self.sent):  # a detokenizer rewrote earlier text: send only what extends
+            return ""
+        out, self.sent = text[len(self.sent):], text
+        return out
+
+
+# --- the app --------------------------------------------------------------------------------------------
+def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, tokenizer=None,
+               chat_template: ChatTemplate | None = None, tp: int = 1, dcp: int = 1) -> FastAPI:
+    """The FastAPI app. The app's lifespan starts `engine`'s thread and shuts it down. `tokenizer`
+    (a `tokenizers.Tokenizer`-like object, or None) encodes text prompts and decodes outputs."""
+    from contextlib import asynccontextmanager
+
+    metrics = Metrics(tp, dcp)
+    created = int(time.time())
+    ids = itertools.count()
+
+    def on_step(plan, stats):
+        metrics.update(stats)
+
+    def on_finish(r: Request):
+        metrics.finished.labels(r.finish_reason).inc()
+
+    engine.on_step, engine.on_finish = on_step, on_finish
+    metrics.update(engine.stats)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="dcp_jax", lifespan=lifespan)
+
+    @app.middleware("http")
+    async def count(request: HTTPRequest, call_next):
+        response = await call_next(request)
+        if request.url.path.startswith("/v1/") and request.method == "POST":
+            metrics.requests.labels(str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        return error_response(e.status, e.message, e.type, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, "the body is not valid JSON", code="invalid_json")
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = loc[0] if loc else None  # the field; a union's member names follow it
+        msg = first.get("msg", "invalid request")
+        if first.get("type") == "missing":
+            msg = f"missing required field {'.'.join(loc)!r}"
+        elif param:
+            msg = f"{param}: wrong type or value ({msg})"
+        return error_response(400, msg, param=param, code="invalid_type" if first.get("type") != "missing"
+                              else "missing_field")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500
+                              else "server_error")
+
+    @app.exception_handler(Exception)
+    async def any_error(request, e: Exception):  # never a traceback in a response
+        return error_response(500, f"internal error: {type(e).__name__}", "server_error")
+
+    # --- helpers ---------------------------------------------------------------------------------------
+    def encode(text: str, special: bool = True) -> list[int]:
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: give the prompt as token ids", param="prompt")
+        if not special:
+            try:
+                return list(tokenizer.encode(text, add_special_tokens=False).ids)
+            except TypeError:  # a tokenizer without the switch
+                pass
+        return list(tokenizer.encode(text).ids)
+
+    detokenize = None if tokenizer is None else (lambda t: tokenizer.decode(list(t)))
+
+    def make_request(body: _Body, prompt_ids: list[int], default_max: int | None) -> Request:
+        if body.model != model_name:
+            raise APIError(400, f"the model {body.model!r} does not exist: this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+        extra = body.model_extra or {}
+        for name, neutral in UNSUPPORTED.items():
+            if name in extra and extra[name] is not None and extra[name] != neutral:
+                raise APIError(400, f"{name} is not supported by this server", param=name,
+                               code="unsupported_parameter")
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if len(prompt_ids) >= max_model_len:
+            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens but the model context is "
+                           f"{max_model_len}: shorten it to at most {max_model_len - 1} tokens", param="prompt",
+                           code="context_length_exceeded")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if max_tokens is None:
+            max_tokens = default_max
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+        if max_tokens is not None and max_tokens + len(prompt_ids) > max_model_len:
+            raise APIError(400, f"max_tokens ({max_tokens}) + the prompt ({len(prompt_ids)} tokens) exceed the "
+                           f"model context of {max_model_len} tokens: lower max_tokens", param="max_tokens")
+        seed = body.seed if body.seed is not None else random.getrandbits(31)
+        if not 0 <= seed < 2**32:
+            raise APIError(400, f"seed must be in [0, 2**32), got {seed}", param="seed")
+        if body.top_k < 0:
+            raise APIError(400, f"top_k must be >= 0, got {body.top_k}", param="top_k")
+        try:
+            sampling = SamplingParams(float(body.temperature), int(body.top_k), float(body.top_p))
+        except UserError as e:  # SamplingParams owns these ranges; its message starts with the field
+            field = str(e).split()[0]
+            raise APIError(400, str(e), param=field if field in ("temperature", "top_k", "top_p") else None) from None
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        if stop and tokenizer is None:
+            raise APIError(400, "stop strings need a tokenizer", param="stop")
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options needs stream: true", param="stream_options")
+        return Request(f"{next(ids)}-{uuid.uuid4().hex[:12]}", prompt_ids, sampling=sampling, seed=seed,
+                       max_tokens=max_tokens, ignore_eos=body.ignore_eos, stop=stop,
+                       arrival_time=time.monotonic())
+
+    def submit(request: Request) -> asyncio.Queue:
+        try:
+            return engine.submit(request)
+        except QueueFull as e:
+            raise APIError(503, str(e), "server_overloaded", code="queue_full") from None
+
+    async def first_update(request: Request, sink: asyncio.Queue):
+        """The first update; an error finish (the scheduler refused the request) becomes a 400."""
+        try:
+            u = await sink.get()
+        except asyncio.CancelledError:
+            engine.cancel(request.request_id)
+            raise
+        if u.finished and u.finish_reason == "error":
+            raise APIError(400, u.error or "the request was refused")
+        if u.finished and u.finish_reason == "abort":
+            raise APIError(503, u.error or "the request was aborted", "server_error")
+        return u
+
+    def observe(request: Request, first_time: float | None, end: float, n: int, prompt: int):
+        metrics.prompt_tokens.inc(prompt)
+        metrics.generation_tokens.inc(n)
+        if first_time is not None:
+            metrics.ttft.observe(first_time - request.arrival_time)
+            if n > 1:
+                metrics.tpot.observe((end - first_time) / (n - 1))
+
+    def usage(prompt: int, n: int) -> dict:
+        return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
+
+    def finish_reason(u) -> str:
+        return "length" if u.finish_reason == "length" else "stop"
+
+    async def generate(request: Request, sink: asyncio.Queue, first):
+        """All updates of a request to its end (non-streaming): (ids, logprobs, last update, first time)."""
+        u, out_ids, out_lps, t_first = first, [], [], None
+        try:
+            while True:
+                if u.token_ids and t_first is None:
+                    t_first = u.time
+                out_ids += u.token_ids
+                out_lps += u.logprobs
+                if u.finished:
+                    break
+                u = await sink.get()
+        except asyncio.CancelledError:  # the client went away
+            engine.cancel(request.request_id)
+            raise
+        if u.finish_reason not in ("stop", "length"):
+            raise APIError(500, u.error or f"the request ended with {u.finish_reason}", "server_error")
+        observe(request, t_first, u.time, len(out_ids), request.num_prompt_tokens)
+        return out_ids, out_lps, u, t_first
+
+    def token_strings(ids: list[int]) -> list[str]:
+        return [detokenize([t]) if detokenize else str(t) for t in ids]
+
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    # --- endpoints -------------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if engine.failure is not None:
+            return error_response(503, f"the engine stopped: {engine.failure}", "server_error")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "dcp_jax", "max_model_len": max_model_len}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        metrics.update(engine.stats)
+        return PlainTextResponse(generate_latest(metrics.registry).decode(),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def parse(http: HTTPRequest, model):
+        raw = await http.body()
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise APIError(400, "the body is not valid JSON", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the body must be a JSON object", code="invalid_json")
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:  # the same shape as FastAPI's own validation errors
+            raise RequestValidationError(e.errors()) from None
+
+    @app.post("/v1/completions")
+    async def completions(http: HTTPRequest):
+        body: CompletionBody = await parse(http, CompletionBody)
+        p = body.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(400, "a list of prompts must hold exactly one (batches: send one request each)",
+                               param="prompt", code="unsupported_parameter")
+            p = p[0]
+        prompt_ids = encode(p) if isinstance(p, str) else list(p)
+        if body.logprobs is not None and not 0 <= body.logprobs <= 1:
+            # the engine samples on the device and returns the chosen token's logprob only
+            raise APIError(400, f"logprobs must be 0 or 1 (the chosen token's logprob; top alternatives are not "
+                           f"supported), got {body.logprobs}", param="logprobs", code="unsupported_parameter")
+        request = make_request(body, prompt_ids, 16)
+        sink = submit(request)
+        first = await first_update(request, sink)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
+        want_lp = body.logprobs is not None
+
+        def lp_block(ids, lps, offset0=0):
+            if not want_lp:
+                return None
+            toks = token_strings(ids)
+            offsets = list(itertools.accumulate([len(t) for t in toks[:-1]], initial=offset0)) if toks else []
+            return {"tokens": toks, "token_logprobs": [float(x) for x in lps], "top_logprobs": None,
+                    "text_offset": offsets}
+
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+
+            def chunk(delta, u, reason):
+                return dict(base, choices=[{"index": 0, "text": delta, "logprobs": lp_block(u.token_ids, u.logprobs),
+                                            "finish_reason": reason}])
+
+            return StreamingResponse(stream_with(request, sink, first, chunk, include_usage, base),
+                                     media_type="text/event-stream")
+        out_ids, out_lps, last, _ = await generate(request, sink, first)
+        text = (last.text if last.text is not None else detokenize(out_ids)) if detokenize else ""
+        return dict(base, choices=[{"index": 0, "text": text, "logprobs": lp_block(out_ids, out_lps),
+                                    "finish_reason": finish_reason(last)}],
+                    usage=usage(request.num_prompt_tokens, len(out_ids)))
+
+    @app.post("/v1/chat/completions")
+    async def chat(http: HTTPRequest):
+        body: ChatBody = await parse(http, ChatBody)
+        if chat_template is None:
+            raise APIError(400, "this model has no chat template (tokenizer_config.json has no chat_template): "
+                           "use /v1/completions", param="messages", code="no_chat_template")
+        messages = []
+        for m in body.messages:
+            content = m.content
+            if isinstance(content, list):
+                if any(part.get("type") != "text" for part in content):
+                    raise APIError(400, "only text content parts are supported", param="messages")
+                content = "".join(str(part.get("text", "")) for part in content)
+            messages.append({"role": m.role, "content": content or ""})
+        prompt_ids = encode(chat_template.render(messages), special=False)
+        request = make_request(body, prompt_ids, None)
+        sink = submit(request)
+        first = await first_update(request, sink)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name}
+
+        def lp_block(ids, lps):
+            if not body.logprobs:
+                return None
+            return {"content": [{"token": t, "logprob": float(x), "bytes": list(t.encode()), "top_logprobs": []}
+                                for t, x in zip(token_strings(ids), lps)]}
+
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            cbase = dict(base, object="chat.completion.chunk")
+            started = []
+
+            def chunk(delta, u, reason):
+                d = {} if reason is not None and not delta else {"content": delta}
+                if not started:  # the first chunk names the role, as OpenAI's do
+                    started.append(True)
+                    d = {"role": "assistant", "content": delta}
+                return dict(cbase, choices=[{"index": 0, "delta": d, "logprobs": lp_block(u.token_ids, u.logprobs),
+                                             "finish_reason": reason}])
+
+            return StreamingResponse(stream_with(request, sink, first, chunk, include_usage, cbase),
+                                     media_type="text/event-stream")
+        out_ids, out_lps, last, _ = await generate(request, sink, first)
+        text = (last.text if last.text is not None else detokenize(out_ids)) if detokenize else ""
+        return dict(base, choices=[{"index": 0, "message": {"role": "assistant", "content": text},
+                                    "logprobs": lp_block(out_ids, out_lps), "finish_reason": finish_reason(last)}],
+                    usage=usage(request.num_prompt_tokens, len(out_ids)))
+
+    async def stream_with(request: Request, sink: asyncio.Queue, first, make_chunk, include_usage: bool, base):
+        """SSE: one chunk per update (tokens as they come), the finish, usage if asked, then [DONE]. A
+        client that disconnects cancels the request, which frees its pages at once."""
+        text = TextStream(detokenize, request.stop)
+        u, ids_so_far, t_first, done = first, [], None, False
+        try:
+            while True:
+                if u.token_ids and t_first is None:
+                    t_first = u.time
+                ids_so_far += u.token_ids
+                delta = text.delta(ids_so_far, u.text, u.finished)
+                if u.finished:
+                    if u.finish_reason not in ("stop", "length"):
+                        yield sse({"error": {"message": u.error or f"the request ended with {u.finish_reason}",
+                                             "type": "server_error", "param": None, "code": None}})
+                        break
+                    yield sse(make_chunk(delta, u, finish_reason(u)))
+                    observe(request, t_first, u.time, len(ids_so_far), request.num_prompt_tokens)
+                    if include_usage:
+                        yield sse(dict(base, choices=[], usage=usage(request.num_prompt_tokens, len(ids_so_far))))
+                    break
+                yield sse(make_chunk(delta, u, None))
+                u = await sink.get()
+            yield "data: [DONE]\n\n"
+            done = True
+        finally:
+            if not done:
+                engine.cancel(request.request_id)
+
+    return app
+

@@ -1,0 +1,297 @@
+"""The OpenAI-compatible server, end to end: a real uvicorn server on a loopback port, driven by the
+official `openai` client (and httpx for what that client will not send), on the llama-tokenizer fixture
+over a (tp=1, dcp=2) mesh."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.util import FIXTURES
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+
+MODEL = "tiny-llama"
+MAX_MODEL_LEN = 128
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+# 16 prompts of 9..16 tokens: with max_tokens 8 they share one compiled configuration in LLM.generate
+PROMPTS = [[(7 * i + 3 * j) % 250 + 2 for j in range(9 + i % 8)] for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from dcp_jax.serve import make_app
+
+    ckpt = tmp_path_factory.mktemp("ckpt") / "model"
+    shutil.copytree(FIXTURES / "llama-tokenizer", ckpt)
+    cfg_path = ckpt / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = TEMPLATE
+    cfg_path.write_text(json.dumps(cfg))
+    app, llm = make_app(ckpt, tp=1, dcp=2, served_model_name=MODEL, max_num_seqs=8, max_model_len=MAX_MODEL_LEN,
+                        page_size=8, prefill_chunk=32, decode_steps=2)  # 2: streams arrive in several chunks
+    # each prompt alone through LLM.generate, before the server's thread starts
+    alone = [llm.generate([p], max_new_tokens=8, max_seq_len=MAX_MODEL_LEN).text[0] for p in PROMPTS]
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    port = srv.servers[0].sockets[0].getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", timeout=60, max_retries=0)
+    yield dict(base=base, client=client, llm=llm, alone=alone, ckpt=ckpt)
+    srv.should_exit = True
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+def metrics(base) -> dict[str, float]:
+    text = httpx.get(base + "/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^(dcp_jax_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def test_models_and_health(server):
+    assert [m.id for m in server["client"].models.list().data] == [MODEL]
+    assert httpx.get(server["base"] + "/health").json() == {"status": "ok"}
+
+
+def test_completion_usage_logprobs_and_stream(server):
+    c, llm = server["client"], server["llm"]
+    prompt = "Hello world"
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=1)
+    choice = r.choices[0]
+    n = len(choice.logprobs.tokens)
+    assert r.usage.prompt_tokens == len(llm.encode(prompt))
+    assert r.usage.completion_tokens == n and r.usage.total_tokens == r.usage.prompt_tokens + n
+    assert choice.finish_reason in ("stop", "length") and (n == 8) == (choice.finish_reason == "length")
+    assert all(lp <= 0 for lp in choice.logprobs.token_logprobs) and len(choice.logprobs.token_logprobs) == n
+    # greedy is what LLM.generate gives
+    assert choice.text == llm.generate([prompt], max_new_tokens=8, max_seq_len=MAX_MODEL_LEN).text[0]
+
+    chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == choice.text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == choice.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n
+    # a prompt as token ids (and as a list of one) gives the same tokens
+    ids = llm.encode(prompt)
+    for p in (ids, [ids], [prompt]):
+        assert c.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text == choice.text
+
+
+def test_stop_string_cuts_streamed_and_whole_text(server):
+    c = server["client"]
+    full = c.completions.create(model=MODEL, prompt="Hello world", max_tokens=8, temperature=0).choices[0].text
+    stop = full[3:5]
+    assert stop.strip()
+    r = c.completions.create(model=MODEL, prompt="Hello world", max_tokens=8, temperature=0, stop=[stop])
+    assert r.choices[0].text == full[:full.find(stop)] and r.choices[0].finish_reason == "stop"
+    streamed = c.completions.create(model=MODEL, prompt="Hello world", max_tokens=8, temperature=0, stop=stop,
+                                    stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed) == r.choices[0].text
+
+
+def test_chat(server):
+    c, llm = server["client"], server["llm"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True)
+    rendered = "<s><system>Be brief.\n<user>Hi there\n<assistant>"
+    ids = llm.tokenizer.encode(rendered, add_special_tokens=False).ids
+    assert r.usage.prompt_tokens == len(ids)
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and msg.content == llm.generate([ids], max_new_tokens=6,
+                                                                   max_seq_len=MAX_MODEL_LEN).text[0]
+    assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == msg.content
+    assert chunks[-1].usage.total_tokens == r.usage.total_tokens
+
+
+def test_concurrent_clients_match_generate_alone(server):
+    c = server["client"]
+
+    def one(i):
+        return c.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=8, temperature=0).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(one, range(16)))
+    assert got == server["alone"]
+
+
+BAD = [
+    (b"{not json", "invalid_json"),
+    (b"[1, 2]", "invalid_json"),
+    ({"prompt": "hi"}, "model"),
+    ({"model": MODEL}, "prompt"),
+    ({"model": MODEL, "prompt": 5}, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "8"}, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature"),
+    ({"model": "gpt-4", "prompt": "hi"}, "model"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 10_000}, "max_tokens"),
+    ({"model": MODEL, "prompt": list(range(2, 2 + MAX_MODEL_LEN - 4)), "max_tokens": 5}, "max_tokens"),
+    ({"model": MODEL, "prompt": list(range(2, 2 + MAX_MODEL_LEN))}, "prompt"),
+    ({"model": MODEL, "prompt": [300]}, None),  # outside the vocabulary: the scheduler refuses it
+    ({"model": MODEL, "prompt": []}, "prompt"),
+    ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "n": 2}, "n"),
+    ({"model": MODEL, "prompt": "hi", "best_of": 3}, "best_of"),
+    ({"model": MODEL, "prompt": "hi", "echo": True}, "echo"),
+    ({"model": MODEL, "prompt": "hi", "temperature": -1}, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
+    ({"model": MODEL, "prompt": "hi", "top_k": -1}, "top_k"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 50}, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 5}, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "stop": 3}, "stop"),
+    ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD, ids=range(len(BAD)))
+def test_bad_completion_requests(server, body, param):
+    kw = dict(content=body, headers={"content-type": "application/json"}) if isinstance(body, bytes) else dict(json=body)
+    r = httpx.post(server["base"] + "/v1/completions", timeout=30, **kw)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["message"] and "Traceback" not in r.text
+    if param == "invalid_json":
+        assert err["code"] == "invalid_json"
+    elif param is not None:
+        assert err["param"] == param, err
+    # the server keeps serving
+    ok = httpx.post(server["base"] + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
+                    timeout=30)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": MODEL, "messages": []}, "messages"),
+    ({"model": MODEL, "messages": [{"content": "hi"}]}, "messages"),
+    ({"model": MODEL, "messages": "hi"}, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+])
+def test_bad_chat_requests(server, body, param):
+    r = httpx.post(server["base"] + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_no_chat_template_and_full_queue(server):
+    """A second app over its own (never compiled) engine: no chat template, and a queue of zero."""
+    from fastapi.testclient import TestClient
+
+    from dcp_jax.serving.async_engine import AsyncEngine
+    from dcp_jax.serving.openai import ChatTemplate, create_app
+
+    assert ChatTemplate.from_tokenizer_config(FIXTURES / "llama-tokenizer" / "tokenizer_config.json") is None
+    llm = server["llm"]
+    engine = llm.server(MAX_MODEL_LEN, 16, llm.num_pages(MAX_MODEL_LEN), max_num_seqs=2)
+    app = create_app(AsyncEngine(engine, max_pending=0), model_name=MODEL, max_model_len=MAX_MODEL_LEN,
+                     tokenizer=llm.tokenizer)
+    with TestClient(app) as tc:
+        r = tc.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+        r = tc.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"]
+        assert 'dcp_jax_requests_total{status="503"} 1.0' in tc.get("/metrics").text
+
+
+def test_load_with_disconnects_frees_everything(server):
+    c, base = server["client"], server["base"]
+    t_end = time.monotonic() + 45
+    errors, done = [], []
+
+    def one(i):
+        if time.monotonic() > t_end:
+            return
+        try:
+            prompt = PROMPTS[i % 16]
+            if i % 5 == 0:  # disconnect after the first chunk
+                stream = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, stream=True, seed=i)
+                next(iter(stream))
+                stream.close()
+            elif i % 2:
+                chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, stream=True, seed=i))
+                assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+            else:
+                r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0.8, top_p=0.9,
+                                         seed=i, extra_body={"top_k": 20})
+                assert 1 <= r.usage.completion_tokens <= 8
+            done.append(i)
+        except Exception as e:  # noqa: BLE001 - collected and reported below
+            errors.append(f"{i}: {e!r}")
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(one, range(60)))
+    assert not errors, errors
+    assert len(done) == 60
+    deadline = time.monotonic() + 10  # cancellations of the disconnected go through the engine thread
+    while True:
+        m = metrics(base)
+        if (m["dcp_jax_kv_pages_used"], m["dcp_jax_num_requests_running"], m["dcp_jax_num_requests_waiting"]) == (0, 0, 0):
+            break
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
+    assert m["dcp_jax_kv_pages_total"] > 0 and m["dcp_jax_kv_capacity_tokens"] > 0
+    assert m["dcp_jax_tp"] == 1 and m["dcp_jax_dcp"] == 2
+    assert m['dcp_jax_requests_total{status="200"}'] >= 60
+    assert m["dcp_jax_generation_tokens_total"] > 0 and m["dcp_jax_prompt_tokens_total"] > 0
+    assert m["dcp_jax_time_to_first_token_seconds_count"] > 0
+    assert m["dcp_jax_time_per_output_token_seconds_count"] > 0
+    assert m['dcp_jax_requests_finished_total{reason="abort"}'] >= 1  # some disconnects came mid-stream
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--port", "x"], "--port"),
+    (["--mesh", "tp=2"], "--mesh"),
+    (["--mesh", "tp=1,dcp=2", "--tp", "2"], "not both"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
+    (["--bogus"], "unrecognized"),
+])
+def test_cli_usage_errors(argv, needle):
+    p = subprocess.run([sys.executable, "-m", "dcp_jax.serve", *argv], capture_output=True, text=True, timeout=60,
+                       check=False)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], p.stderr
+
+
+def test_seeded_sampling_repeats(server):
+    c = server["client"]
+    kw = dict(model=MODEL, prompt="Hello world", max_tokens=8, temperature=1.0, seed=1234, extra_body={"top_k": 50})
+    a, b = (c.completions.create(**kw).choices[0].text for _ in range(2))
+    assert a == b
+
+
+def test_cli_missing_model_is_a_runtime_error(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "dcp_jax.serve", "--model", str(tmp_path / "nowhere"), "--port", "0"],
+                       capture_output=True, text=True, timeout=120, check=False)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), p.stderr
