@@ -1,0 +1,107 @@
+"""notebooks/dcp_quickstart.ipynb runs top to bottom in a real Jupyter kernel, and says what it should.
+
+The notebook is executed from a temporary copy (the committed one, with its saved outputs, is left
+alone) through nbclient and ipykernel's "python3" kernel. The kernel is a fresh process: it finds this
+checkout through PYTHONPATH and runs on the CPU backend, so its first cell really is the first use of JAX.
+"""
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK = ROOT / "notebooks" / "dcp_quickstart.ipynb"
+
+
+def cell_text(cell) -> str:
+    """Everything a code cell printed or displayed as text."""
+    parts = []
+    for out in cell.get("outputs", []):
+        if out.output_type == "stream":
+            parts.append(out.text)
+        elif "data" in out:
+            parts.append(out.data.get("text/plain", ""))
+    return "".join(parts)
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    work = tmp_path_factory.mktemp("notebook")
+    path = work / NOTEBOOK.name
+    shutil.copy(NOTEBOOK, path)
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:  # run from scratch: no saved output may satisfy an assertion
+        if cell.cell_type == "code":
+            cell.outputs = []
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                                     resources={"metadata": {"path": str(work)}})
+    t0 = time.perf_counter()
+    client.execute(env=env)  # raises CellExecutionError naming the cell if one fails
+    return nb, time.perf_counter() - t0
+
+
+def test_runs_without_errors(executed):
+    nb, seconds = executed
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(c.execution_count for c in code), "a code cell did not run"
+    errors = [o for c in code for o in c.outputs if o.output_type == "error"]
+    assert not errors, errors
+    assert seconds < 120, f"the notebook took {seconds:.0f} s"
+
+
+def test_first_cell_simulates_eight_devices(executed):
+    nb, _ = executed
+    first = next(c for c in nb.cells if c.cell_type == "code")
+    assert "ensure_cpu_devices(8)" in first.source
+    assert "8 devices" in cell_text(first)
+
+
+def test_key_outputs(executed):
+    nb, _ = executed
+    text = "\n".join(cell_text(c) for c in nb.cells if c.cell_type == "code")
+
+    # generation on the tp=2 x dcp=4 mesh, with its stats
+    assert "mesh: {'tp': 2, 'dcp': 4}" in text
+    assert re.search(r"^kv_bytes_per_device\s+\d+", text, re.M)
+
+    # the exact combine
+    worst = float(re.search(r"worst max relative error: (\S+)", text).group(1))
+    assert worst < 1e-5
+
+    # round-robin placement is balanced, contiguous is not
+    rows = dict(re.findall(r"^\s+(interleave=1|contiguous)\s+(\[[\d, ]+\])$", text, re.M))
+    assert len(set(json.loads(rows["interleave=1"]))) == 1 and json.loads(rows["contiguous"]).count(0) > 0
+
+    # KV bytes per device fall as 1/dcp (the pool's one reserved page aside)
+    table = {(int(tp), int(dcp)): int(float(mib) * 2**20)
+             for tp, dcp, mib in re.findall(r"^\d+x\d+\s+(\d+)\s+(\d+)\s+([\d.]+)", text, re.M)}
+    assert {(1, 1), (1, 8), (2, 4), (4, 2)} <= set(table)
+    for (tp, dcp), b in table.items():
+        if tp == 1:
+            assert table[1, 1] / b == pytest.approx(dcp, rel=0.05), (dcp, b)
+    assert table[2, 4] == pytest.approx(table[1, 8], rel=0.05)  # 2 KV heads split over tp=2
+
+    # the placement plot is there, and small
+    pngs = [o.data["image/png"] for c in nb.cells if c.cell_type == "code" for o in c.outputs
+            if "data" in o and "image/png" in o.data]
+    assert len(pngs) == 1 and len(pngs[0]) < 100_000
+
+
+def test_committed_notebook_has_outputs_and_is_small():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.outputs for c in code), "run the notebook and save its outputs"
+    assert not any(o.output_type == "error" for c in code for o in c.outputs)
+    assert NOTEBOOK.stat().st_size < 300_000
