@@ -490,6 +490,11 @@ class LLM:
         most = self.max_num_seqs * blocks(max_model_len)
         return 1 + (min(most, sum(blocks(n) for n in lengths)) if lengths else most)
 
+    def serving_engines(self) -> list:
+        """The `ServingEngine`s `generate` has built (one per pool configuration), oldest first: their
+        pools, programs and schedulers, for inspection."""
+        return list(self._servers.values())
+
     def server(self, max_model_len: int, prefill_chunk: int, num_pages: int, max_num_seqs: int | None = None):
         """The `ServingEngine` for these sizes (kept: its programs compile once per configuration).
         `max_num_seqs` (default the LLM's) sets the decode program's slots."""

@@ -28,16 +28,17 @@ DEFAULT_MAX_SEQ_LEN = 16384
 DEFAULT_SAMPLING = dict(temperature=0.7, top_k=20)
 
 
-class _Parser(argparse.ArgumentParser):
+# The argument helpers below are shared by the two entry points (this CLI and `python -m dcp_jax.serve`).
+class CliParser(argparse.ArgumentParser):
     def error(self, message):  # one line, not argparse's usage block
-        raise _Usage(f"{message} (see --help)")
+        raise UsageError(f"{message} (see --help)")
 
 
-class _Usage(Exception):
+class UsageError(Exception):
     pass
 
 
-def _positive(name):
+def positive_int(name):
     def parse(text):
         try:
             value = int(text)
@@ -49,7 +50,7 @@ def _positive(name):
     return parse
 
 
-def _non_negative_float(name, upper=None):
+def non_negative_float(name, upper=None):
     def parse(text):
         try:
             value = float(text)
@@ -62,7 +63,7 @@ def _non_negative_float(name, upper=None):
     return parse
 
 
-def _ids(text):
+def token_ids_arg(text):
     try:
         ids = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -72,7 +73,7 @@ def _ids(text):
     return ids
 
 
-def _size(text):
+def byte_size(text):
     from dcp_jax.errors import UserError
     from dcp_jax.serving.engine import parse_bytes
 
@@ -82,11 +83,11 @@ def _size(text):
         raise argparse.ArgumentTypeError(f"--kv-cache-memory: {e}") from None
 
 
-def _interleave(text):
-    return "contiguous" if text == "contiguous" else _positive("--interleave")(text)
+def interleave_arg(text):
+    return "contiguous" if text == "contiguous" else positive_int("--interleave")(text)
 
 
-def _mesh(text):
+def mesh_arg(text):
     try:
         parts = dict(p.split("=", 1) for p in text.split(","))
         if set(parts) != {"tp", "dcp"}:
@@ -97,46 +98,46 @@ def _mesh(text):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m dcp_jax.generate", description=__doc__.split("\n\n")[0])
+    p = CliParser(prog="python -m dcp_jax.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None,
                    help="Hugging Face checkpoint directory or orbax checkpoint (default: the embedded tiny model)")
     p.add_argument("--save", default=None, metavar="DIR",
                    help="save the loaded model as an orbax checkpoint in DIR (atomically)")
-    p.add_argument("--tp", type=_positive("--tp"), default=None, help="tensor-parallel size (default 1)")
-    p.add_argument("--dcp", type=_positive("--dcp"), default=None, help="decode-context-parallel size (default 1)")
-    p.add_argument("--mesh", type=_mesh, default=None, help="both at once: tp=2,dcp=4")
-    p.add_argument("--interleave", type=_interleave, default=1,
+    p.add_argument("--tp", type=positive_int("--tp"), default=None, help="tensor-parallel size (default 1)")
+    p.add_argument("--dcp", type=positive_int("--dcp"), default=None, help="decode-context-parallel size (default 1)")
+    p.add_argument("--mesh", type=mesh_arg, default=None, help="both at once: tp=2,dcp=4")
+    p.add_argument("--interleave", type=interleave_arg, default=1,
                    help="KV placement interleave size, or 'contiguous' (default 1: round-robin)")
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
-    p.add_argument("--prompt-ids", action="append", type=_ids, default=[],
+    p.add_argument("--prompt-ids", action="append", type=token_ids_arg, default=[],
                    help="prompt token ids, e.g. 1,2,3 (repeat for a batch)")
-    p.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=None,
+    p.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=None,
                    help=f"default 32 ({DEFAULT_NEW_TOKENS} for the default run)")
-    p.add_argument("--max-seq-len", type=_positive("--max-seq-len"), default=None,
+    p.add_argument("--max-seq-len", type=positive_int("--max-seq-len"), default=None,
                    help="the model context: the most tokens (prompt + generated) a request may reach "
                         "(default: longest prompt + max new tokens)")
-    p.add_argument("--prefill-chunk", type=_positive("--prefill-chunk"), default=None,
+    p.add_argument("--prefill-chunk", type=positive_int("--prefill-chunk"), default=None,
                    help="prompt tokens per prefill step (default 256 on CPU, 2048 on GPU)")
     k = p.add_argument_group("paged KV cache and continuous batching")
-    k.add_argument("--page-size", type=_positive("--page-size"), default=None,
+    k.add_argument("--page-size", type=positive_int("--page-size"), default=None,
                    help="slots per page; one block-table entry covers page-size x dcp tokens (default 64)")
-    k.add_argument("--max-num-seqs", type=_positive("--max-num-seqs"), default=8,
+    k.add_argument("--max-num-seqs", type=positive_int("--max-num-seqs"), default=8,
                    help="requests decoding at once (default 8)")
-    k.add_argument("--max-num-batched-tokens", type=_positive("--max-num-batched-tokens"), default=None,
+    k.add_argument("--max-num-batched-tokens", type=positive_int("--max-num-batched-tokens"), default=None,
                    metavar="N", help="prompt tokens prefilled per scheduler iteration (default: one chunk)")
     k.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
                    help="run consecutive layers as one lax.scan (compile time flat in depth; default) or "
                         "one program per layer (--no-scan-layers: no per-step slicing of stacked weights)")
-    k.add_argument("--kv-cache-memory", type=_size, default=None, metavar="SIZE",
+    k.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="SIZE",
                    help="KV cache bytes per device, e.g. 512MiB or 2GB (default: enough for the prompts given)")
-    k.add_argument("--gpu-memory-utilization", type=_non_negative_float("--gpu-memory-utilization", 1.0),
+    k.add_argument("--gpu-memory-utilization", type=non_negative_float("--gpu-memory-utilization", 1.0),
                    default=None, metavar="F",
                    help="GPU only: size the KV pool to this fraction of each GPU's memory, less what is in use")
-    p.add_argument("--temperature", type=_non_negative_float("--temperature"), default=None,
+    p.add_argument("--temperature", type=non_negative_float("--temperature"), default=None,
                    help="0 = greedy (the default, but 0.7 with top-k 20 for the default run)")
-    p.add_argument("--top-k", type=lambda t: 0 if t == "0" else _positive("--top-k")(t), default=None)
-    p.add_argument("--top-p", type=_non_negative_float("--top-p", 1.0), default=1.0)
-    p.add_argument("--seed", type=lambda t: 0 if t == "0" else _positive("--seed")(t), default=0)
+    p.add_argument("--top-k", type=lambda t: 0 if t == "0" else positive_int("--top-k")(t), default=None)
+    p.add_argument("--top-p", type=non_negative_float("--top-p", 1.0), default=1.0)
+    p.add_argument("--seed", type=lambda t: 0 if t == "0" else positive_int("--seed")(t), default=0)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--impl", choices=("reference", "pallas", "pallas_interpret"), default=None,
@@ -147,11 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
     d = p.add_argument_group("multi-process (jax.distributed)")
     d.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="process 0's address; every process runs the same command with its --process-id")
-    d.add_argument("--num-processes", type=_positive("--num-processes"), default=None)
+    d.add_argument("--num-processes", type=positive_int("--num-processes"), default=None)
     d.add_argument("--process-id", type=int, default=None)
     d.add_argument("--distributed", action="store_true",
                    help="join a cluster that jax.distributed.initialize detects by itself (SLURM, MPI, ...)")
-    d.add_argument("--dist-timeout", type=_positive("--dist-timeout"), default=60, metavar="S",
+    d.add_argument("--dist-timeout", type=positive_int("--dist-timeout"), default=60, metavar="S",
                    help="seconds to wait for peers at start, and to tolerate a silent peer later (default 60)")
     return p
 
@@ -160,25 +161,25 @@ def run(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
         if args.mesh and (args.tp or args.dcp):
-            raise _Usage("give either --mesh or --tp/--dcp, not both")
+            raise UsageError("give either --mesh or --tp/--dcp, not both")
         default_run = args.model is None
         if not args.prompt and not args.prompt_ids and not default_run and not args.save:
-            raise _Usage("no prompt: give --prompt TEXT or --prompt-ids 1,2,3")
+            raise UsageError("no prompt: give --prompt TEXT or --prompt-ids 1,2,3")
         if args.top_p == 0:
-            raise _Usage("--top-p must be > 0")
+            raise UsageError("--top-p must be > 0")
         if args.gpu_memory_utilization == 0:
-            raise _Usage("--gpu-memory-utilization must be > 0")
+            raise UsageError("--gpu-memory-utilization must be > 0")
         if args.kv_cache_memory is not None and args.gpu_memory_utilization is not None:
-            raise _Usage("give --kv-cache-memory or --gpu-memory-utilization, not both")
+            raise UsageError("give --kv-cache-memory or --gpu-memory-utilization, not both")
         explicit = (args.coordinator, args.num_processes, args.process_id)
         if any(x is not None for x in explicit) and any(x is None for x in explicit):
-            raise _Usage("multi-process runs need all of --coordinator HOST:PORT, --num-processes N, --process-id I")
+            raise UsageError("multi-process runs need all of --coordinator HOST:PORT, --num-processes N, --process-id I")
         if args.coordinator is not None:
             if ":" not in args.coordinator:
-                raise _Usage(f"--coordinator takes HOST:PORT, got {args.coordinator!r}")
+                raise UsageError(f"--coordinator takes HOST:PORT, got {args.coordinator!r}")
             if not 0 <= args.process_id < args.num_processes:
-                raise _Usage(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
-    except _Usage as e:
+                raise UsageError(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
+    except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return USAGE_ERROR
 

@@ -15,11 +15,11 @@ from dcp_jax.generate import (
     DEFAULT_MODEL,
     RUN_ERROR,
     USAGE_ERROR,
-    _mesh,
-    _Parser,
-    _positive,
-    _size,
-    _Usage,
+    CliParser,
+    UsageError,
+    byte_size,
+    mesh_arg,
+    positive_int,
 )
 
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -27,26 +27,26 @@ DEFAULT_EMBEDDED_MAX_MODEL_LEN = 256  # the embedded model was trained on 256-by
 
 
 def build_parser():
-    p = _Parser(prog="python -m dcp_jax.serve", description=__doc__.split("\n\n")[0])
+    p = CliParser(prog="python -m dcp_jax.serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="Hugging Face or orbax checkpoint (default: the embedded tiny model)")
-    p.add_argument("--mesh", type=_mesh, default=None, help="tp=N,dcp=M")
-    p.add_argument("--tp", type=_positive("--tp"), default=None, help="tensor-parallel size (default 1)")
-    p.add_argument("--dcp", type=_positive("--dcp"), default=None, help="decode-context-parallel size (default 1)")
+    p.add_argument("--mesh", type=mesh_arg, default=None, help="tp=N,dcp=M")
+    p.add_argument("--tp", type=positive_int("--tp"), default=None, help="tensor-parallel size (default 1)")
+    p.add_argument("--dcp", type=positive_int("--dcp"), default=None, help="decode-context-parallel size (default 1)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=lambda t: 0 if t == "0" else _positive("--port")(t), default=8000)
+    p.add_argument("--port", type=lambda t: 0 if t == "0" else positive_int("--port")(t), default=8000)
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
-    p.add_argument("--kv-cache-memory", type=_size, default=None, metavar="SIZE",
+    p.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="SIZE",
                    help="KV cache bytes per device (default: max-num-seqs x max-model-len tokens)")
-    p.add_argument("--max-num-seqs", type=_positive("--max-num-seqs"), default=8, help="requests decoding at once")
-    p.add_argument("--max-model-len", type=_positive("--max-model-len"), default=None,
+    p.add_argument("--max-num-seqs", type=positive_int("--max-num-seqs"), default=8, help="requests decoding at once")
+    p.add_argument("--max-model-len", type=positive_int("--max-model-len"), default=None,
                    help=f"the context: prompt + generated tokens per request (default {DEFAULT_MAX_MODEL_LEN}, "
                         f"{DEFAULT_EMBEDDED_MAX_MODEL_LEN} for the embedded model)")
-    p.add_argument("--page-size", type=_positive("--page-size"), default=None, help="slots per KV page (default 64)")
-    p.add_argument("--prefill-chunk", type=_positive("--prefill-chunk"), default=None,
+    p.add_argument("--page-size", type=positive_int("--page-size"), default=None, help="slots per KV page (default 64)")
+    p.add_argument("--prefill-chunk", type=positive_int("--prefill-chunk"), default=None,
                    help="prompt tokens per prefill program call (default 256 on CPU, 2048 on GPU)")
-    p.add_argument("--decode-steps", type=_positive("--decode-steps"), default=8,
+    p.add_argument("--decode-steps", type=positive_int("--decode-steps"), default=8,
                    help="decode steps per program call: more is faster, fewer streams and admits more finely (default 8)")
-    p.add_argument("--max-pending", type=_positive("--max-pending"), default=256,
+    p.add_argument("--max-pending", type=positive_int("--max-pending"), default=256,
                    help="unfinished requests held at once; more get 503 (default 256)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -97,8 +97,8 @@ def run(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
         if args.mesh and (args.tp or args.dcp):
-            raise _Usage("give either --mesh or --tp/--dcp, not both")
-    except _Usage as e:
+            raise UsageError("give either --mesh or --tp/--dcp, not both")
+    except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return USAGE_ERROR
     try:
