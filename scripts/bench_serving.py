@@ -61,11 +61,13 @@ DEFAULTS = dict(
     model="bench", requests=32, prompt_min=64, prompt_max=16384, output_min=8, output_max=128,
     max_num_seqs=8, prefill_chunk=256, page_size=64, decode_steps=8,
     cap_requests=16, cap_prompt=4064, cap_output=32, cap_page_size=64, cap_fit=3, cap_chunk=4096,
+    client_requests=32, client_prompt=(64, 2048), client_output=(8, 64), client_concurrency=[1, 4, 16],
 )
 QUICK = dict(
     model="tiny", requests=12, prompt_min=16, prompt_max=512, output_min=4, output_max=32,
     max_num_seqs=4, prefill_chunk=128, page_size=16, decode_steps=8,
     cap_requests=10, cap_prompt=240, cap_output=16, cap_page_size=16, cap_fit=2, cap_chunk=256,
+    client_requests=8, client_prompt=(16, 256), client_output=(4, 16), client_concurrency=[1, 4],
 )
 
 
@@ -369,6 +371,121 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return tp, dcp
 
 
+# --- client mode: a running server, driven by the official openai client -----------------------------
+def client_requests(base_url: str, model: str, workload: list[dict], concurrency: int) -> dict:
+    """Send `workload` as streamed completions at `concurrency` clients; request rate, output tokens/s,
+    TTFT (to the first streamed text) and TPOT (the rest of the stream per token) p50/p99."""
+    import concurrent.futures
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key="unused", timeout=900, max_retries=0)
+
+    def one(w):
+        t0 = time.perf_counter()
+        first, usage = None, None
+        stream = client.completions.create(model=model, prompt=w["prompt"], max_tokens=w["max_tokens"],
+                                           temperature=0, stream=True, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True})
+        for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].text:
+                first = time.perf_counter()
+            if chunk.usage is not None:
+                usage = chunk.usage
+        end = time.perf_counter()
+        out = usage.completion_tokens if usage is not None else 0
+        first = first or end
+        return dict(ttft=first - t0, tpot=(end - first) / (out - 1) if out > 1 else None, out=out)
+
+    t = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(one, workload))
+    wall = time.perf_counter() - t
+    tpots = [r["tpot"] for r in results if r["tpot"] is not None]
+    return dict(concurrency=concurrency, requests=len(results), wall_s=wall, request_rate=len(results) / wall,
+                output_tokens=sum(r["out"] for r in results),
+                output_tokens_per_s=sum(r["out"] for r in results) / wall,
+                ttft_p50_s=pct([r["ttft"] for r in results], 50), ttft_p99_s=pct([r["ttft"] for r in results], 99),
+                tpot_p50_s=pct(tpots, 50) if tpots else None, tpot_p99_s=pct(tpots, 99) if tpots else None)
+
+
+def start_server(checkpoint: Path, size: dict, tp: int, dcp: int, max_model_len: int):
+    """Our own server on a free loopback port, in this process: (base URL, stop function)."""
+    import threading
+
+    import uvicorn
+
+    from dcp_jax.serve import make_app
+
+    app, _ = make_app(checkpoint, tp=tp, dcp=dcp, served_model_name="bench", max_num_seqs=size["max_num_seqs"],
+                      max_model_len=max_model_len, page_size=size["page_size"], prefill_chunk=size["prefill_chunk"],
+                      decode_steps=size["decode_steps"])
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise SystemExit("error: the server did not start")
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+
+    def stop():
+        server.should_exit = True
+        thread.join(60)
+
+    return f"http://127.0.0.1:{port}/v1", stop
+
+
+def client_mode(args, size: dict) -> int:
+    """`--client URL|auto`: the client benchmark at each of `--concurrency` (a fresh workload of mixed
+    lengths per level, the same seed), against a running server or (auto) our own on a loopback port."""
+    requests, (p_lo, p_hi), (o_lo, o_hi) = size["client_requests"], size["client_prompt"], size["client_output"]
+    concurrencies = args.concurrency or size["client_concurrency"]
+    tmp, stop = None, None
+    try:
+        if args.client == "auto":
+            tmp = tempfile.TemporaryDirectory(prefix="bench_serving.") if args.checkpoint is None else None
+            checkpoint = ensure_checkpoint(Path(tmp.name) / size["model"] if tmp else args.checkpoint, size["model"])
+            vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+            base, stop = start_server(checkpoint, size, *args.mesh, max_model_len=p_hi + o_hi + 1)
+            model = "bench"
+        else:
+            from openai import OpenAI
+
+            base = args.client.rstrip("/")
+            base = base if base.endswith("/v1") else base + "/v1"
+            model = OpenAI(base_url=base, api_key="unused", max_retries=0).models.list().data[0].id
+            vocab = args.vocab
+        rows = []
+        for c in concurrencies:
+            workload = make_workload(requests, (p_lo, p_hi), (o_lo, o_hi), vocab, args.seed)
+            t = time.perf_counter()
+            rows.append(client_requests(base, model, workload, c))
+            log(f"client: concurrency {c}: {rows[-1]['output_tokens_per_s']:.1f} output tok/s "
+                f"({time.perf_counter() - t:.0f} s)")
+    finally:
+        if stop is not None:
+            stop()
+        if tmp is not None:
+            tmp.cleanup()
+    report = dict(client=args.client, url=base, model=model, requests=requests, prompt_range=[p_lo, p_hi],
+                  output_range=[o_lo, o_hi], rows=rows)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"client: {requests} streamed completions per level, prompts {p_lo}..{p_hi}, outputs {o_lo}..{o_hi}, "
+          f"greedy; {base} ({model})")
+    print("(the server streams each request's tokens in bursts of its decode steps per program call, so TPOT is "
+          "what a client sees: the stream after the first text, per token)")
+    print(f"{'concurrency':>11} {'req/s':>7} {'out tok/s':>10} {'ttft p50/p99 s':>15} {'tpot p50/p99 ms':>16}")
+    for r in rows:
+        tpot = (f"{r['tpot_p50_s'] * 1e3:.2f}/{r['tpot_p99_s'] * 1e3:.2f}" if r["tpot_p50_s"] is not None else "-")
+        print(f"{r['concurrency']:>11} {r['request_rate']:>7.2f} {r['output_tokens_per_s']:>10.1f} "
+              f"{r['ttft_p50_s']:>7.2f}/{r['ttft_p99_s']:<7.2f} {tpot:>16}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny checkpoint, 12 requests of 16..512 tokens (< 60 s)")
@@ -393,6 +510,12 @@ def main(argv=None) -> int:
     p.add_argument("--load", type=float, default=1.0, help="see --rate (default 1.0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-capacity", action="store_true", help="skip the capacity comparison")
+    p.add_argument("--client", default=None, metavar="URL|auto",
+                   help="client mode: drive a running OpenAI-compatible server at URL (or, with 'auto', our own "
+                        "on a loopback port) with the openai client at each --concurrency; nothing else runs")
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="client mode: comma-separated concurrency levels (default 1,4,16; quick 1,4)")
+    p.add_argument("--vocab", type=int, default=256, help="client mode with a URL: ids are drawn below this")
     p.add_argument("--worker", choices=["serving", "capacity"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -416,6 +539,8 @@ def main(argv=None) -> int:
         size["output_min"], size["output_max"] = args.output_range
     if size["output_min"] < 2:
         p.error("outputs must be >= 2 tokens (TPOT needs a token after the first)")
+    if args.client is not None:
+        return client_mode(args, size)
     tp, dcp = args.mesh
 
     tmp = tempfile.TemporaryDirectory(prefix="bench_serving.") if args.checkpoint is None else None

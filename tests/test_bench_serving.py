@@ -54,3 +54,17 @@ def test_bench_serving_quick_json():
     assert many["kv_capacity_tokens"] == many["dcp"] * one["kv_capacity_tokens"]
     assert one["peak_decoding"] == report["capacity"]["fit"]
     assert ratios["capacity_ratio"] >= many["dcp"]
+
+
+def test_bench_serving_client_mode_quick():
+    # --client auto: our own server on a loopback port, driven by the openai client at two concurrencies.
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_serving.py"), "--quick", "--client", "auto",
+                           "--json"], capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["url"].startswith("http://127.0.0.1:") and report["model"] == "bench"
+    assert [r["concurrency"] for r in report["rows"]] == [1, 4]
+    for r in report["rows"]:
+        assert r["requests"] == report["requests"] and r["output_tokens"] > 0
+        assert r["request_rate"] > 0 and r["ttft_p50_s"] <= r["ttft_p99_s"]
