@@ -374,7 +374,7 @@ def parse_mesh(text: str) -> tuple[int, int]:
 # --- client mode: a running server, driven by the official openai client -----------------------------
 def client_requests(base_url: str, model: str, workload: list[dict], concurrency: int) -> dict:
     """Send `workload` as streamed completions at `concurrency` clients; request rate, output tokens/s,
-    TTFT (to the first streamed text) and TPOT (the rest of the stream per token) p50/p99."""
+    TTFT (to the first streamed token) and TPOT (the rest of the stream per token) p50/p99."""
     import concurrent.futures
 
     from openai import OpenAI
@@ -384,11 +384,13 @@ def client_requests(base_url: str, model: str, workload: list[dict], concurrency
     def one(w):
         t0 = time.perf_counter()
         first, usage = None, None
+        # logprobs=1: every chunk names its tokens, so a model without a tokenizer (no text) is timed too
         stream = client.completions.create(model=model, prompt=w["prompt"], max_tokens=w["max_tokens"],
-                                           temperature=0, stream=True, stream_options={"include_usage": True},
-                                           extra_body={"ignore_eos": True})
+                                           temperature=0, logprobs=1, stream=True,
+                                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         for chunk in stream:
-            if first is None and chunk.choices and chunk.choices[0].text:
+            choice = chunk.choices[0] if chunk.choices else None
+            if first is None and choice is not None and (choice.text or (choice.logprobs and choice.logprobs.tokens)):
                 first = time.perf_counter()
             if chunk.usage is not None:
                 usage = chunk.usage
