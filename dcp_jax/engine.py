@@ -34,6 +34,7 @@ from dcp_jax.model import AttentionContext, CausalLM, init_cache
 # weight reads; 2048 is not yet measured: scripts/gpu_check.sh sweeps 512-4096 and prints the fastest.
 DEFAULT_PREFILL_CHUNK = {"cpu": 256, "gpu": 2048}
 DEFAULT_PAGE_SIZE = 64  # slots per page; a block-table entry covers page_size · dcp tokens
+MAX_SERVERS = 8  # pool configurations (compiled programs) an LLM keeps across generate calls
 
 
 def default_prefill_chunk(platform: str) -> int:
@@ -505,11 +506,17 @@ class LLM:
                             max_num_seqs=max_num_seqs or self.max_num_seqs,
                             max_model_len=max_model_len, prefill_chunk=prefill_chunk,
                             decode_steps=self.decode_steps, max_num_batched_tokens=self.max_num_batched_tokens)
-        if config not in self._servers:
-            self._servers[config] = ServingEngine(
-                self.model, self.mesh, config, interleave=interleave, impl=self.impl,
-                detokenize=None if self.tokenizer is None else self.decode)
-        return self._servers[config]
+        server = self._servers.pop(config, None) or ServingEngine(
+            self.model, self.mesh, config, interleave=interleave, impl=self.impl,
+            detokenize=None if self.tokenizer is None else self.decode)
+        # One pool lives at a time: the others keep their compiled programs but give their pools back
+        # (reallocated, zeroed, if used again); at most MAX_SERVERS configurations are kept, newest last.
+        for other in self._servers.values():
+            other.release_pool()
+        while len(self._servers) >= MAX_SERVERS:
+            self._servers.pop(next(iter(self._servers)))
+        self._servers[config] = server
+        return server
 
     def generate(self, prompts, *, max_new_tokens: int = 32, max_seq_len: int | None = None,
                  prefill_chunk: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,

@@ -197,3 +197,15 @@ def test_one_stack_per_layer_gives_the_same_tokens_without_weight_slices():
     shard = "f32[" + ",".join(map(str, q.sharding.shard_shape(q.shape)[1:])) + "]"
     hlo = llm.server(64, 8, 9).decode_program().as_text()
     assert not [line for line in hlo.splitlines() if re.search(r"slice\S* = " + re.escape(shard), line)]
+
+
+def test_one_pool_at_a_time_across_generate_calls():
+    # Calls with other sizes build other configurations; only the newest keeps its pool allocated.
+    llm = load("llama-gqa", 1, 2, page_size=2)
+    a = llm.generate([[1, 2, 3]], max_new_tokens=2, ignore_eos=True)
+    b = llm.generate([[1, 2, 3, 4, 5, 6]], max_new_tokens=3, ignore_eos=True)
+    engines = llm.serving_engines()
+    assert len(engines) == 2 and engines[0].pools is None and engines[1].pools is not None
+    again = llm.generate([[1, 2, 3]], max_new_tokens=2, ignore_eos=True)  # the first configuration, reused
+    assert again.tokens == a.tokens and len(llm.serving_engines()) == 2 and b.tokens
+    assert llm.serving_engines()[-1].pools is not None and llm.serving_engines()[0].pools is None

@@ -189,6 +189,13 @@ class ServingEngine:
             self.pools = make()
         return self.pools
 
+    def release_pool(self) -> None:
+        """Give the pool's memory back (the programs stay compiled); `allocate` makes a zeroed one again.
+        Only between runs: no request may hold pages."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("release_pool with requests in flight")
+        self.pools = None
+
     def pool_spec(self):
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, self.dtype, sharding=self.pool_sharding),
                             self.pool_shapes(), is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[0], int))
