@@ -184,3 +184,41 @@ def test_random_shared_prefix_workload_is_exact_and_leaks_nothing(geom, pages, s
             assert r.output_token_ids == reference(r, 32)
     assert sched.stats()["pages_used"] == 0
     sched.pool.check(owners=[])
+
+
+# --- the real engine: caching on gives the tokens caching off gives ----------------------------------
+@pytest.mark.parametrize("name,tp,dcp", [("llama-gqa", 1, 1), ("llama-gqa", 2, 4), ("llama-gqa", 1, 3),
+                                         ("deepseek-v3", 1, 2)])
+def test_greedy_tokens_equal_with_caching_on_and_off(name, tp, dcp):
+    # Pages of 2 slots: a block is 2·dcp tokens. Waves on one server (its cache persists): a document;
+    # cuts of it ending inside a block, on a block boundary (fully cached: the last block is recomputed)
+    # and past several blocks; several requests sharing it at once; a multi-turn follow-up; then new
+    # documents that evict it from a pool holding about two requests, and the first questions again.
+    from dcp_jax import LLM
+    from dcp_jax.serving.engine import run_requests
+    from tests.util import FIXTURES
+
+    block = 2 * dcp
+    rng = np.random.default_rng(dcp)
+    doc = [int(t) for t in rng.integers(1, 200, 5 * block + 3)]
+    other = [[int(t) for t in rng.integers(1, 200, 4 * block)] for _ in range(2)]
+    waves = [[doc], [doc[:block + 1]], [doc[:2 * block]], [doc + [7, 8], doc + [9], doc[:3 * block] + [5]],
+             [doc + [11]], *[[o] for o in other], [doc + [9], doc[:2 * block]]]
+    pages = 1 + 2 * -(-(len(doc) + 2 + 6) // block)
+    outs = {}
+    for caching in (False, True):
+        llm = LLM.load(FIXTURES / name, tp=tp, dcp=dcp, page_size=2, max_num_seqs=3, decode_steps=3,
+                       enable_prefix_caching=caching)
+        server = llm.server(64, 8, pages)
+        got, prev = [], None
+        for w, prompts in enumerate(waves):
+            if w == 4:  # multi-turn: the transcript of wave 0 plus a new message
+                prompts = [waves[0][0] + got[0][0] + prompts[0][-1:]]
+            reqs = [Request(f"{w}-{i}", p, max_tokens=6, ignore_eos=True) for i, p in enumerate(prompts)]
+            run_requests(server, reqs)
+            server.scheduler.check()
+            got.append([r.output_token_ids for r in reqs])
+        outs[caching] = got
+        stats = server.scheduler.stats()
+    assert outs[True] == outs[False]
+    assert stats["prefix_hit_tokens"] > 0 and stats["evictions"] > 0 and stats["pages_used"] == 0
