@@ -222,3 +222,29 @@ def test_greedy_tokens_equal_with_caching_on_and_off(name, tp, dcp):
         stats = server.scheduler.stats()
     assert outs[True] == outs[False]
     assert stats["prefix_hit_tokens"] > 0 and stats["evictions"] > 0 and stats["pages_used"] == 0
+
+
+def test_bench_prefix_quick_json():
+    # Structure and hit rates only: no wall-clock ratio is asserted.
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "bench_prefix.py"), "--quick", "--json"],
+                          capture_output=True, text=True, timeout=240, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "bench_prefix.py --quick --json" in report["command"] and report["mismatches"] == []
+    n = report["size"]["questions"]
+    for side in ("off", "on"):
+        r = report[side]
+        assert len(r["questions"]["ttft_s"]) == n and all(t > 0 for t in r["questions"]["ttft_s"])
+        assert len(r["conversation"]["ttft_s"]) == report["size"]["turns"]
+        assert r["batch"]["requests_per_s"] > 0 and r["batch"]["output_tokens_per_s"] > 0
+    for phase in ("questions", "batch", "conversation"):
+        assert report["off"][phase]["hit_rate"] == 0 and report["on"][phase]["hit_rate"] > 0, phase
+    assert report["on"]["stats"]["prefix_hit_tokens"] > 0 and report["off"]["stats"]["cached_blocks"] == 0
