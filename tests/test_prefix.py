@@ -248,3 +248,23 @@ def test_bench_prefix_quick_json():
     for phase in ("questions", "batch", "conversation"):
         assert report["off"][phase]["hit_rate"] == 0 and report["on"][phase]["hit_rate"] > 0, phase
     assert report["on"]["stats"]["prefix_hit_tokens"] > 0 and report["off"]["stats"]["cached_blocks"] == 0
+
+
+def test_flag_on_by_default_everywhere():
+    import inspect
+
+    from dcp_jax import LLM
+    from dcp_jax.errors import UserError
+    from dcp_jax.generate import build_parser as generate_parser
+    from dcp_jax.serve import build_parser as serve_parser
+    from dcp_jax.serve import make_app
+
+    for parser in (generate_parser(), serve_parser()):
+        assert parser.parse_args([]).enable_prefix_caching is True
+        assert parser.parse_args(["--no-enable-prefix-caching"]).enable_prefix_caching is False
+    assert inspect.signature(LLM.load).parameters["enable_prefix_caching"].default is True
+    assert inspect.signature(make_app).parameters["enable_prefix_caching"].default is True
+    from tests.util import FIXTURES
+
+    with pytest.raises(UserError, match="enable_prefix_caching"):
+        LLM.load(FIXTURES / "llama-gqa", enable_prefix_caching="yes")
