@@ -151,6 +151,20 @@ def test_decode_blocks_are_cached_for_the_next_turn():
     assert serve.plans[0].prefills[0].start == 8  # the blocks decode filled were cached
 
 
+def test_preempted_request_resumes_after_its_cached_blocks():
+    # 8 usable pages of 2 tokens, two requests growing to 14 tokens each: r1 is preempted; r0's growth
+    # evicts most of r1's released blocks, and r1 resumes after the ones still cached.
+    sched, dev = make(dcp=1, page_size=2, num_pages=9, max_model_len=32, max_num_seqs=2, decode_steps=2)
+    reqs = [Request(f"r{i}", list(range(10 * i + 1, 10 * i + 8)), max_tokens=8, ignore_eos=True) for i in range(2)]
+    for r in reqs:
+        sched.add_request(r)
+    resumed = []
+    drive(sched, dev, on_step=lambda p: resumed.extend(c.start for c in p.prefills if c.request.num_preemptions))
+    assert resumed and resumed[0] > 0
+    assert [r.output_token_ids for r in reqs] == [reference(r, 32) for r in reqs]
+    assert sched.stats()["evictions"] > 0 and sched.stats()["pages_used"] == 0
+
+
 def test_caching_off_never_hits():
     sched, dev = make(caching=False)
     serve(sched, dev, [list(range(1, 13))])
