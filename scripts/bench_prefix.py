@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared 
 import bench_serving  # noqa: E402
 
 DEFAULTS = dict(model="bench", doc=16384, questions=8, question=32, output=16, turns=4, system=256,
-                message=64, reply=16, page_size=64, prefill_chunk=512, decode_steps=8)
+                message=64, reply=16, page_size=64, prefill_chunk=256, decode_steps=8)
 QUICK = dict(model="tiny", doc=1024, questions=4, question=16, output=8, turns=3, system=64,
              message=16, reply=8, page_size=16, prefill_chunk=128, decode_steps=8)
 
