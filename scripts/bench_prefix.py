@@ -152,11 +152,13 @@ def main(argv=None) -> int:
     p.add_argument("--doc", type=int, help="document tokens (default 16384; quick 1024)")
     p.add_argument("--questions", type=int, help="questions per phase (default 8; quick 4)")
     p.add_argument("--turns", type=int, help="conversation turns (default 4; quick 3)")
+    p.add_argument("--prefill-chunk", type=int, help="rows of the prefill program (default 256; quick 128)")
+    p.add_argument("--page-size", type=int, help="slots per page (default 64; quick 16)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     command = shlex.join(["python", "scripts/bench_prefix.py", *(sys.argv[1:] if argv is None else argv)])
     size = dict(QUICK if args.quick else DEFAULTS)
-    for key in ("doc", "questions", "turns"):
+    for key in ("doc", "questions", "turns", "prefill_chunk", "page_size"):
         if getattr(args, key) is not None:
             size[key] = getattr(args, key)
     tp, dcp = args.mesh
