@@ -224,7 +224,7 @@ def test_greedy_tokens_equal_with_caching_on_and_off(name, tp, dcp):
         llm = LLM.load(FIXTURES / name, tp=tp, dcp=dcp, page_size=2, max_num_seqs=3, decode_steps=3,
                        enable_prefix_caching=caching)
         server = llm.server(64, 8, pages)
-        got, prev = [], None
+        got = []
         for w, prompts in enumerate(waves):
             if w == 4:  # multi-turn: the transcript of wave 0 plus a new message
                 prompts = [waves[0][0] + got[0][0] + prompts[0][-1:]]
