@@ -18,6 +18,11 @@ its pages are freed and it goes back to the front of the waiting queue, to be re
 prefilling prompt + the tokens it generated so far (the token sampled after that prefill is its next
 one). The oldest running request therefore always progresses, and `add_request` refuses requests
 that could not fit the pool even alone, so the schedule cannot deadlock.
+
+With `enable_prefix_caching`, pages come from a `PrefixCache` (dcp_jax/kv/prefix.py): an admitted (or
+resumed) request starts after the longest run of cached full blocks of its tokens, sharing those pages,
+and every block a request fills is registered for later requests. Cached pages no request holds count
+as available: taking one evicts it (least recently used first). See docs/SERVING.md.
 """
 
 from __future__ import annotations
