@@ -401,7 +401,7 @@ class LLM:
                  impl: str | None = None, source: str = "in memory", page_size: int | None = None,
                  max_num_seqs: int = 8, kv_cache_memory: int | str | None = None,
                  gpu_memory_utilization: float | None = None, decode_steps: int = 8,
-                 max_num_batched_tokens: int | None = None):
+                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True):
         from dcp_jax.serving.engine import parse_bytes
 
         self.model, self.mesh, self.tokenizer, self.source = model, mesh, tokenizer, source
@@ -424,6 +424,11 @@ class LLM:
             raise UserError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         self.page_size, self.max_num_seqs, self.decode_steps = page_size, max_num_seqs, decode_steps
         self.max_num_batched_tokens = max_num_batched_tokens
+        if not isinstance(enable_prefix_caching, bool):
+            raise UserError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
+        # On by default: a prompt whose full blocks are cached (a shared document, a resent transcript,
+        # a preempted request) prefills only its tail; the output is the same tokens either way.
+        self.enable_prefix_caching = enable_prefix_caching
         self.kv_cache_memory = None if kv_cache_memory is None else parse_bytes(kv_cache_memory)
         self.gpu_memory_utilization = gpu_memory_utilization
         self._servers = {}  # PoolConfig -> ServingEngine (its compiled programs)
@@ -433,7 +438,7 @@ class LLM:
              impl: str | None = None, devices=None, page_size: int | None = None, max_num_seqs: int = 8,
              kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
              decode_steps: int = 8, max_num_batched_tokens: int | None = None,
-             scan_layers: bool = True) -> "LLM":
+             scan_layers: bool = True, enable_prefix_caching: bool = True) -> "LLM":
         from dcp_jax.weights import load_any
 
         if interleave != "contiguous" and not (isinstance(interleave, int) and interleave >= 1):
@@ -443,7 +448,7 @@ class LLM:
         return cls(model, mesh, tokenizer, interleave=interleave, impl=impl, source=source, page_size=page_size,
                    max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory,
                    gpu_memory_utilization=gpu_memory_utilization, decode_steps=decode_steps,
-                   max_num_batched_tokens=max_num_batched_tokens)
+                   max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching)
 
     def save(self, path) -> int:
         """Save weights, config and tokenizer as an orbax checkpoint (atomically); returns the step."""
@@ -505,12 +510,13 @@ class LLM:
         config = PoolConfig(num_pages=num_pages, page_size=self.page_size,
                             max_num_seqs=max_num_seqs or self.max_num_seqs,
                             max_model_len=max_model_len, prefill_chunk=prefill_chunk,
-                            decode_steps=self.decode_steps, max_num_batched_tokens=self.max_num_batched_tokens)
+                            decode_steps=self.decode_steps, max_num_batched_tokens=self.max_num_batched_tokens,
+                            enable_prefix_caching=self.enable_prefix_caching)
         server = self._servers.pop(config, None) or ServingEngine(
             self.model, self.mesh, config, interleave=interleave, impl=self.impl,
             detokenize=None if self.tokenizer is None else self.decode)
         # One pool lives at a time: the others keep their compiled programs but give their pools back
-        # (reallocated, zeroed, if used again); at most MAX_SERVERS configurations are kept, newest last.
+        # (and with them their cached prefixes); at most MAX_SERVERS configurations are kept, newest last.
         for other in self._servers.values():
             other.release_pool()
         while len(self._servers) >= MAX_SERVERS:
@@ -589,7 +595,7 @@ class LLM:
                 progress["step"] += 1
             progress["emitted"] = [len(r.output_token_ids) for r in requests]
 
-        timing0 = dict(server.timing)
+        timing0, sched0 = dict(server.timing), server.scheduler.stats()
         result = run_requests(server, requests, on_step=on_step, on_prefill=on_prefill)
         timing = {k: server.timing[k] - timing0[k] for k in timing0}
         errors = [r.error for r in requests]
@@ -601,6 +607,11 @@ class LLM:
         # chunks of other requests interleave with decoding; they are not counted against it)
         decode_s, decoded = timing["decode_s"], timing["decode_tokens"]
         layout = server.layout
+        # the scheduler lives as long as the server (so does its prefix cache): this call's share
+        q, h = (result[k] - sched0[k] for k in ("prefix_query_tokens", "prefix_hit_tokens"))
+        prefix = dict(prefix_caching=self.enable_prefix_caching, prefix_query_tokens=q, prefix_hit_tokens=h,
+                      prefix_hit_rate=h / q if q else 0.0, cached_blocks=result["cached_blocks"],
+                      evictions=result["evictions"] - sched0["evictions"])
         stats = dict(
             tp=self.mesh.shape[mesh_lib.TP], dcp=self.mesh.shape[mesh_lib.DCP], interleave=layout.interleave,
             page_size=layout.page_size, batch=len(ids), max_seq_len=max_model_len,
@@ -615,7 +626,7 @@ class LLM:
             requests=[dict(ttft_s=first.get(r.request_id), prompt_tokens=r.num_prompt_tokens,
                            generated_tokens=len(r.output_token_ids), finish_reason=r.finish_reason,
                            preemptions=r.num_preemptions) for r in requests],
-            **server.kv_bytes(),
+            **prefix, **server.kv_bytes(),
         )
         out = Generation([list(r.output_token_ids) for r in requests], [list(r.output_logprobs) for r in requests],
                          stats, finish_reasons=[r.finish_reason for r in requests], errors=errors)

@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests decoding at once (default 8)")
     k.add_argument("--max-num-batched-tokens", type=positive_int("--max-num-batched-tokens"), default=None,
                    metavar="N", help="prompt tokens prefilled per scheduler iteration (default: one chunk)")
+    k.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of cached full blocks (page-size x dcp tokens) of a prompt's prefix; the "
+                        "tokens are the same either way (default on)")
     k.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
                    help="run consecutive layers as one lax.scan (compile time flat in depth; default) or "
                         "one program per layer (--no-scan-layers: no per-step slicing of stacked weights)")
@@ -216,7 +219,8 @@ def run(argv=None) -> int:
         llm = LLM.load(model_dir, tp=tp, dcp=dcp, interleave=args.interleave, dtype=args.dtype, impl=args.impl,
                        page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, scan_layers=args.scan_layers,
-                       kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization)
+                       kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+                       enable_prefix_caching=args.enable_prefix_caching)
         if default_run and args.kv_cache_memory is None and args.gpu_memory_utilization is None:
             # the default run reserves a whole 16K-token sequence, which is what its KV report measures
             llm.reserve_tokens(args.max_seq_len or DEFAULT_MAX_SEQ_LEN)

@@ -8,6 +8,7 @@ with one `error: ...` line and exit 2, like `python -m dcp_jax.generate`.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -49,6 +50,8 @@ def build_parser():
     p.add_argument("--max-pending", type=positive_int("--max-pending"), default=256,
                    help="unfinished requests held at once; more get 503 (default 256)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of cached full blocks of a prompt's prefix (default on)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p
 
@@ -56,7 +59,7 @@ def build_parser():
 def make_app(model_dir=None, *, tp: int | None = None, dcp: int | None = None, served_model_name: str | None = None,
              kv_cache_memory=None, max_num_seqs: int = 8, max_model_len: int | None = None,
              page_size: int | None = None, prefill_chunk: int | None = None, max_pending: int = 256,
-             dtype: str = "float32", decode_steps: int = 8):
+             dtype: str = "float32", decode_steps: int = 8, enable_prefix_caching: bool = True):
     """Load the model, size the pool, compile, and return (FastAPI app, LLM). Raises UserError/ValueError
     on bad sizes or checkpoints."""
     import math
@@ -72,7 +75,8 @@ def make_app(model_dir=None, *, tp: int | None = None, dcp: int | None = None, s
         tp, dcp = mesh_lib.local_mesh_shape(max_tp=2)
     tp, dcp = tp or 1, dcp or 1
     llm = LLM.load(path, tp=tp, dcp=dcp, dtype=dtype, page_size=page_size, max_num_seqs=max_num_seqs,
-                   kv_cache_memory=kv_cache_memory, decode_steps=decode_steps)
+                   kv_cache_memory=kv_cache_memory, decode_steps=decode_steps,
+                   enable_prefix_caching=enable_prefix_caching)
     max_model_len = max_model_len or (DEFAULT_EMBEDDED_MAX_MODEL_LEN if embedded else DEFAULT_MAX_MODEL_LEN)
     if max_model_len < 2:
         raise ValueError(f"--max-model-len must be >= 2, got {max_model_len}")
@@ -112,7 +116,7 @@ def run(argv=None) -> int:
                             kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                             max_model_len=args.max_model_len, page_size=args.page_size,
                             prefill_chunk=args.prefill_chunk, max_pending=args.max_pending, dtype=args.dtype,
-                            decode_steps=args.decode_steps)
+                            decode_steps=args.decode_steps, enable_prefix_caching=args.enable_prefix_caching)
     except (ValueError, ImportError) as e:  # UserError and the library's own ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return RUN_ERROR

@@ -145,6 +145,7 @@ class PoolConfig:
     prefill_chunk: int
     decode_steps: int
     max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = False
 
 
 class ServingEngine:
@@ -163,7 +164,7 @@ class ServingEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens or config.prefill_chunk,
             decode_steps=config.decode_steps, eos_token_ids=tuple(model.config.eos_token_ids),
-            vocab_size=model.config.vocab_size)
+            vocab_size=model.config.vocab_size, enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, detokenize=detokenize)
         self.replicated = mesh_lib.named(mesh, mesh_lib.spec())
         self.pool_sharding = mesh_lib.named(
@@ -194,6 +195,7 @@ class ServingEngine:
         Only between runs: no request may hold pages."""
         if self.scheduler.has_unfinished():
             raise RuntimeError("release_pool with requests in flight")
+        self.scheduler.drop_cached_blocks()  # their KV goes with the pool
         self.pools = None
 
     def pool_spec(self):

@@ -168,6 +168,12 @@ class Metrics:
         self.pages_used = Gauge(p + "kv_pages_used", "KV pages in use (per context rank)", registry=r)
         self.pages_total = Gauge(p + "kv_pages_total", "Usable KV pages (per context rank)", registry=r)
         self.capacity = Gauge(p + "kv_capacity_tokens", "Tokens the whole KV pool holds", registry=r)
+        self.prefix_query = Gauge(p + "prefix_cache_query_tokens", "Prompt tokens looked up in the prefix "
+                                  "cache (cumulative)", registry=r)
+        self.prefix_hit = Gauge(p + "prefix_cache_hit_tokens", "Prompt tokens found cached (cumulative)", registry=r)
+        self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "prefix_cache_hit_tokens / query tokens", registry=r)
+        self.cached_blocks = Gauge(p + "prefix_cache_blocks", "Blocks in the prefix table", registry=r)
+        self.evictions = Gauge(p + "prefix_cache_evictions", "Cached blocks evicted (cumulative)", registry=r)
         Gauge(p + "tp", "Tensor-parallel size", registry=r).set(tp)
         Gauge(p + "dcp", "Decode-context-parallel size", registry=r).set(dcp)
 
@@ -178,6 +184,11 @@ class Metrics:
         self.pages_used.set(stats["pages_used"])
         self.pages_total.set(stats["pages_total"])
         self.capacity.set(stats["kv_capacity_tokens"])
+        self.prefix_query.set(stats["prefix_query_tokens"])
+        self.prefix_hit.set(stats["prefix_hit_tokens"])
+        self.prefix_hit_rate.set(stats["prefix_hit_rate"])
+        self.cached_blocks.set(stats["cached_blocks"])
+        self.evictions.set(stats["evictions"])
 
 
 # --- text deltas ----------------------------------------------------------------------------------------

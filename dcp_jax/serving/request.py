@@ -55,6 +55,10 @@ class Request:
     pages: list[int] = dataclasses.field(default_factory=list)  # block-table row, in block order
     num_computed: int = 0  # tokens whose KV is in the cache (positions [0, num_computed))
     num_preemptions: int = 0
+    # prefix caching: keys of the full blocks of prompt + output (kept across preemption: the tokens do
+    # not change), and how many of `pages` are registered in the prefix table (or were taken from it)
+    block_keys: list[bytes] = dataclasses.field(default_factory=list)
+    num_registered: int = 0
 
     def __post_init__(self):
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]

@@ -18,6 +18,11 @@ its pages are freed and it goes back to the front of the waiting queue, to be re
 prefilling prompt + the tokens it generated so far (the token sampled after that prefill is its next
 one). The oldest running request therefore always progresses, and `add_request` refuses requests
 that could not fit the pool even alone, so the schedule cannot deadlock.
+
+With `enable_prefix_caching`, pages come from a `PrefixCache` (dcp_jax/kv/prefix.py): an admitted (or
+resumed) request starts after the longest run of cached full blocks of its tokens, sharing those pages,
+and every block a request fills is registered for later requests. Cached pages no request holds count
+as available: taking one evicts it (least recently used first). See docs/SERVING.md.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import numpy as np
 
 from dcp_jax.errors import UserError
 from dcp_jax.kv.allocator import PageAllocator
+from dcp_jax.kv.prefix import PrefixCache, chain_keys
 from dcp_jax.layout import PagedLayout
 from dcp_jax.serving.request import Request, RequestState
 
@@ -54,6 +60,7 @@ class SchedulerConfig:
     decode_steps: int = 8
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int | None = None
+    enable_prefix_caching: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
@@ -163,6 +170,10 @@ class Scheduler:
         self.config, self.detokenize, self.clock = config, detokenize, clock
         self.layout = config.layout
         self.allocator = PageAllocator(config.num_pages, reserved=NULL_PAGE + 1)
+        # Every page goes through the prefix cache; with caching off nothing is ever registered, so it
+        # is the plain allocator (one code path for both).
+        self.pool = PrefixCache(self.allocator)
+        self.prefix_query_tokens = self.prefix_hit_tokens = 0
         self.block_table = np.full((config.max_num_seqs, config.max_blocks_per_seq), NULL_PAGE, np.int32)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
@@ -268,13 +279,13 @@ class Scheduler:
                     i += 1
                     continue
             need = lay.blocks_for(target) - len(r.pages)
-            while need > self.allocator.num_free and self.running[-1] is not r:
+            while need > self.pool.num_available and self.running[-1] is not r:
                 preempted.append(self.preempt(self.running[-1]))
-            if need > self.allocator.num_free:  # r is the newest running request
+            if need > self.pool.num_available:  # r is the newest running request
                 if r.state is RequestState.DECODING:
                     preempted.append(self.preempt(r))
                     continue
-                target = min(target, lay.capacity_tokens(len(r.pages) + self.allocator.num_free))
+                target = min(target, lay.capacity_tokens(len(r.pages) + self.pool.num_available))
                 need = lay.blocks_for(target) - len(r.pages)
                 if target <= r.num_computed:
                     i += 1
@@ -291,17 +302,27 @@ class Scheduler:
         #    preemption: the pool is short already). Strict FCFS: the head waits, nobody overtakes it.
         while not preempted and self.waiting and self.free_slots and budget > 0:
             r = self.waiting[0]
-            target = min(r.num_tokens, budget, lay.capacity_tokens(self.allocator.num_free))
-            if target <= 0:
+            hit = self.prefix_hit(r)
+            taken = sum(1 for p in hit if p in self.pool.evictable)  # hit pages no longer available
+            start = lay.capacity_tokens(len(hit))
+            target = min(r.num_tokens, start + budget,
+                         lay.capacity_tokens(len(hit) + self.pool.num_available - taken))
+            if target <= start:
                 break
             self.waiting.popleft()
             r.slot = min(self.free_slots)
             self.free_slots.remove(r.slot)
-            r.state, r.num_computed = RequestState.PREFILLING, 0
+            r.state, r.num_computed = RequestState.PREFILLING, start
             self.running.append(r)
-            self.grow(r, lay.blocks_for(target))
+            if hit:
+                self.pool.acquire(hit)
+                self.block_table[r.slot, :len(hit)] = hit
+                r.pages, r.num_registered = list(hit), len(hit)
+            self.prefix_query_tokens += r.num_tokens
+            self.prefix_hit_tokens += start
+            self.grow(r, lay.blocks_for(target) - len(r.pages))
             prefills.append(self.chunk(r, target))
-            budget -= target
+            budget -= target - start
 
         n = cfg.max_num_seqs
         tokens, positions, mask = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, bool)
@@ -314,6 +335,34 @@ class Scheduler:
         self.last_plan = plan
         return plan
 
+    def drop_cached_blocks(self) -> int:
+        """Forget every cached prefix block no request holds (their KV is about to be lost); returns how
+        many were dropped."""
+        return self.pool.clear()
+
+    def prefix_hit(self, r: Request) -> list[int]:
+        """Pages of the longest run of cached full blocks of `r`'s prompt + output so far, stopping
+        before its last token: the device must still run that token to sample the next one, and the
+        block it lands in will be written, so it must be a private page (never a cached one)."""
+        if not self.config.enable_prefix_caching:
+            return []
+        tpb = self.layout.tokens_per_block
+        chain_keys(r.token_ids(0, r.num_tokens), tpb, r.block_keys)
+        return self.pool.lookup(r.block_keys[:(r.num_tokens - 1) // tpb])
+
+    def register_blocks(self, r: Request) -> None:
+        """Cache `r`'s blocks that became full (all their KV written), prefill or decode alike."""
+        if not self.config.enable_prefix_caching:
+            return
+        tpb = self.layout.tokens_per_block
+        full = min(r.num_computed // tpb, len(r.pages))
+        if full <= r.num_registered:
+            return
+        chain_keys(r.token_ids(0, full * tpb), tpb, r.block_keys)
+        for b in range(r.num_registered, full):
+            self.pool.register(r.block_keys[b], r.pages[b])
+        r.num_registered = full
+
     def chunk(self, r: Request, target: int) -> PrefillChunk:
         """The prefill chunk taking `r` from num_computed to `target` tokens in cache."""
         return PrefillChunk(request=r, slot=r.slot, start=r.num_computed,
@@ -323,8 +372,8 @@ class Scheduler:
         """Give running request `r` n more pages (the caller checked they are free)."""
         if n <= 0:
             return
-        pages = self.allocator.allocate(n)
-        assert pages is not None, "caller must check num_free"
+        pages = self.pool.allocate(n)
+        assert pages is not None, "caller must check num_available"
         self.block_table[r.slot, len(r.pages):len(r.pages) + n] = pages
         r.pages.extend(pages)
 
@@ -340,10 +389,13 @@ class Scheduler:
         return r.request_id
 
     def release(self, r: Request) -> None:
-        """Free `r`'s pages and slot (the block-table row goes back to NULL_PAGE)."""
+        """Free `r`'s pages and slot (the block-table row goes back to NULL_PAGE). Its full blocks are
+        registered first, so a finished or preempted request leaves its prefix cached."""
+        self.register_blocks(r)
         if r.pages:
-            self.allocator.free(r.pages)
+            self.pool.release(r.pages)
             r.pages = []
+        r.num_registered = 0
         if r.slot is not None:
             self.block_table[r.slot] = NULL_PAGE
             self.free_slots.add(r.slot)
@@ -376,6 +428,7 @@ class Scheduler:
             if r.state is not RequestState.PREFILLING or r.slot != c.slot:
                 continue  # cancelled after the plan was made
             r.num_computed = c.end
+            self.register_blocks(r)
             if not c.is_last:
                 continue
             r.state = RequestState.DECODING
@@ -399,8 +452,10 @@ class Scheduler:
             for step in range(k):
                 r.num_computed += 1  # the step's input token is now in the cache
                 if self.append(r, tokens[slot, step], None if lp is None else lp[slot, step]):
-                    done.append(r)
+                    done.append(r)  # finish() registered its full blocks before freeing them
                     break
+            else:
+                self.register_blocks(r)
         return done
 
     def check_plan(self, plan: SchedulePlan, flag: str) -> None:
@@ -420,15 +475,21 @@ class Scheduler:
 
     # --- introspection -------------------------------------------------------------------------------
     def stats(self) -> dict:
-        used, total = self.allocator.num_used, self.allocator.num_usable
+        """Counters for logs and metrics. pages_used counts pages requests hold; cached blocks no
+        request uses are free for the pool's purposes (evicted on demand) and counted in cached_blocks.
+        prefix_query_tokens / prefix_hit_tokens sum over admissions (a resumed request counts again)."""
+        used, total = self.pool.num_in_use, self.allocator.num_usable
+        q, h = self.prefix_query_tokens, self.prefix_hit_tokens
         return dict(preemptions=self.num_preemptions, pages_used=used, pages_total=total,
                     kv_capacity_tokens=self.layout.capacity_tokens(total),
                     kv_used_tokens=self.layout.capacity_tokens(used),
-                    running=len(self.running), waiting=len(self.waiting))
+                    running=len(self.running), waiting=len(self.waiting),
+                    prefix_query_tokens=q, prefix_hit_tokens=h, prefix_hit_rate=h / q if q else 0.0,
+                    cached_blocks=self.pool.num_cached, evictions=self.pool.num_evictions)
 
     def check(self) -> None:
         """Assert the scheduler's invariants (tests call it after every step)."""
-        self.allocator.check(owners=[r.pages for r in self.running])
+        self.pool.check(owners=[r.pages for r in self.running])
         slots = [r.slot for r in self.running]
         assert len(set(slots)) == len(slots) and None not in slots
         assert self.free_slots == set(range(self.config.max_num_seqs)) - set(slots)
@@ -441,6 +502,10 @@ class Scheduler:
             assert len(r.pages) >= self.layout.blocks_for(r.num_computed)
             if r.state is RequestState.DECODING:
                 assert r.num_computed == r.num_tokens - 1
+            # the pages it may still write (from its first block not fully computed) are private
+            for p in r.pages[r.num_computed // self.layout.tokens_per_block:]:
+                assert not self.pool.is_shared_or_cached(p), f"page {p} may be written but is shared/cached"
+            assert r.num_registered <= r.num_computed // self.layout.tokens_per_block
         for r in self.waiting:
             assert r.state is RequestState.WAITING and not r.pages and r.slot is None and r.num_computed == 0
         assert {r.request_id for r in self.running} | {r.request_id for r in self.waiting} == set(self.requests)

@@ -1,0 +1,195 @@
+"""Prefix caching on CPU: time to first token and throughput with caching on and off, side by side.
+
+One random-weight float32 Llama checkpoint (scripts/bench_serving.py's, via random_llama), two `LLM`
+objects over it in one interpreter (`enable_prefix_caching` False / True), each with one fixed server
+(`LLM.server` + `run_requests`: the pool, and so the prefix cache, lives across the runs):
+
+  questions      a long shared document (default 16K tokens) followed by N different short questions,
+                 asked one after the other: TTFT of each (the first one pays for the document either way;
+                 with caching on the later ones prefill only their question and the document's partial
+                 last block)
+  batch          N more questions about the same document, all at once: wall time, requests/s, output
+                 tokens/s
+  conversation   a multi-turn chat that grows: each turn resends the whole transcript (a system prompt,
+                 every earlier user message and reply) plus a new user message; TTFT per turn
+
+Greedy, ignore_eos; every request's tokens with caching on must equal those with it off (a mismatch is
+reported and the script exits with status 1). Hit rates are the scheduler's stats (prefix_hit_tokens /
+prefix_query_tokens over the phase). Compilation is excluded: both servers compile their two programs
+and run a warm-up request (of unrelated tokens) before anything is timed.
+
+    python scripts/bench_prefix.py                  # 16K-token document, 8 questions, 4 turns
+    python scripts/bench_prefix.py --quick --json   # tiny checkpoint, 1K-token document
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared helpers
+import bench_serving  # noqa: E402
+
+DEFAULTS = dict(model="bench", doc=16384, questions=8, question=32, output=16, turns=4, system=256,
+                message=64, reply=16, page_size=64, prefill_chunk=256, decode_steps=8)
+QUICK = dict(model="tiny", doc=1024, questions=4, question=16, output=8, turns=3, system=64,
+             message=16, reply=8, page_size=16, prefill_chunk=128, decode_steps=8)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def workload(size: dict, vocab: int, seed: int) -> dict:
+    """Random token ids (never 0..2: no BOS/EOS look-alikes) for every phase, the same for both runs."""
+    rng = np.random.default_rng(seed)
+    ids = lambda n: [int(t) for t in rng.integers(3, vocab, n)]  # noqa: E731
+    return dict(doc=ids(size["doc"]), questions=[ids(size["question"]) for _ in range(size["questions"])],
+                batch=[ids(size["question"]) for _ in range(size["questions"])],
+                system=ids(size["system"]), messages=[ids(size["message"]) for _ in range(size["turns"])],
+                warmup=ids(size["question"] * 2))
+
+
+def run_side(checkpoint: str, size: dict, work: dict, caching: bool, tp: int, dcp: int) -> dict:
+    """One LLM (caching on or off) through every phase; TTFTs, walls, tokens and hit rates."""
+    from dcp_jax.engine import LLM
+    from dcp_jax.serving.engine import run_requests
+    from dcp_jax.serving.request import Request
+
+    llm = LLM.load(checkpoint, tp=tp, dcp=dcp, page_size=size["page_size"], max_num_seqs=size["questions"],
+                   decode_steps=size["decode_steps"], enable_prefix_caching=caching)
+    convo = size["system"] + size["turns"] * (size["message"] + size["reply"])
+    max_model_len = max(size["doc"] + size["question"] + size["output"], convo) + 1
+    block = size["page_size"] * dcp
+    # the batch (N questions at once) and the document's cached blocks fit together
+    pages = 1 + (size["questions"] + 1) * -(-max_model_len // block)
+    server = llm.server(max_model_len, size["prefill_chunk"], pages)
+    server.decode_program()
+    server.prefill_program(size["prefill_chunk"])
+    server.allocate()
+    sched = server.scheduler
+    counter = iter(range(10**6))
+
+    def run(prompts, max_tokens):
+        reqs = [Request(f"q{next(counter)}", p, max_tokens=max_tokens, ignore_eos=True) for p in prompts]
+        before = sched.stats()
+        result = run_requests(server, reqs)
+        after = sched.stats()
+        q, h = (after[k] - before[k] for k in ("prefix_query_tokens", "prefix_hit_tokens"))
+        return dict(wall_s=result["wall_s"], ttft_s=[result["first_token_s"][r.request_id] for r in reqs],
+                    tokens=[r.output_token_ids for r in reqs], query_tokens=q, hit_tokens=h)
+
+    run([work["warmup"]], 2)  # exercises both programs on tokens no phase shares
+    doc, out = work["doc"], dict(caching=caching)
+
+    qs = [run([doc + q], size["output"]) for q in work["questions"]]
+    out["questions"] = dict(ttft_s=[r["ttft_s"][0] for r in qs], tokens=[r["tokens"][0] for r in qs],
+                            wall_s=sum(r["wall_s"] for r in qs), hit_rate=hit_rate(qs))
+    b = run([doc + q for q in work["batch"]], size["output"])
+    n_out = sum(map(len, b["tokens"]))
+    out["batch"] = dict(wall_s=b["wall_s"], requests_per_s=len(b["tokens"]) / b["wall_s"],
+                        output_tokens_per_s=n_out / b["wall_s"], tokens=b["tokens"], hit_rate=hit_rate([b]))
+    transcript, turns = list(work["system"]), []
+    for m in work["messages"]:
+        transcript += m
+        t = run([transcript], size["reply"])
+        transcript += t["tokens"][0]
+        turns.append(t)
+    out["conversation"] = dict(ttft_s=[t["ttft_s"][0] for t in turns], tokens=[t["tokens"][0] for t in turns],
+                               hit_rate=hit_rate(turns))
+    out["stats"] = {k: v for k, v in sched.stats().items() if k.startswith("prefix") or k in (
+        "cached_blocks", "evictions", "preemptions", "pages_total")}
+    return out
+
+
+def hit_rate(runs) -> float:
+    q = sum(r["query_tokens"] for r in runs)
+    return sum(r["hit_tokens"] for r in runs) / q if q else 0.0
+
+
+def compare(off: dict, on: dict) -> list[str]:
+    """Phases whose greedy tokens differ between caching off and on (should be none)."""
+    return [phase for phase in ("questions", "batch", "conversation") if off[phase]["tokens"] != on[phase]["tokens"]]
+
+
+def table(report: dict) -> str:
+    off, on = report["off"], report["on"]
+    lines = [f"{'':24} {'caching off':>12} {'caching on':>12} {'speed-up':>9}"]
+
+    def row(name, a, b, unit="ms", scale=1e3, ratio=True):
+        r = f"{a / b:8.1f}x" if ratio and b > 0 else ""
+        lines.append(f"{name:24} {a * scale:10.1f}{unit:>2} {b * scale:10.1f}{unit:>2} {r:>9}")
+
+    for i, (a, b) in enumerate(zip(off["questions"]["ttft_s"], on["questions"]["ttft_s"])):
+        row(f"question {i + 1} TTFT", a, b)
+    for i, (a, b) in enumerate(zip(off["conversation"]["ttft_s"], on["conversation"]["ttft_s"])):
+        row(f"turn {i + 1} TTFT", a, b)
+    row("batch wall", off["batch"]["wall_s"], on["batch"]["wall_s"])
+    lines.append(f"{'batch requests/s':24} {off['batch']['requests_per_s']:12.2f} {on['batch']['requests_per_s']:12.2f}")
+    lines.append(f"{'batch output tok/s':24} {off['batch']['output_tokens_per_s']:12.1f} "
+                 f"{on['batch']['output_tokens_per_s']:12.1f}")
+    for phase in ("questions", "batch", "conversation"):
+        lines.append(f"{phase + ' hit rate':24} {off[phase]['hit_rate']:12.1%} {on[phase]['hit_rate']:12.1%}")
+    lines.append(f"later questions: TTFT {report['later_question_speedup_min']:.1f}x lower at least "
+                 f"(target 10x); exact: {'yes' if not report['mismatches'] else 'NO: ' + ', '.join(report['mismatches'])}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny checkpoint, 1K-token document, 4 questions (< 60 s)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--checkpoint", type=Path, default=None,
+                   help="HF Llama checkpoint dir, created when missing (default: a temp dir, deleted after)")
+    p.add_argument("--mesh", type=bench_serving.parse_mesh, default=(1, 1), help="TPxDCP mesh (default 1x1)")
+    p.add_argument("--doc", type=int, help="document tokens (default 16384; quick 1024)")
+    p.add_argument("--questions", type=int, help="questions per phase (default 8; quick 4)")
+    p.add_argument("--turns", type=int, help="conversation turns (default 4; quick 3)")
+    p.add_argument("--prefill-chunk", type=int, help="rows of the prefill program (default 256; quick 128)")
+    p.add_argument("--page-size", type=int, help="slots per page (default 64; quick 16)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    command = shlex.join(["python", "scripts/bench_prefix.py", *(sys.argv[1:] if argv is None else argv)])
+    size = dict(QUICK if args.quick else DEFAULTS)
+    for key in ("doc", "questions", "turns", "prefill_chunk", "page_size"):
+        if getattr(args, key) is not None:
+            size[key] = getattr(args, key)
+    tp, dcp = args.mesh
+    from dcp_jax.mesh import ensure_cpu_devices
+
+    ensure_cpu_devices(tp * dcp)
+    tmp = tempfile.TemporaryDirectory(prefix="bench_prefix.") if args.checkpoint is None else None
+    try:
+        checkpoint = bench_serving.ensure_checkpoint(
+            Path(tmp.name) / size["model"] if tmp else args.checkpoint, size["model"])
+        vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+        work = workload(size, vocab, args.seed)
+        report = dict(command=command, size=size, mesh=dict(tp=tp, dcp=dcp))
+        for caching in (False, True):
+            log(f"caching {'on' if caching else 'off'}: {size['doc']}-token document on tp={tp} dcp={dcp}")
+            t0 = time.perf_counter()
+            report["on" if caching else "off"] = run_side(str(checkpoint), size, work, caching, tp, dcp)
+            log(f"  {time.perf_counter() - t0:.1f} s")
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    off, on = report["off"]["questions"]["ttft_s"], report["on"]["questions"]["ttft_s"]
+    report["later_question_speedup_min"] = min((a / b for a, b in zip(off[1:], on[1:])), default=0.0)
+    report["mismatches"] = compare(report["off"], report["on"])
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"$ {command}")
+        print(table(report))
+    return 1 if report["mismatches"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
