@@ -121,7 +121,9 @@ def load_llm(spec: dict, **kw):
     ensure_cpu_devices(spec["tp"] * spec["dcp"])
     from dcp_jax.engine import LLM
 
-    return LLM.load(spec["checkpoint"], tp=spec["tp"], dcp=spec["dcp"], **kw)
+    # Prefix caching off: the runs share one pool and the same prompts, and the comparison is continuous
+    # batching against static batches (scripts/bench_prefix.py measures the cache).
+    return LLM.load(spec["checkpoint"], tp=spec["tp"], dcp=spec["dcp"], enable_prefix_caching=False, **kw)
 
 
 def continuous_run(server, workload: list[dict], arrivals=None) -> dict:
