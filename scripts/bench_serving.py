@@ -121,9 +121,11 @@ def load_llm(spec: dict, **kw):
     ensure_cpu_devices(spec["tp"] * spec["dcp"])
     from dcp_jax.engine import LLM
 
-    # Prefix caching off: the runs share one pool and the same prompts, and the comparison is continuous
-    # batching against static batches (scripts/bench_prefix.py measures the cache).
-    return LLM.load(spec["checkpoint"], tp=spec["tp"], dcp=spec["dcp"], enable_prefix_caching=False, **kw)
+    # Prefix caching off by default: the runs share one pool and the same prompts, and the comparison is
+    # continuous batching against static batches (scripts/bench_prefix.py measures the cache);
+    # --prefix-caching turns it on, to check it costs nothing when no prefix is shared.
+    return LLM.load(spec["checkpoint"], tp=spec["tp"], dcp=spec["dcp"],
+                    enable_prefix_caching=spec.get("prefix_caching", False), **kw)
 
 
 def continuous_run(server, workload: list[dict], arrivals=None) -> dict:
@@ -514,6 +516,9 @@ def main(argv=None) -> int:
     p.add_argument("--load", type=float, default=1.0, help="see --rate (default 1.0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-capacity", action="store_true", help="skip the capacity comparison")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="serve with prefix caching on (its cost when no prefix is shared; the Poisson run "
+                        "then repeats cached prompts)")
     p.add_argument("--client", default=None, metavar="URL|auto",
                    help="client mode: drive a running OpenAI-compatible server at URL (or, with 'auto', our own "
                         "on a loopback port) with the openai client at each --concurrency; nothing else runs")
@@ -559,7 +564,8 @@ def main(argv=None) -> int:
         serving = run_worker("serving", dict(
             checkpoint=str(checkpoint), tp=tp, dcp=dcp, workload=workload, max_num_seqs=size["max_num_seqs"],
             prefill_chunk=size["prefill_chunk"], page_size=size["page_size"], decode_steps=size["decode_steps"],
-            kv_cache_memory=args.kv_cache_memory, rate=args.rate, load=args.load, seed=args.seed))
+            kv_cache_memory=args.kv_cache_memory, rate=args.rate, load=args.load, seed=args.seed,
+            prefix_caching=args.prefix_caching))
         log(f"serving done ({time.perf_counter() - t0:.0f} s)")
 
         capacity_rows, capacity = [], {}
