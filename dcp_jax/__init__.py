@@ -3,7 +3,7 @@
 from dcp_jax.attention import dcp_attention
 from dcp_jax.engine import LLM, Engine, Generation, SamplingParams
 from dcp_jax.errors import UserError
-from dcp_jax.layout import KVLayout, kv_cache_bytes
+from dcp_jax.layout import KVLayout, PagedLayout, kv_cache_bytes
 from dcp_jax.mesh import AXES, DCP, TP, ensure_cpu_devices, make_mesh
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "DCP",
     "TP",
     "KVLayout",
+    "PagedLayout",
     "dcp_attention",
     "ensure_cpu_devices",
     "kv_cache_bytes",
