@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 
 from dcp_jax import mesh as mesh_lib
 from dcp_jax.errors import UserError
-from dcp_jax.layout import KVLayout
+from dcp_jax.layout import KVLayout, PagedLayout
 from dcp_jax import model as model_lib
 from dcp_jax.model import AttentionContext, CausalLM, init_cache
 
@@ -58,23 +58,30 @@ class SamplingParams:
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
+def filter_logits(x, top_k, top_p):
+    """x [R, V] (logits already divided by the temperature) with every entry outside each row's top-k
+    (top_k [R] int, 0 = off) and outside its top-p nucleus (top_p [R], 1 = off: the smallest set of the
+    most likely tokens whose mass reaches top_p) set to -inf. The one top-k/top-p rule of both engines."""
+    v = x.shape[-1]
+    desc = -jnp.sort(-x, axis=-1)
+    kth = jnp.take_along_axis(desc, jnp.clip(top_k - 1, 0, v - 1)[:, None], axis=-1)
+    x = jnp.where((top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
+    desc = -jnp.sort(-x, axis=-1)
+    probs = jax.nn.softmax(desc, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
+    cutoff = jnp.min(jnp.where(before < top_p[:, None], desc, jnp.inf), axis=-1)
+    return jnp.where(x < cutoff[:, None], -jnp.inf, x)
+
+
 def sample(logits, key, params: SamplingParams):
     """logits [B, V] float32 -> (tokens [B] int32, log-probability of each token under the model [B])."""
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     if params.temperature == 0:
         tokens = jnp.argmax(logits, axis=-1)
     else:
-        x = logits / params.temperature
-        if params.top_k:
-            kth = jax.lax.top_k(x, min(params.top_k, x.shape[-1]))[0][:, -1:]
-            x = jnp.where(x < kth, -jnp.inf, x)
-        if params.top_p < 1:
-            order = jnp.argsort(-x, axis=-1)
-            sorted_x = jnp.take_along_axis(x, order, axis=-1)
-            probs = jax.nn.softmax(sorted_x, axis=-1)
-            before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
-            sorted_x = jnp.where(before < params.top_p, sorted_x, -jnp.inf)
-            x = jnp.full_like(x, -jnp.inf).at[jnp.arange(x.shape[0])[:, None], order].set(sorted_x)
+        b = logits.shape[0]
+        x = filter_logits(logits / params.temperature, jnp.full((b,), params.top_k, jnp.int32),
+                          jnp.full((b,), params.top_p, jnp.float32))
         tokens = jax.random.categorical(key, x, axis=-1)
     tokens = tokens.astype(jnp.int32)
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
@@ -470,9 +477,8 @@ class LLM:
         what a long context costs per device on this mesh."""
         from dcp_jax.serving.engine import page_bytes_per_device
 
-        block = self.page_size * mesh_lib.axis_size(self.mesh, self.model.context_axes)
         dtype = self.model.embed_tokens.get_value().dtype
-        pages = 1 + -(-tokens // block)
+        pages = 1 + self.paged_layout().blocks_for(tokens)
         self.kv_cache_memory = pages * page_bytes_per_device(self.model, self.mesh, self.page_size, dtype)
         self.gpu_memory_utilization = None
 
@@ -491,10 +497,15 @@ class LLM:
                                 f"{self.page_size} slots; give more memory (one page needs "
                                 f"{budget // max(pages, 1) if pages > 0 else 'more'} bytes) or a smaller page size")
             return pages
-        block = self.page_size * mesh_lib.axis_size(self.mesh, self.model.context_axes)
-        blocks = lambda n: -(-n // block)  # noqa: E731
+        blocks = self.paged_layout().blocks_for
         most = self.max_num_seqs * blocks(max_model_len)
         return 1 + (min(most, sum(blocks(n) for n in lengths)) if lengths else most)
+
+    def paged_layout(self) -> PagedLayout:
+        """Where the pool puts tokens on this mesh ("contiguous" interleave: whole pages of consecutive
+        tokens per rank)."""
+        interleave = self.page_size if self.interleave == "contiguous" else self.interleave
+        return PagedLayout(mesh_lib.axis_size(self.mesh, self.model.context_axes), interleave, self.page_size)
 
     def serving_engines(self) -> list:
         """The `ServingEngine`s `generate` has built (one per pool configuration), oldest first: their
@@ -506,14 +517,13 @@ class LLM:
         `max_num_seqs` (default the LLM's) sets the decode program's slots."""
         from dcp_jax.serving.engine import PoolConfig, ServingEngine
 
-        interleave = self.page_size if self.interleave == "contiguous" else self.interleave
         config = PoolConfig(num_pages=num_pages, page_size=self.page_size,
                             max_num_seqs=max_num_seqs or self.max_num_seqs,
                             max_model_len=max_model_len, prefill_chunk=prefill_chunk,
                             decode_steps=self.decode_steps, max_num_batched_tokens=self.max_num_batched_tokens,
                             enable_prefix_caching=self.enable_prefix_caching)
         server = self._servers.pop(config, None) or ServingEngine(
-            self.model, self.mesh, config, interleave=interleave, impl=self.impl,
+            self.model, self.mesh, config, interleave=self.paged_layout().interleave, impl=self.impl,
             detokenize=None if self.tokenizer is None else self.decode)
         # One pool lives at a time: the others keep their compiled programs but give their pools back
         # (and with them their cached prefixes); at most MAX_SERVERS configurations are kept, newest last.

@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dcp_jax import mesh as mesh_lib
-from dcp_jax.engine import host, kv_bytes
+from dcp_jax.engine import filter_logits, host, kv_bytes
 from dcp_jax.errors import UserError
 from dcp_jax.layers import AttentionContext
 from dcp_jax.layout import PagedLayout
@@ -92,18 +92,10 @@ def sample_rows(logits, params: SamplingRows, positions):
     """
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    v = logits.shape[-1]
 
     def draw():
-        x = logits / jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
-        desc = -jnp.sort(-x, axis=-1)
-        kth = jnp.take_along_axis(desc, jnp.clip(params.top_k - 1, 0, v - 1)[:, None], axis=-1)
-        x = jnp.where((params.top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
-        desc = -jnp.sort(-x, axis=-1)
-        probs = jax.nn.softmax(desc, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
-        cutoff = jnp.min(jnp.where(before < params.top_p[:, None], desc, jnp.inf), axis=-1)
-        x = jnp.where(x < cutoff[:, None], -jnp.inf, x)
+        x = filter_logits(logits / jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None],
+                          params.top_k, params.top_p)
         keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(params.seed, positions)
         drawn = jax.vmap(jax.random.categorical)(keys, x)
         return jnp.where(params.temperature > 0, drawn, greedy).astype(jnp.int32)

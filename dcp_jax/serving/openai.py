@@ -452,20 +452,14 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
             return {"tokens": toks, "token_logprobs": [float(x) for x in lps], "top_logprobs": None,
                     "text_offset": offsets}
 
-        if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
+        def chunk(delta, u, reason):
+            return dict(base, choices=[{"index": 0, "text": delta, "logprobs": lp_block(u.token_ids, u.logprobs),
+                                        "finish_reason": reason}])
 
-            def chunk(delta, u, reason):
-                return dict(base, choices=[{"index": 0, "text": delta, "logprobs": lp_block(u.token_ids, u.logprobs),
-                                            "finish_reason": reason}])
+        def choice(text, ids, lps):
+            return {"index": 0, "text": text, "logprobs": lp_block(ids, lps)}
 
-            return StreamingResponse(stream_with(request, sink, first, chunk, include_usage, base),
-                                     media_type="text/event-stream")
-        out_ids, out_lps, last, _ = await generate(request, sink, first)
-        text = (last.text if last.text is not None else detokenize(out_ids)) if detokenize else ""
-        return dict(base, choices=[{"index": 0, "text": text, "logprobs": lp_block(out_ids, out_lps),
-                                    "finish_reason": finish_reason(last)}],
-                    usage=usage(request.num_prompt_tokens, len(out_ids)))
+        return await respond(body, request, sink, first, base, base, chunk, choice)
 
     @app.post("/v1/chat/completions")
     async def chat(http: HTTPRequest):
@@ -494,25 +488,33 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
             return {"content": [{"token": t, "logprob": float(x), "bytes": list(t.encode()), "top_logprobs": []}
                                 for t, x in zip(token_strings(ids), lps)]}
 
+        cbase = dict(base, object="chat.completion.chunk")
+        started = []
+
+        def chunk(delta, u, reason):
+            d = {} if reason is not None and not delta else {"content": delta}
+            if not started:  # the first chunk names the role, as OpenAI's do
+                started.append(True)
+                d = {"role": "assistant", "content": delta}
+            return dict(cbase, choices=[{"index": 0, "delta": d, "logprobs": lp_block(u.token_ids, u.logprobs),
+                                         "finish_reason": reason}])
+
+        def choice(text, ids, lps):
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp_block(ids, lps)}
+
+        return await respond(body, request, sink, first, base, cbase, chunk, choice)
+
+    async def respond(body, request: Request, sink: asyncio.Queue, first, base: dict, chunk_base: dict,
+                      make_chunk, make_choice):
+        """The tail both endpoints share: a server-sent-event stream of `make_chunk` chunks, or the
+        whole response (one `make_choice` choice with its finish reason, and usage)."""
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            cbase = dict(base, object="chat.completion.chunk")
-            started = []
-
-            def chunk(delta, u, reason):
-                d = {} if reason is not None and not delta else {"content": delta}
-                if not started:  # the first chunk names the role, as OpenAI's do
-                    started.append(True)
-                    d = {"role": "assistant", "content": delta}
-                return dict(cbase, choices=[{"index": 0, "delta": d, "logprobs": lp_block(u.token_ids, u.logprobs),
-                                             "finish_reason": reason}])
-
-            return StreamingResponse(stream_with(request, sink, first, chunk, include_usage, cbase),
+            return StreamingResponse(stream_with(request, sink, first, make_chunk, include_usage, chunk_base),
                                      media_type="text/event-stream")
         out_ids, out_lps, last, _ = await generate(request, sink, first)
         text = (last.text if last.text is not None else detokenize(out_ids)) if detokenize else ""
-        return dict(base, choices=[{"index": 0, "message": {"role": "assistant", "content": text},
-                                    "logprobs": lp_block(out_ids, out_lps), "finish_reason": finish_reason(last)}],
+        return dict(base, choices=[dict(make_choice(text, out_ids, out_lps), finish_reason=finish_reason(last))],
                     usage=usage(request.num_prompt_tokens, len(out_ids)))
 
     async def stream_with(request: Request, sink: asyncio.Queue, first, make_chunk, include_usage: bool, base):
