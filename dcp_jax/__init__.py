@@ -5,6 +5,7 @@ from dcp_jax.engine import LLM, Engine, Generation, SamplingParams
 from dcp_jax.errors import UserError
 from dcp_jax.layout import KVLayout, PagedLayout, kv_cache_bytes
 from dcp_jax.mesh import AXES, DCP, TP, ensure_cpu_devices, make_mesh
+from dcp_jax.spec import SpeculativeConfig
 
 __all__ = [
     "AXES",
@@ -12,6 +13,7 @@ __all__ = [
     "Engine",
     "Generation",
     "SamplingParams",
+    "SpeculativeConfig",
     "UserError",
     "DCP",
     "TP",

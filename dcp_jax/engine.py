@@ -372,6 +372,13 @@ class Engine:
         return Generation(out_tokens, out_lp, stats)
 
 
+def check_draft(model: CausalLM, draft: CausalLM, mesh: Mesh) -> None:
+    """Refuse a draft model whose tokens the target cannot read (another vocabulary)."""
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise UserError(f"the draft model's vocabulary ({draft.config.vocab_size} ids) differs from the "
+                        f"target's ({model.config.vocab_size}): give a draft model with the same tokenizer")
+
+
 def host(x) -> np.ndarray:
     """A replicated result as NumPy; in a multi-process run each process reads its local copy."""
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
@@ -401,14 +408,16 @@ class LLM:
     `page_size`: slots per page (one block-table entry covers page_size · dcp tokens); `max_num_seqs`:
     requests decoding at once; `kv_cache_memory`: KV bytes per device (int or "512MiB") that size the
     pool, or `gpu_memory_utilization`: that fraction of each GPU's memory less what is in use; with
-    neither, the pool fits the requests of each `generate` call at once.
+    neither, the pool fits the requests of each `generate` call at once. `speculative`: a
+    `dcp_jax.spec.SpeculativeConfig` (n-gram lookup or a draft model) or None.
     """
 
     def __init__(self, model: CausalLM, mesh: Mesh, tokenizer=None, *, interleave: int | str = 1,
                  impl: str | None = None, source: str = "in memory", page_size: int | None = None,
                  max_num_seqs: int = 8, kv_cache_memory: int | str | None = None,
                  gpu_memory_utilization: float | None = None, decode_steps: int = 8,
-                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True):
+                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
+                 speculative=None):
         from dcp_jax.serving.engine import parse_bytes
 
         self.model, self.mesh, self.tokenizer, self.source = model, mesh, tokenizer, source
@@ -438,6 +447,9 @@ class LLM:
         self.enable_prefix_caching = enable_prefix_caching
         self.kv_cache_memory = None if kv_cache_memory is None else parse_bytes(kv_cache_memory)
         self.gpu_memory_utilization = gpu_memory_utilization
+        self.speculative = speculative
+        if speculative is not None and speculative.draft is not None:
+            check_draft(model, speculative.draft, mesh)
         self._servers = {}  # PoolConfig -> ServingEngine (its compiled programs)
 
     @classmethod
@@ -445,17 +457,31 @@ class LLM:
              impl: str | None = None, devices=None, page_size: int | None = None, max_num_seqs: int = 8,
              kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
              decode_steps: int = 8, max_num_batched_tokens: int | None = None,
-             scan_layers: bool = True, enable_prefix_caching: bool = True) -> "LLM":
+             scan_layers: bool = True, enable_prefix_caching: bool = True, speculative: str | None = None,
+             num_speculative_tokens: int = 4, draft_model=None) -> "LLM":
+        """`speculative`: None, "ngram" (prompt lookup) or "draft" (with `draft_model`, a checkpoint
+        directory with the same vocabulary, loaded on the same mesh); `num_speculative_tokens` drafts
+        per verify step."""
+        from dcp_jax.spec import SpeculativeConfig
         from dcp_jax.weights import load_any
 
         if interleave != "contiguous" and not (isinstance(interleave, int) and interleave >= 1):
             raise UserError(f"interleave must be an integer >= 1 or 'contiguous', got {interleave!r}")
+        if speculative is None and draft_model is not None:
+            raise UserError("draft_model is given but speculative is not 'draft': pass speculative='draft'")
+        if speculative is not None:  # refuse a bad configuration before loading anything
+            SpeculativeConfig(speculative, num_speculative_tokens, draft=draft_model)
         mesh = mesh_lib.make_mesh(tp, dcp, devices)
         model, tokenizer, source = load_any(model_dir, mesh, dtype, scan_layers=scan_layers)
+        spec = None
+        if speculative is not None:
+            draft = None if draft_model is None else load_any(draft_model, mesh, dtype, scan_layers=scan_layers)[0]
+            spec = SpeculativeConfig(speculative, num_speculative_tokens, draft=draft)
         return cls(model, mesh, tokenizer, interleave=interleave, impl=impl, source=source, page_size=page_size,
                    max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory,
                    gpu_memory_utilization=gpu_memory_utilization, decode_steps=decode_steps,
-                   max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching)
+                   max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+                   speculative=spec)
 
     def save(self, path) -> int:
         """Save weights, config and tokenizer as an orbax checkpoint (atomically); returns the step."""
@@ -475,23 +501,31 @@ class LLM:
     def reserve_tokens(self, tokens: int) -> None:
         """Size the pool to hold `tokens` tokens of one sequence (a KV budget per device), e.g. to report
         what a long context costs per device on this mesh."""
-        from dcp_jax.serving.engine import page_bytes_per_device
+        pages = 1 + self.paged_layout().blocks_for(tokens)
+        self.kv_cache_memory = pages * self.page_bytes()
+        self.gpu_memory_utilization = None
+
+    def page_bytes(self) -> int:
+        """KV bytes one page costs each device: the target's and, with a draft model, the draft's."""
+        from dcp_jax.serving.engine import draft_layout, page_bytes_per_device
 
         dtype = self.model.embed_tokens.get_value().dtype
-        pages = 1 + self.paged_layout().blocks_for(tokens)
-        self.kv_cache_memory = pages * page_bytes_per_device(self.model, self.mesh, self.page_size, dtype)
-        self.gpu_memory_utilization = None
+        total = page_bytes_per_device(self.model, self.mesh, self.page_size, dtype)
+        draft = None if self.speculative is None else self.speculative.draft
+        if draft is not None:
+            shards = mesh_lib.axis_size(self.mesh, draft.context_axes)
+            total += page_bytes_per_device(draft, self.mesh, draft_layout(self.paged_layout(), shards).page_size, dtype)
+        return total
 
     def num_pages(self, max_model_len: int, lengths: Sequence[int] = ()) -> int:
         """Pages per context rank: from the memory budget when one is given, else enough for `lengths`
         (peak tokens per request) at once, or max_num_seqs sequences of max_model_len."""
-        from dcp_jax.serving.engine import gpu_budget, pages_for_budget
+        from dcp_jax.serving.engine import gpu_budget
 
-        dtype = self.model.embed_tokens.get_value().dtype
         if self.kv_cache_memory is not None or self.gpu_memory_utilization is not None:
             budget = (self.kv_cache_memory if self.kv_cache_memory is not None
                       else gpu_budget(self.mesh, self.gpu_memory_utilization))
-            pages = pages_for_budget(self.model, self.mesh, self.page_size, dtype, budget)
+            pages = int(budget // self.page_bytes())
             if pages < 2:
                 raise UserError(f"a KV budget of {budget:,} bytes per device holds {max(pages, 0)} pages of "
                                 f"{self.page_size} slots; give more memory (one page needs "
@@ -524,7 +558,7 @@ class LLM:
                             enable_prefix_caching=self.enable_prefix_caching)
         server = self._servers.pop(config, None) or ServingEngine(
             self.model, self.mesh, config, interleave=self.paged_layout().interleave, impl=self.impl,
-            detokenize=None if self.tokenizer is None else self.decode)
+            detokenize=None if self.tokenizer is None else self.decode, speculative=self.speculative)
         # One pool lives at a time: the others keep their compiled programs but give their pools back
         # (and with them their cached prefixes); at most MAX_SERVERS configurations are kept, newest last.
         for other in self._servers.values():
@@ -583,7 +617,7 @@ class LLM:
         requests = [Request(f"r{i}", p, sampling=sampling, seed=seed, max_tokens=max_new_tokens,
                             ignore_eos=ignore_eos) for i, p in enumerate(ids)]
         tc = time.perf_counter()
-        server.decode_program()
+        server.step_program()
         server.prefill_program(chunk)
         server.allocate()
         compile_s = time.perf_counter() - tc
@@ -605,7 +639,7 @@ class LLM:
                 progress["step"] += 1
             progress["emitted"] = [len(r.output_token_ids) for r in requests]
 
-        timing0, sched0 = dict(server.timing), server.scheduler.stats()
+        timing0, sched0 = dict(server.timing), server.stats()
         result = run_requests(server, requests, on_step=on_step, on_prefill=on_prefill)
         timing = {k: server.timing[k] - timing0[k] for k in timing0}
         errors = [r.error for r in requests]
@@ -622,6 +656,12 @@ class LLM:
         prefix = dict(prefix_caching=self.enable_prefix_caching, prefix_query_tokens=q, prefix_hit_tokens=h,
                       prefix_hit_rate=h / q if q else 0.0, cached_blocks=result["cached_blocks"],
                       evictions=result["evictions"] - sched0["evictions"])
+        if self.speculative is not None:  # this call's drafts, acceptances and verify steps
+            d, a, n = (result[k] - sched0[k] for k in ("spec_drafted_tokens", "spec_accepted_tokens",
+                                                        "spec_verify_steps"))
+            prefix.update(speculative=self.speculative.method, num_speculative_tokens=self.speculative.num_tokens,
+                          spec_drafted_tokens=d, spec_accepted_tokens=a, spec_verify_steps=n,
+                          spec_acceptance_rate=a / d if d else 0.0, mean_acceptance_length=1 + a / n if n else 0.0)
         stats = dict(
             tp=self.mesh.shape[mesh_lib.TP], dcp=self.mesh.shape[mesh_lib.DCP], interleave=layout.interleave,
             page_size=layout.page_size, batch=len(ids), max_seq_len=max_model_len,

@@ -97,6 +97,29 @@ def mesh_arg(text):
         raise argparse.ArgumentTypeError(f"--mesh takes tp=N,dcp=M, got {text!r}") from None
 
 
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+                   help="propose drafts by n-gram lookup in the context, or with a draft model (--draft-model); "
+                        "the target verifies them in one forward (greedy output unchanged)")
+    s.add_argument("--num-speculative-tokens", type=positive_int("--num-speculative-tokens"), default=None,
+                   metavar="K", help="drafts per verify step (default 4)")
+    s.add_argument("--draft-model", default=None, metavar="DIR",
+                   help="--speculative draft: a smaller checkpoint with the target's vocabulary")
+
+
+def speculative_kwargs(args) -> dict:
+    """LLM.load's speculative keywords from the flags, or UsageError for a combination that cannot run."""
+    if args.draft_model is not None and args.speculative != "draft":
+        raise UsageError("--draft-model needs --speculative draft")
+    if args.speculative == "draft" and args.draft_model is None:
+        raise UsageError("--speculative draft needs --draft-model DIR (a checkpoint with the same vocabulary)")
+    if args.num_speculative_tokens is not None and args.speculative is None:
+        raise UsageError("--num-speculative-tokens needs --speculative ngram|draft")
+    return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens or 4,
+                draft_model=args.draft_model)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = CliParser(prog="python -m dcp_jax.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None,
@@ -136,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--gpu-memory-utilization", type=non_negative_float("--gpu-memory-utilization", 1.0),
                    default=None, metavar="F",
                    help="GPU only: size the KV pool to this fraction of each GPU's memory, less what is in use")
+    add_speculative_args(p)
     p.add_argument("--temperature", type=non_negative_float("--temperature"), default=None,
                    help="0 = greedy (the default, but 0.7 with top-k 20 for the default run)")
     p.add_argument("--top-k", type=lambda t: 0 if t == "0" else positive_int("--top-k")(t), default=None)
@@ -174,6 +198,7 @@ def run(argv=None) -> int:
             raise UsageError("--gpu-memory-utilization must be > 0")
         if args.kv_cache_memory is not None and args.gpu_memory_utilization is not None:
             raise UsageError("give --kv-cache-memory or --gpu-memory-utilization, not both")
+        speculative = speculative_kwargs(args)
         explicit = (args.coordinator, args.num_processes, args.process_id)
         if any(x is not None for x in explicit) and any(x is None for x in explicit):
             raise UsageError("multi-process runs need all of --coordinator HOST:PORT, --num-processes N, --process-id I")
@@ -220,7 +245,7 @@ def run(argv=None) -> int:
                        page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, scan_layers=args.scan_layers,
                        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-                       enable_prefix_caching=args.enable_prefix_caching)
+                       enable_prefix_caching=args.enable_prefix_caching, **speculative)
         if default_run and args.kv_cache_memory is None and args.gpu_memory_utilization is None:
             # the default run reserves a whole 16K-token sequence, which is what its KV report measures
             llm.reserve_tokens(args.max_seq_len or DEFAULT_MAX_SEQ_LEN)
@@ -333,7 +358,9 @@ def report(s: dict, kv_heads: int, source: str) -> str:
         f"whole cache {mib(s['kv_bytes_total'])}",
         f"speed       TTFT {s['ttft_s']:.3f} s, decode {s['decode_tokens_per_s']:.1f} tokens/s "
         f"(compile {s['compile_s']:.1f} s, not included)",
-    ])
+    ] + ([f"speculation {s['speculative']}, k={s['num_speculative_tokens']}: {s['spec_accepted_tokens']:,} of "
+          f"{s['spec_drafted_tokens']:,} drafts accepted ({100 * s['spec_acceptance_rate']:.1f}%), "
+          f"mean acceptance length {s['mean_acceptance_length']:.2f} tokens per step"] if "speculative" in s else []))
 
 
 class _Display:

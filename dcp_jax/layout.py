@@ -161,6 +161,17 @@ class PagedLayout:
         """Tokens one block-table entry covers, over all shards: page_size · num_shards."""
         return self.page_size * self.num_shards
 
+    def same_blocks(self, num_shards: int) -> "PagedLayout":
+        """The layout of a cache sharded over `num_shards` context ranks that keeps this layout's blocks
+        (the same tokens per block-table entry, so one block table and one set of page ids serve both:
+        a draft model whose KV is sharded differently from the target's, MLA's latent over
+        ("tp","dcp") against GQA's over "dcp")."""
+        tpb = self.tokens_per_block
+        if tpb % num_shards or (tpb // num_shards) % self.interleave:
+            raise ValueError(f"blocks of {tpb} tokens do not split over {num_shards} shards in whole runs of "
+                             f"{self.interleave} tokens")
+        return PagedLayout(num_shards, self.interleave, tpb // num_shards)
+
     # --- position -> placement -------------------------------------------------------------------
     def rank_of(self, t):
         """The context shard that owns global position t (as `KVLayout.rank_of`)."""

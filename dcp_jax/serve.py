@@ -18,9 +18,11 @@ from dcp_jax.generate import (
     USAGE_ERROR,
     CliParser,
     UsageError,
+    add_speculative_args,
     byte_size,
     mesh_arg,
     positive_int,
+    speculative_kwargs,
 )
 
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -53,15 +55,17 @@ def build_parser():
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of cached full blocks of a prompt's prefix (default on)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    add_speculative_args(p)
     return p
 
 
 def make_app(model_dir=None, *, tp: int | None = None, dcp: int | None = None, served_model_name: str | None = None,
              kv_cache_memory=None, max_num_seqs: int = 8, max_model_len: int | None = None,
              page_size: int | None = None, prefill_chunk: int | None = None, max_pending: int = 256,
-             dtype: str = "float32", decode_steps: int = 8, enable_prefix_caching: bool = True):
+             dtype: str = "float32", decode_steps: int = 8, enable_prefix_caching: bool = True,
+             speculative: str | None = None, num_speculative_tokens: int = 4, draft_model=None):
     """Load the model, size the pool, compile, and return (FastAPI app, LLM). Raises UserError/ValueError
-    on bad sizes or checkpoints."""
+    on bad sizes or checkpoints. `speculative` ("ngram" | "draft" with `draft_model`): as `LLM.load`."""
     import math
 
     from dcp_jax import mesh as mesh_lib
@@ -76,7 +80,8 @@ def make_app(model_dir=None, *, tp: int | None = None, dcp: int | None = None, s
     tp, dcp = tp or 1, dcp or 1
     llm = LLM.load(path, tp=tp, dcp=dcp, dtype=dtype, page_size=page_size, max_num_seqs=max_num_seqs,
                    kv_cache_memory=kv_cache_memory, decode_steps=decode_steps,
-                   enable_prefix_caching=enable_prefix_caching)
+                   enable_prefix_caching=enable_prefix_caching, speculative=speculative,
+                   num_speculative_tokens=num_speculative_tokens, draft_model=draft_model)
     max_model_len = max_model_len or (DEFAULT_EMBEDDED_MAX_MODEL_LEN if embedded else DEFAULT_MAX_MODEL_LEN)
     if max_model_len < 2:
         raise ValueError(f"--max-model-len must be >= 2, got {max_model_len}")
@@ -87,7 +92,7 @@ def make_app(model_dir=None, *, tp: int | None = None, dcp: int | None = None, s
     chunk = prefill_chunk or default_prefill_chunk(llm.mesh.devices.flat[0].platform)
     chunk = min(chunk, max(16, 1 << math.ceil(math.log2(max_model_len))))  # no longer than a whole context
     engine = llm.server(max_model_len, chunk, llm.num_pages(max_model_len))
-    engine.decode_program()  # compile before the port opens
+    engine.step_program()  # compile before the port opens
     engine.prefill_program(chunk)
     engine.allocate()
     template = ChatTemplate.from_tokenizer_config(path / "tokenizer_config.json") if path.is_dir() else None
@@ -102,6 +107,7 @@ def run(argv=None) -> int:
         args = build_parser().parse_args(argv)
         if args.mesh and (args.tp or args.dcp):
             raise UsageError("give either --mesh or --tp/--dcp, not both")
+        speculative = speculative_kwargs(args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return USAGE_ERROR
@@ -116,7 +122,8 @@ def run(argv=None) -> int:
                             kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                             max_model_len=args.max_model_len, page_size=args.page_size,
                             prefill_chunk=args.prefill_chunk, max_pending=args.max_pending, dtype=args.dtype,
-                            decode_steps=args.decode_steps, enable_prefix_caching=args.enable_prefix_caching)
+                            decode_steps=args.decode_steps, enable_prefix_caching=args.enable_prefix_caching,
+                            **speculative)
     except (ValueError, ImportError) as e:  # UserError and the library's own ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return RUN_ERROR

@@ -228,7 +228,7 @@ def save_checkpoint(model, path, tokenizer=None) -> int:
     return step
 
 
-class _DictSource:
+class DictSource:
     """A WeightSource over restored arrays, expanding replicated KV heads on the mesh."""
 
     def __init__(self, arrays: dict, cfg: ModelConfig, mesh: Mesh, dtype):
@@ -275,7 +275,7 @@ def load_checkpoint(path, mesh: Mesh, dtype: str = "float32", *, scan_layers: bo
             arrays = mngr.restore(step, args=ocp.args.Composite(weights=ocp.args.StandardRestore(target)))
         except (ValueError, KeyError, FileNotFoundError) as e:
             raise UserError(f"cannot restore {path} step {step}: {e}") from None
-    model = CausalLM(cfg, _DictSource(arrays["weights"], cfg, mesh, DTYPES[dtype]), mesh, scan_layers=scan_layers)
+    model = CausalLM(cfg, DictSource(arrays["weights"], cfg, mesh, DTYPES[dtype]), mesh, scan_layers=scan_layers)
     return model, tokenizer_from_str(meta.get("tokenizer")), step
 
 

@@ -29,7 +29,7 @@ from flax import nnx
 from dcp_jax import make_mesh
 from dcp_jax.config import ModelConfig
 from dcp_jax.model import CausalLM, random_source
-from dcp_jax.weights import ByteTokenizer, _DictSource, save_checkpoint
+from dcp_jax.weights import ByteTokenizer, DictSource, save_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "dcp_jax" / "assets" / "tiny"
@@ -138,7 +138,7 @@ def main(argv=None):
     # Save in bfloat16 (a few MB), atomically, as an orbax checkpoint.
     model = nnx.merge(graphdef, params)
     weights = {k: v.astype(jnp.bfloat16) for k, v in model.hf_weights().items()}
-    shipped = CausalLM(cfg, _DictSource(weights, cfg, mesh, jnp.bfloat16), mesh)
+    shipped = CausalLM(cfg, DictSource(weights, cfg, mesh, jnp.bfloat16), mesh)
     if args.out.exists():
         import shutil
 

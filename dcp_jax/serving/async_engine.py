@@ -59,7 +59,7 @@ class AsyncEngine:
         self.tracked: dict[str, _Tracked] = {}  # owned by the engine thread
         self.pending = 0  # unfinished requests submitted: guarded by `lock`
         self.lock = threading.Lock()
-        self.stats = dict(engine.scheduler.stats())  # a snapshot the engine thread replaces after each step
+        self.stats = dict(engine.stats())  # a snapshot the engine thread replaces after each step
         self.thread: threading.Thread | None = None
         self.stopping = threading.Event()
         self.failure: BaseException | None = None
@@ -168,7 +168,7 @@ class AsyncEngine:
                 self.pending -= 1
             if self.on_finish is not None:
                 self.on_finish(r)
-        self.stats = dict(self.engine.scheduler.stats())
+        self.stats = dict(self.engine.stats())
 
     @staticmethod
     def push(t: _Tracked, update: Update) -> None:

@@ -5,6 +5,9 @@
                        the token after its last row                                      [jit, donated]
     decode program:    every slot [S] for up to K steps in one while_loop: forward one token, write,
                        sample, record                                                    [jit, donated]
+    verify program:    (speculative decoding, instead of decode) every slot's last token + k drafts
+                       [S, k+1] in one forward, written; the accepted drafts + one target token come
+                       back [S, k+1] with a count per slot; a draft model drafts inside it [jit, donated]
 
 The host (`dcp_jax.serving.scheduler`) decides what runs: it admits requests while pages and slots
 are free, cuts prompts into chunks under a token budget, reserves the pages of K decode steps
@@ -12,6 +15,11 @@ before the decode program runs, and preempts the newest request when pages run o
 only on the configuration (slots, blocks per sequence, chunk length, K): requests come and go with
 no recompilation. Sampling is per row (temperature, top-k, top-p, seed) with a key derived from
 (seed, position), so a request recomputed after preemption samples the same tokens again.
+
+Speculative decoding (`dcp_jax.spec`) rolls a rejected draft back by the sequence's length alone: the
+host advances a request by the tokens it accepted, and every rank-local length and mask is recomputed
+on the device from that global length (`PagedLayout`), so the rejected drafts' KV lies past the length,
+is never attended to, and is overwritten when the sequence gets there.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ from dcp_jax.layout import PagedLayout
 from dcp_jax.model import CausalLM
 from dcp_jax.serving.request import Request
 from dcp_jax.serving.scheduler import SchedulePlan, Scheduler, SchedulerConfig
+from dcp_jax.spec import verify as spec_verify
+from dcp_jax.spec.proposers import NgramProposer, SpeculativeConfig
 
 
 @jax.tree_util.register_dataclass
@@ -144,19 +154,33 @@ class ServingEngine:
     """A `CausalLM` on a ("tp","dcp") mesh serving requests from a paged, sequence-sharded KV pool."""
 
     def __init__(self, model: CausalLM, mesh: Mesh, config: PoolConfig, *, interleave: int = 1,
-                 impl: str | None = None, combine: str = "auto", detokenize=None):
+                 impl: str | None = None, combine: str = "auto", detokenize=None,
+                 speculative: SpeculativeConfig | None = None):
         self.model, self.mesh, self.config = model, mesh, config
         self.impl, self.combine = impl, combine
         self.graphdef, self.params = nnx.split(model)
         self.dtype = model.embed_tokens.get_value().dtype
         n_ctx = mesh_lib.axis_size(mesh, model.context_axes)
         self.layout = PagedLayout(n_ctx, interleave, config.page_size)
+        self.speculative = speculative
+        self.proposer = (NgramProposer(speculative.num_tokens, speculative.min_n, speculative.max_n)
+                         if speculative is not None and speculative.method == "ngram" else None)
+        self.draft = speculative.draft if speculative is not None else None
+        if self.draft is not None:
+            self.draft_graphdef, self.draft_params = nnx.split(self.draft)
+            self.draft_layout = draft_layout(self.layout, mesh_lib.axis_size(mesh, self.draft.context_axes))
+            self.draft_pool_sharding = mesh_lib.named(
+                mesh, mesh_lib.kv_pool_spec(self.draft.head_axes, self.draft.context_axes, stacked=True))
+        self.draft_pools = None
+        # verify steps (row by row): drafts proposed, drafts accepted, steps; the tokens they made
+        self.spec_counts = dict(spec_drafted_tokens=0, spec_accepted_tokens=0, spec_verify_steps=0)
         self.scheduler_config = SchedulerConfig(
             layout=self.layout, num_pages=config.num_pages, max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens or config.prefill_chunk,
             decode_steps=config.decode_steps, eos_token_ids=tuple(model.config.eos_token_ids),
-            vocab_size=model.config.vocab_size, enable_prefix_caching=config.enable_prefix_caching)
+            vocab_size=model.config.vocab_size, enable_prefix_caching=config.enable_prefix_caching,
+            num_speculative_tokens=0 if speculative is None else speculative.num_tokens)
         self.scheduler = Scheduler(self.scheduler_config, detokenize=detokenize)
         self.replicated = mesh_lib.named(mesh, mesh_lib.spec())
         self.pool_sharding = mesh_lib.named(
@@ -173,14 +197,39 @@ class ServingEngine:
         n = self.layout.num_shards * (num_pages or self.config.num_pages)
         return self.model.stacked_shapes((n, self.model.kv_heads, self.config.page_size, self.model.config.head_dim))
 
+    def draft_pool_shapes(self) -> tuple:
+        """The draft model's pools: the same pages (N·pages of them, one block table), its own layers,
+        kv heads and head dim; a page holds the draft's share of the same tokens as the target's page."""
+        n = self.layout.num_shards * self.config.num_pages
+        d = self.draft
+        return d.stacked_shapes((n, d.kv_heads, self.draft_layout.page_size, d.config.head_dim))
+
     def allocate(self):
-        """The zeroed pool, sharded from the start (never whole on one device)."""
+        """The zeroed pool (and the draft model's), sharded from the start (never whole on one device).
+        Returns the target's pool."""
         if self.pools is None:
-            shapes, dtype = self.pool_shapes(), self.dtype
-            make = jax.jit(lambda: tuple(tuple(jnp.zeros(s, dtype) for s in layer) for layer in shapes),
-                           out_shardings=self.pool_sharding)
-            self.pools = make()
+            make = lambda shapes, sharding: jax.jit(  # noqa: E731
+                lambda: tuple(tuple(jnp.zeros(s, self.dtype) for s in layer) for layer in shapes),
+                out_shardings=sharding)()
+            self.pools = make(self.pool_shapes(), self.pool_sharding)
+            if self.draft is not None:
+                self.draft_pools = make(self.draft_pool_shapes(), self.draft_pool_sharding)
         return self.pools
+
+    def caches(self):
+        """What the programs take and donate: the pool, or (pool, draft pool) with a draft model."""
+        self.allocate()
+        return self.pools if self.draft is None else (self.pools, self.draft_pools)
+
+    def set_caches(self, caches) -> None:
+        if self.draft is None:
+            self.pools = caches
+        else:
+            self.pools, self.draft_pools = caches
+
+    def all_params(self):
+        """The programs' weights: the target's, or (target's, draft's)."""
+        return self.params if self.draft is None else (self.params, self.draft_params)
 
     def release_pool(self) -> None:
         """Give the pool's memory back (the programs stay compiled); `allocate` makes a zeroed one again.
@@ -188,23 +237,91 @@ class ServingEngine:
         if self.scheduler.has_unfinished():
             raise RuntimeError("release_pool with requests in flight")
         self.scheduler.drop_cached_blocks()  # their KV goes with the pool
-        self.pools = None
+        self.pools = self.draft_pools = None
 
     def pool_spec(self):
-        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, self.dtype, sharding=self.pool_sharding),
-                            self.pool_shapes(), is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[0], int))
+        """Abstract values of `caches()`."""
+        def spec(shapes, sharding):
+            return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, self.dtype, sharding=sharding), shapes,
+                                is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[0], int))
+        target = spec(self.pool_shapes(), self.pool_sharding)
+        return target if self.draft is None else (target, spec(self.draft_pool_shapes(), self.draft_pool_sharding))
 
     # --- programs --------------------------------------------------------------------------------
     def context(self, block_table) -> AttentionContext:
         return AttentionContext(self.mesh, self.layout, self.impl, self.combine, block_table=block_table,
                                 max_seq_len=self.config.max_model_len)
 
+    def draft_context(self, block_table) -> AttentionContext:
+        return AttentionContext(self.mesh, self.draft_layout, self.impl, self.combine, block_table=block_table,
+                                max_seq_len=self.config.max_model_len)
+
     def _prefill(self, params, pools, step: "StepInputs", last):
+        if self.draft is not None:  # the draft model's cache takes the same chunk
+            (params, draft_params), (pools, draft_pools) = params, pools
+            draft = nnx.merge(self.draft_graphdef, draft_params)
+            _, draft_pools = draft(step.tokens, step.positions, step.valid, step.kv_len, draft_pools,
+                                   self.draft_context(step.block_table), logits_at=last)
         model = nnx.merge(self.graphdef, params)
         logits, pools = model(step.tokens, step.positions, step.valid, step.kv_len, pools,
                               self.context(step.block_table), logits_at=last)
         tok, lp = sample_rows(logits, step.sampling, step.kv_len)  # the new token's position is kv_len
-        return pools, tok, lp
+        return (pools if self.draft is None else (pools, draft_pools)), tok, lp
+
+    def _verify(self, params, pools, step: "StepInputs"):
+        """One speculative step. step [S, k+1]: column 0 the last token (position p, not yet in cache),
+        columns 1..k the drafts (n-gram; ignored with a draft model, which drafts them here); valid[:, i]
+        for i >= 1 says draft i exists; kv_len = p + 1 + drafts. Writes the KV of every valid column,
+        accepts (dcp_jax.spec.verify) and returns (pools, tokens [S, k+1], counts [S], logprobs [S, k+1])."""
+        ctx = self.context(step.block_table)
+        tokens, draft_probs = step.tokens, None
+        if self.draft is not None:
+            (params, draft_params), (pools, draft_pools) = params, pools
+            drafts, draft_probs, draft_pools = self._draft(draft_params, draft_pools, step)
+            tokens = jnp.concatenate([step.tokens[:, :1], drafts], axis=1)
+        model = nnx.merge(self.graphdef, params)
+        logits, pools = model(tokens, step.positions, step.valid, step.kv_len, pools, ctx)
+        out, counts, lps = spec_verify.accept(logits.astype(jnp.float32), tokens[:, 1:], step.valid[:, 1:],
+                                              step.sampling, step.positions[:, 0] + 1, draft_probs)
+        if self.draft is not None:
+            pools = (pools, draft_pools)
+        return pools, out, counts, lps
+
+    def _draft(self, draft_params, draft_pools, step: "StepInputs"):
+        """The draft model's k drafts per row [S, k] and their distributions [S, k, V]: one-token steps
+        from the last token at p; step i writes position p + i (while i <= the row's drafts, so the k-th
+        draft's KV is written too: the draft cache then holds every position the target accepts)."""
+        draft = nnx.merge(self.draft_graphdef, draft_params)
+        ctx = self.draft_context(step.block_table)
+        s, t = step.tokens.shape
+        v = self.draft.config.vocab_size
+        active, n_drafts, p0, sp = step.valid[:, 0], jnp.sum(step.valid[:, 1:], axis=1), step.positions[:, 0], step.sampling
+
+        def propose(logits, pos):  # [S, V] -> (tokens [S], q [S, V]); greedy rows: argmax, q unused
+            greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+            def sampled():
+                q = spec_verify.target_probs(logits[:, None], sp.temperature, sp.top_k, sp.top_p)[:, 0]
+                keys = spec_verify.row_keys(sp.seed, pos[:, None], spec_verify.DRAFT)[:, 0]
+                drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(q)).astype(jnp.int32)
+                return jnp.where(sp.temperature > 0, drawn, greedy), q
+
+            return jax.lax.cond(jnp.any(sp.temperature > 0), sampled,
+                                lambda: (greedy, jnp.zeros((s, v), jnp.float32)))
+
+        def body(i, carry):
+            pools, cur, drafts, qs = carry
+            pos = p0 + i
+            ok = active & (i <= n_drafts)
+            logits, pools = draft(cur[:, None], pos[:, None], ok[:, None], jnp.where(ok, pos + 1, 0), pools, ctx)
+            d, q = propose(logits[:, 0].astype(jnp.float32), pos + 1)
+            drafts = jax.lax.dynamic_update_index_in_dim(drafts, d, i, axis=1)
+            qs = jax.lax.dynamic_update_index_in_dim(qs, q, i, axis=1)
+            return pools, d, drafts, qs
+
+        init = (draft_pools, step.tokens[:, 0], jnp.zeros((s, t), jnp.int32), jnp.zeros((s, t, v), jnp.float32))
+        draft_pools, _, drafts, qs = jax.lax.fori_loop(0, jnp.max(jnp.where(active, n_drafts, -1)) + 1, body, init)
+        return drafts[:, :-1], qs[:, :-1], draft_pools
 
     def _decode(self, params, pools, step: "StepInputs", num_steps):
         model = nnx.merge(self.graphdef, params)
@@ -226,10 +343,11 @@ class ServingEngine:
         _, pools, _, _, out, out_lp = jax.lax.while_loop(lambda st: st[0] < num_steps, body, state)
         return pools, out, out_lp
 
-    def _program(self, name: str, fn, *args):
+    def _program(self, name: str, fn, *args, outputs: int = 2):
         key = (name,) + tuple(np.shape(a) for a in jax.tree.leaves(args[2:]))
         if key not in self.compiled:
-            shardings = (self.pool_sharding, self.replicated, self.replicated)
+            pools = self.pool_sharding if self.draft is None else (self.pool_sharding, self.draft_pool_sharding)
+            shardings = (pools,) + (self.replicated,) * outputs
             jitted = jax.jit(fn, donate_argnames=("pools",), out_shardings=shardings)
             self.compiled[key] = jitted.lower(*args).compile()
         return self.compiled[key]
@@ -238,23 +356,37 @@ class ServingEngine:
         """The compiled prefill of one request's chunk of `chunk` tokens: (params, pools,
         StepInputs [1, C], last row [1]) -> (pools, token [1], logprob [1])."""
         nb = self.scheduler_config.max_blocks_per_seq
-        return self._program("prefill", self._prefill, self.params, self.pool_spec(), StepInputs.spec(1, chunk, nb),
-                             jax.ShapeDtypeStruct((1,), jnp.int32))
+        return self._program("prefill", self._prefill, self.all_params(), self.pool_spec(),
+                             StepInputs.spec(1, chunk, nb), jax.ShapeDtypeStruct((1,), jnp.int32))
 
     def decode_program(self):
         """The compiled decode loop over every slot: (params, pools, StepInputs [S, 1] (the tokens and
         positions to start from, valid = the slot decodes), num_steps) -> (pools, tokens [S, K],
         logprobs [S, K]); runs num_steps <= K steps."""
+        if self.speculative is not None:
+            raise RuntimeError("a speculative engine decodes with verify_program()")
         s, nb = self.config.max_num_seqs, self.scheduler_config.max_blocks_per_seq
         return self._program("decode", self._decode, self.params, self.pool_spec(), StepInputs.spec(s, 1, nb),
                              jax.ShapeDtypeStruct((), jnp.int32))
+
+    def verify_program(self):
+        """The compiled speculative step over every slot: (params, caches, StepInputs [S, k+1]) ->
+        (caches, tokens [S, k+1], counts [S], logprobs [S, k+1]) (see `_verify`)."""
+        s, nb = self.config.max_num_seqs, self.scheduler_config.max_blocks_per_seq
+        t = self.speculative.num_tokens + 1
+        return self._program("verify", self._verify, self.all_params(), self.pool_spec(), StepInputs.spec(s, t, nb),
+                             outputs=3)
+
+    def step_program(self):
+        """The program a decode iteration runs: the verify step with speculation, else the decode loop."""
+        return self.decode_program() if self.speculative is None else self.verify_program()
 
     # --- one iteration -----------------------------------------------------------------------------
     def step(self, on_prefill=None) -> SchedulePlan:
         """Schedule, run the plan's prefill chunks and decode steps, and apply the results."""
         sched = self.scheduler
         plan = sched.schedule()
-        pools = self.allocate()
+        pools = self.caches()
         if plan.prefills:
             t0 = time.perf_counter()
             sampled, logprobs = [], []
@@ -270,7 +402,7 @@ class ServingEngine:
                     valid = np.arange(c)[None] < len(ids)
                     inputs = StepInputs(tokens, positions, valid, np.asarray([start + len(ids)], np.int32), row,
                                         SamplingRows.of([chunk.request]))
-                    pools, tok, lp = self.prefill_program(c)(self.params, pools, inputs,
+                    pools, tok, lp = self.prefill_program(c)(self.all_params(), pools, inputs,
                                                              np.asarray([len(ids) - 1], np.int32))
                     if on_prefill is not None:
                         on_prefill(len(ids))
@@ -278,12 +410,14 @@ class ServingEngine:
                     tok, lp = int(host(tok)[0]), float(host(lp)[0])
                 sampled.append(tok if chunk.is_last else None)
                 logprobs.append(lp if chunk.is_last else None)
-            self.pools = pools
+            self.set_caches(pools)
             jax.block_until_ready(pools)
             self.timing["prefill_s"] += time.perf_counter() - t0
             self.timing["prefill_tokens"] += plan.num_prefill_tokens
             sched.update_prefill(plan, sampled, logprobs)
-        if plan.decode_slots:
+        if plan.decode_slots and self.speculative is not None:
+            self.verify_step(plan, pools)
+        elif plan.decode_slots:
             t0 = time.perf_counter()
             before = sum(len(r.output_token_ids) for r in plan.decode_requests)
             rows = [None] * self.config.max_num_seqs
@@ -302,9 +436,68 @@ class ServingEngine:
             self.timing["decode_tokens"] += sum(len(r.output_token_ids) for r in plan.decode_requests) - before
         return plan
 
+    def verify_step(self, plan: SchedulePlan, caches) -> None:
+        """Run and apply a plan's decode iteration as one speculative step (drafts from the proposer)."""
+        t0 = time.perf_counter()
+        before = sum(len(r.output_token_ids) for r in plan.decode_requests)
+        s, k = self.config.max_num_seqs, self.speculative.num_tokens
+        tokens, valid = np.zeros((s, k + 1), np.int32), np.zeros((s, k + 1), bool)
+        tokens[:, 0], valid[:, 0] = plan.decode_tokens, plan.decode_mask
+        rows = [None] * s
+        for r, slot in zip(plan.decode_requests, plan.decode_slots):
+            rows[slot] = r
+            most = int(plan.decode_budget[slot]) - 1  # the verify step emits at most drafts + 1 tokens
+            if self.proposer is not None:
+                drafts = self.proposer.propose(r, most)
+                tokens[slot, 1:1 + len(drafts)] = drafts
+                valid[slot, 1:1 + len(drafts)] = True
+            else:
+                valid[slot, 1:1 + most] = True
+        positions = plan.decode_positions[:, None] + np.arange(k + 1, dtype=np.int32)[None]
+        kv_len = np.where(plan.decode_mask, plan.decode_positions + valid.sum(axis=1), 0).astype(np.int32)
+        inputs = StepInputs(tokens, positions, valid, kv_len, plan.block_table, SamplingRows.of(rows))
+        caches, out, counts, out_lp = self.verify_program()(self.all_params(), caches, inputs)
+        self.set_caches(caches)
+        counts = host(counts)
+        self.timing["decode_s"] += time.perf_counter() - t0
+        self.timing["decode_steps"] += 1
+        drafted = int(valid[plan.decode_slots, 1:].sum())
+        accepted = int((counts[plan.decode_slots] - 1).sum())
+        self.spec_counts["spec_drafted_tokens"] += drafted
+        self.spec_counts["spec_accepted_tokens"] += accepted
+        self.spec_counts["spec_verify_steps"] += len(plan.decode_slots)
+        self.scheduler.update_decode(plan, host(out), host(out_lp), counts)
+        self.timing["decode_tokens"] += sum(len(r.output_token_ids) for r in plan.decode_requests) - before
+
+    def stats(self) -> dict:
+        """The scheduler's stats, plus speculation's when it is on: drafted and accepted tokens, verify
+        steps (one per sequence per step) and the mean acceptance length (tokens a sequence gains per
+        step: 1 + accepted / steps)."""
+        out = self.scheduler.stats()
+        if self.speculative is not None:
+            c = self.spec_counts
+            steps = c["spec_verify_steps"]
+            out.update(c, speculative=self.speculative.method, num_speculative_tokens=self.speculative.num_tokens,
+                       spec_acceptance_rate=c["spec_accepted_tokens"] / max(c["spec_drafted_tokens"], 1),
+                       mean_acceptance_length=1 + c["spec_accepted_tokens"] / steps if steps else 0.0)
+        return out
+
     def kv_bytes(self) -> dict:
-        """KV bytes one device holds (its shards of the pool) and the pool's logical bytes."""
-        return kv_bytes(self.allocate(), self.model.kv_replication)
+        """KV bytes one device holds (its shards of the pool) and the pool's logical bytes (the target's;
+        a draft model's pool adds draft_kv_bytes_per_device)."""
+        out = kv_bytes(self.allocate(), self.model.kv_replication)
+        if self.draft is not None:
+            out["draft_kv_bytes_per_device"] = kv_bytes(self.draft_pools, self.draft.kv_replication)["kv_bytes_per_device"]
+        return out
+
+
+def draft_layout(layout: PagedLayout, draft_shards: int) -> PagedLayout:
+    """The draft model's pages over the target's blocks (`PagedLayout.same_blocks`), or a UserError."""
+    try:
+        return layout.same_blocks(draft_shards)
+    except ValueError as e:
+        raise UserError(f"the draft model cannot share the target's KV pages: {e}; choose a page size that "
+                        "is a multiple of the tp size, or a draft of the target's attention kind (MLA or not)") from None
 
 
 def page_bytes_per_device(model: CausalLM, mesh: Mesh, page_size: int, dtype) -> int:
@@ -314,11 +507,6 @@ def page_bytes_per_device(model: CausalLM, mesh: Mesh, page_size: int, dtype) ->
     one = (n_ctx, model.kv_heads, page_size, model.config.head_dim)
     per_layer = math.prod(sharding.shard_shape(one)) * (1 if model.config.mla else 2)
     return per_layer * model.config.num_layers * np.dtype(dtype).itemsize
-
-
-def pages_for_budget(model: CausalLM, mesh: Mesh, page_size: int, dtype, budget_bytes: int) -> int:
-    """Pages per context rank that `budget_bytes` of KV memory per device holds (the null page included)."""
-    return int(budget_bytes // page_bytes_per_device(model, mesh, page_size, dtype))
 
 
 def gpu_budget(mesh: Mesh, utilization: float) -> int:
@@ -367,4 +555,4 @@ def run_requests(engine: ServingEngine, requests: list[Request], arrivals=None, 
         if on_step is not None:
             on_step(plan)
         sched.pop_finished()
-    return dict(wall_s=time.perf_counter() - t0, first_token_s=first_token, **sched.stats())
+    return dict(wall_s=time.perf_counter() - t0, first_token_s=first_token, **engine.stats())

@@ -174,6 +174,11 @@ class Metrics:
         self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "prefix_cache_hit_tokens / query tokens", registry=r)
         self.cached_blocks = Gauge(p + "prefix_cache_blocks", "Blocks in the prefix table", registry=r)
         self.evictions = Gauge(p + "prefix_cache_evictions", "Cached blocks evicted (cumulative)", registry=r)
+        self.spec_drafted = Gauge(p + "spec_decode_drafted_tokens", "Draft tokens proposed (cumulative; "
+                                  "0 without speculative decoding)", registry=r)
+        self.spec_accepted = Gauge(p + "spec_decode_accepted_tokens", "Draft tokens accepted (cumulative)", registry=r)
+        self.spec_length = Gauge(p + "spec_decode_mean_acceptance_length", "Tokens a sequence gains per verify "
+                                 "step: 1 + accepted / steps (cumulative)", registry=r)
         Gauge(p + "tp", "Tensor-parallel size", registry=r).set(tp)
         Gauge(p + "dcp", "Decode-context-parallel size", registry=r).set(dcp)
 
@@ -189,6 +194,10 @@ class Metrics:
         self.prefix_hit_rate.set(stats["prefix_hit_rate"])
         self.cached_blocks.set(stats["cached_blocks"])
         self.evictions.set(stats["evictions"])
+        if "spec_drafted_tokens" in stats:
+            self.spec_drafted.set(stats["spec_drafted_tokens"])
+            self.spec_accepted.set(stats["spec_accepted_tokens"])
+            self.spec_length.set(stats["mean_acceptance_length"])
 
 
 # --- text deltas ----------------------------------------------------------------------------------------

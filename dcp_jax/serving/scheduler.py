@@ -61,15 +61,26 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int | None = None
     enable_prefix_caching: bool = False
+    # speculative decoding: each decode iteration is one verify step that may emit up to
+    # num_speculative_tokens + 1 tokens per request (decode_steps is then ignored); pages are reserved
+    # for all of them, and each request's budget (plan.decode_budget) is capped by its own tokens left
+    num_speculative_tokens: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        if not (isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 0):
+            raise UserError(f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
         for name in ("num_pages", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "decode_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (2 if name == "num_pages" else 1):
                 least = 2 if name == "num_pages" else 1
                 raise UserError(f"{name} must be an integer >= {least}, got {v!r}"
                                 + (" (page 0 is the reserved null page)" if name == "num_pages" else ""))
+
+    @property
+    def tokens_per_decode(self) -> int:
+        """The most tokens one decode iteration may give a request (pages are reserved for them)."""
+        return self.num_speculative_tokens + 1 if self.num_speculative_tokens else self.decode_steps
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -104,6 +115,10 @@ class SchedulePlan:
     of step 0 is decode_tokens[s], of step k > 0 the token sampled at step k - 1. The length (tokens in
     cache) seen by step k is decode_positions[s] + k + 1. Every slot runs all K steps; the host
     discards tokens sampled after a request stopped.
+
+    decode_budget[s]: the most tokens slot s may produce this iteration (its pages are reserved for
+    them). Without speculation it is K for every decoding slot; with it, min(k + 1, tokens it has left)
+    per slot: a verify step writes the KV of at most budget positions from decode_positions[s] on.
     """
 
     step: int
@@ -115,6 +130,7 @@ class SchedulePlan:
     decode_positions: np.ndarray  # int32 [max_num_seqs]
     decode_mask: np.ndarray  # bool [max_num_seqs]
     block_table: np.ndarray  # int32 [max_num_seqs, max_blocks_per_seq]
+    decode_budget: np.ndarray  # int32 [max_num_seqs]; 0 for slots that do not decode
     preempted: list[str]
     prefill_applied: bool = False
     decode_applied: bool = False
@@ -259,8 +275,15 @@ class Scheduler:
         decoding = [r for r in self.running if r.state is RequestState.DECODING]
         # K: no decoding request may pass its max_tokens or the model length within the K steps (its
         # pages and block-table columns are sized for that). Preemptions below only remove requests,
-        # so K stays valid for those that remain.
-        k_steps = min([cfg.decode_steps] + [r.tokens_left(cfg.max_model_len) for r in decoding]) if decoding else 0
+        # so K stays valid for those that remain. A verify step (speculation) has K = k + 1 columns and
+        # budgets each request by its own tokens left instead.
+        left = lambda r: r.tokens_left(cfg.max_model_len)  # noqa: E731
+        if cfg.num_speculative_tokens:
+            k_steps = cfg.tokens_per_decode if decoding else 0
+            budget_of = lambda r: min(k_steps, left(r))  # noqa: E731
+        else:
+            k_steps = min([cfg.decode_steps] + [left(r) for r in decoding]) if decoding else 0
+            budget_of = lambda r: k_steps  # noqa: E731
         budget = cfg.max_num_batched_tokens
         prefills: list[PrefillChunk] = []
         decodes: list[Request] = []
@@ -272,7 +295,7 @@ class Scheduler:
         while i < len(self.running):
             r = self.running[i]
             if r.state is RequestState.DECODING:
-                target = r.num_computed + k_steps
+                target = r.num_computed + budget_of(r)
             else:
                 target = r.num_computed + min(r.num_tokens - r.num_computed, budget)
                 if target == r.num_computed:
@@ -326,12 +349,14 @@ class Scheduler:
 
         n = cfg.max_num_seqs
         tokens, positions, mask = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, bool)
+        budgets = np.zeros(n, np.int32)
         for r in decodes:
             tokens[r.slot], positions[r.slot], mask[r.slot] = r.output_token_ids[-1], r.num_computed, True
+            budgets[r.slot] = budget_of(r)
         plan = SchedulePlan(
             step=self.step, prefills=prefills, decode_requests=decodes, decode_slots=[r.slot for r in decodes],
             decode_steps=k_steps if decodes else 0, decode_tokens=tokens, decode_positions=positions,
-            decode_mask=mask, block_table=self.block_table.copy(), preempted=preempted)
+            decode_mask=mask, block_table=self.block_table.copy(), preempted=preempted, decode_budget=budgets)
         self.last_plan = plan
         return plan
 
@@ -436,9 +461,13 @@ class Scheduler:
                 done.append(r)
         return done
 
-    def update_decode(self, plan: SchedulePlan, tokens, logprobs=None) -> list[Request]:
-        """Apply a plan's decode results: tokens (and logprobs) [max_num_seqs, K], row = slot. Tokens
-        after a request's stop are discarded. Returns the requests that finished."""
+    def update_decode(self, plan: SchedulePlan, tokens, logprobs=None, counts=None) -> list[Request]:
+        """Apply a plan's decode results: tokens (and logprobs) [max_num_seqs, K], row = slot; `counts`
+        [max_num_seqs] (a verify step: how many of the row's tokens it produced, 1 <= count <= its
+        decode_budget; default K each). Each token's input (the previous token) is now in the cache: the
+        request's length grows by the count and nothing else changes, so a rejected draft's KV is left
+        past the length, masked, and overwritten later. Tokens after a stop are discarded. Returns the
+        requests that finished."""
         self.check_plan(plan, "decode_applied")
         tokens = np.asarray(tokens)
         k = plan.decode_steps
@@ -449,7 +478,10 @@ class Scheduler:
         for r, slot in zip(plan.decode_requests, plan.decode_slots):
             if r.state is not RequestState.DECODING or r.slot != slot:
                 continue  # cancelled after the plan was made
-            for step in range(k):
+            count = k if counts is None else int(counts[slot])
+            if not 1 <= count <= plan.decode_budget[slot]:
+                raise ValueError(f"slot {slot}: {count} tokens for a budget of {plan.decode_budget[slot]}")
+            for step in range(count):
                 r.num_computed += 1  # the step's input token is now in the cache
                 if self.append(r, tokens[slot, step], None if lp is None else lp[slot, step]):
                     done.append(r)  # finish() registered its full blocks before freeing them

@@ -1,0 +1,120 @@
+"""Who proposes the drafts a verify step checks: n-gram prompt lookup (host) or a draft model (device).
+
+    SpeculativeConfig(method="ngram" | "draft", num_tokens=k, draft=CausalLM | None)
+
+Both sit behind the same verify program (`dcp_jax.serving.engine`): the engine asks the config for the
+drafts of each decoding sequence and the target checks them in one forward of k + 1 tokens per sequence.
+
+- n-gram (`NgramProposer`): no model, no memory. Find the most recent earlier occurrence of the context's
+  last n tokens (n from `max_n` down to `min_n`) and propose the k tokens that followed it. The
+  continuation is read from the context extended by the tokens proposed so far, so a repeat shorter
+  than k (a greedy cycle of period 3, say) still fills all k. Suits long-context work that quotes or
+  edits its own context. Deterministic: its q is one-hot (see `dcp_jax.spec.verify`).
+- draft model: a smaller checkpoint with the target's vocabulary on the same mesh. Its KV pages are
+  **sharded like the target's** and share the target's page ids and block table: one allocator,
+  one prefix cache and one preemption rule cover both, a rejected draft is rolled back by the same
+  global length, and the draft's KV per device shrinks with dcp like the target's (a replicated draft
+  cache would cost every device the whole draft context, which at long context is what DCP exists
+  to avoid). It drafts inside the verify program (k + 1 one-token steps: the last writes the KV of
+  the k-th draft so the draft cache always holds every accepted position), so no host round trip
+  separates drafting from verifying.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import numpy as np
+
+from dcp_jax.errors import UserError
+
+METHODS = ("ngram", "draft")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SpeculativeConfig:
+    """method "ngram" or "draft"; num_tokens = k drafts per verify step; draft: the draft `CausalLM`
+    (method "draft" only); min_n / max_n: the n-gram lengths tried (longest first)."""
+
+    method: str
+    num_tokens: int = 4
+    draft: object | None = None
+    min_n: int = 1
+    max_n: int = 4
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise UserError(f"speculative must be one of {METHODS} (or None), got {self.method!r}")
+        if not (isinstance(self.num_tokens, int) and not isinstance(self.num_tokens, bool) and self.num_tokens >= 1):
+            raise UserError(f"num_speculative_tokens must be an integer >= 1, got {self.num_tokens!r}")
+        if (self.method == "draft") != (self.draft is not None):
+            raise UserError("speculative='draft' needs a draft model (draft_model=DIR) and only it takes one")
+        if not 1 <= self.min_n <= self.max_n:
+            raise UserError(f"n-gram lengths need 1 <= min_n <= max_n, got {self.min_n}, {self.max_n}")
+
+
+class NgramProposer:
+    """Prompt lookup over each request's prompt + output (kept as a growing NumPy array per request)."""
+
+    def __init__(self, num_tokens: int, min_n: int = 1, max_n: int = 4):
+        self.k, self.min_n, self.max_n = num_tokens, min_n, max_n
+        self._history = weakref.WeakKeyDictionary()  # Request -> (buffer, length)
+
+    def context(self, request) -> np.ndarray:
+        """The request's tokens [0, num_tokens) as int32, appended to incrementally."""
+        n = request.num_tokens
+        buf, have = self._history.get(request, (np.zeros(0, np.int32), 0))
+        if n < have:  # never happens (tokens are only appended); rebuild rather than trust it
+            buf, have = np.zeros(0, np.int32), 0
+        if n > len(buf):
+            grown = np.zeros(max(n, 2 * len(buf), 64), np.int32)
+            grown[:have] = buf[:have]
+            buf = grown
+        if n > have:
+            buf[have:n] = request.token_ids(have, n)
+        self._history[request] = (buf, n)
+        return buf[:n]
+
+    def propose(self, request, num: int | None = None) -> list[int]:
+        """Up to `num` (default k) drafts following the request's context; [] when no n-gram recurs."""
+        return propose_ngram(self.context(request), self.k if num is None else num, self.min_n, self.max_n)
+
+
+def propose_ngram(tokens: np.ndarray, num: int, min_n: int = 1, max_n: int = 4) -> list[int]:
+    """The `num` tokens after the most recent earlier occurrence of the last n tokens of `tokens`
+    (the longest n in [min_n, max_n] that recurs), continuing through the proposal itself when the
+    match is closer than `num` to the end. [] when none recurs."""
+    length = len(tokens)
+    if num <= 0:
+        return []
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        # starts j < length - n with tokens[j:j+n] == the last n tokens
+        hit = tokens[:length - n] == tokens[length - n]
+        for i in range(1, n):
+            hit &= tokens[i:length - n + i] == tokens[length - n + i]
+        found = np.flatnonzero(hit)
+        if found.size:
+            src = int(found[-1]) + n  # first token after the match
+            ext = list(tokens[src:src + num])  # tokens already in the context
+            while len(ext) < num:  # the match runs into the end: copy on through the proposal
+                ext.append(ext[len(ext) - (length - src)])
+            return [int(t) for t in ext]
+    return []
+
+
+def layer_skip_draft(model, mesh, num_layers: int, *, scan_layers: bool = True):
+    """A draft model made of `model`'s first `num_layers` layers with its embeddings, final norm and
+    head (self-speculation: the same vocabulary by construction, no second checkpoint to train).
+    Returns a `CausalLM` on `mesh`; `LLM.save` writes it as a checkpoint like any other."""
+    from dcp_jax.model import CausalLM
+    from dcp_jax.weights import DictSource
+
+    cfg = model.config
+    if not (isinstance(num_layers, int) and 1 <= num_layers < cfg.num_layers):
+        raise UserError(f"a layer-skip draft keeps 1..{cfg.num_layers - 1} of the {cfg.num_layers} layers, "
+                        f"got {num_layers!r}")
+    small = dataclasses.replace(cfg, num_layers=num_layers)
+    weights = model.hf_weights()
+    dtype = model.embed_tokens.get_value().dtype
+    return CausalLM(small, DictSource(weights, small, mesh, dtype), mesh, scan_layers=scan_layers)

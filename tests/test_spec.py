@@ -1,0 +1,340 @@
+"""Speculative decoding over the sequence-sharded paged cache: greedy output identical to plain decoding
+for both proposers on several meshes and for MLA, with continuous batching and across block boundaries;
+sampled output distributed as the target's (chi-square, fixed seeds; the test catches a wrong rule);
+rejected drafts' slots never read; no page leak; the CLI, the server and their errors."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from dcp_jax import LLM, SpeculativeConfig, make_mesh
+from dcp_jax.engine import SamplingParams
+from dcp_jax.serving.engine import SamplingRows, run_requests
+from dcp_jax.serving.request import Request
+from dcp_jax.spec import layer_skip_draft, propose_ngram
+from dcp_jax.spec import verify as spec_verify
+from tests.util import FIXTURES, expected
+
+NEW = 20  # tokens per request: several verify steps, many blocks of 2·dcp tokens
+K = 3
+
+
+def load(name, tp, dcp, **kw):
+    return LLM.load(FIXTURES / name, tp=tp, dcp=dcp, page_size=2, max_num_seqs=2, **kw)
+
+
+@functools.cache
+def plain(name, tp, dcp):
+    """Greedy tokens without speculation (the fixtures' prompts: 5, 11 and 17 tokens)."""
+    llm = load(name, tp, dcp, decode_steps=3)
+    return llm.generate(expected(name)["prompts"], max_new_tokens=NEW, ignore_eos=True, prefill_chunk=4).tokens
+
+
+class Oracle:
+    """A test proposer: a request's true greedy continuation with draft j wrong, j cycling over 0..k from
+    call to call, so every acceptance length (none, some, all) occurs in every batch."""
+
+    def __init__(self, prompts, outputs):
+        self.truth = {tuple(p): list(p) + list(o) for p, o in zip(prompts, outputs)}
+        self.calls = 0
+
+    def propose(self, request, num):
+        full = self.truth[tuple(request.prompt_token_ids)]
+        drafts = full[request.num_tokens:request.num_tokens + num]
+        j, self.calls = self.calls % (num + 1), self.calls + 1
+        if j < len(drafts):
+            drafts[j] = (drafts[j] + 1) % 256
+        return drafts
+
+
+def speculative_llm(name, tp, dcp, proposer):
+    if proposer == "layer-skip":
+        base = load(name, tp, dcp)
+        spec = SpeculativeConfig("draft", K, draft=layer_skip_draft(base.model, base.mesh, 1))
+        return LLM(base.model, base.mesh, page_size=2, max_num_seqs=2, speculative=spec)
+    if proposer.startswith("draft:"):  # another checkpoint (here: GQA draft for an MLA target)
+        return load(name, tp, dcp, speculative="draft", num_speculative_tokens=K,
+                    draft_model=FIXTURES / proposer.split(":")[1])
+    return load(name, tp, dcp, speculative="ngram", num_speculative_tokens=K)
+
+
+def serve(llm, prompts, proposer=None, outputs=None, arrivals=None, on_step=None):
+    server = llm.server(48, 4, 1 + 3 * llm.paged_layout().blocks_for(48))
+    if proposer == "oracle":
+        server.proposer = Oracle(prompts, outputs)
+    reqs = [Request(f"r{i}", p, max_tokens=NEW, ignore_eos=True) for i, p in enumerate(prompts)]
+
+    def step(plan):
+        server.scheduler.check()
+        if on_step is not None:
+            on_step(server, plan)
+
+    result = run_requests(server, reqs, arrivals=arrivals, on_step=step)
+    return [r.output_token_ids for r in reqs], result, server
+
+
+@pytest.mark.parametrize("name,tp,dcp,proposer", [
+    ("llama-gqa", 1, 1, "oracle"), ("llama-gqa", 2, 4, "oracle"), ("llama-gqa", 1, 3, "oracle"),
+    ("llama-gqa", 1, 1, "layer-skip"), ("llama-gqa", 2, 4, "layer-skip"), ("llama-gqa", 1, 3, "layer-skip"),
+    ("llama-gqa", 1, 3, "ngram"), ("llama-gqa", 2, 4, "ngram"),
+    ("deepseek-v3", 2, 4, "oracle"), ("deepseek-v3", 1, 3, "layer-skip"), ("deepseek-v3", 2, 4, "draft:llama-gqa"),
+])
+def test_greedy_speculation_equals_plain_decoding(name, tp, dcp, proposer):
+    # Two slots for three prompts of 5, 11 and 17 tokens, the third arriving while the others decode:
+    # rows of different lengths and acceptance share each verify step; pages of 2 slots put a block
+    # boundary every 2·dcp tokens, crossed inside verify steps.
+    prompts, want = expected(name)["prompts"], plain(name, tp, dcp)
+    llm = speculative_llm(name, tp, dcp, proposer)
+    got, result, server = serve(llm, prompts, proposer, want, arrivals=[0, 0, 0.05])
+    assert got == want
+    assert result["spec_drafted_tokens"] > 0 and result["pages_used"] == 0
+    if proposer == "oracle":  # every acceptance length occurred
+        assert 0 < result["spec_accepted_tokens"] < result["spec_drafted_tokens"]
+    assert sorted(k[0] for k in server.compiled) == ["prefill", "verify"]
+
+
+def test_llm_generate_reports_acceptance():
+    # the Python API end to end: LLM.load(speculative=...), generate's stats; the draft's pool shares pages
+    llm = load("llama-gqa", 1, 2, speculative="draft", num_speculative_tokens=2, draft_model=FIXTURES / "llama-gqa")
+    out = llm.generate(expected("llama-gqa")["prompts"], max_new_tokens=12, ignore_eos=True)
+    assert out.tokens == load("llama-gqa", 1, 2).generate(expected("llama-gqa")["prompts"], max_new_tokens=12,
+                                                          ignore_eos=True).tokens
+    s = out.stats
+    # the target drafting for itself: every draft accepted, 3 tokens per step until the last ones
+    assert s["spec_accepted_tokens"] == s["spec_drafted_tokens"] > 0 and s["spec_acceptance_rate"] == 1.0
+    assert 2.5 < s["mean_acceptance_length"] <= 3
+    assert s["draft_kv_bytes_per_device"] == s["kv_bytes_per_device"]  # the same model, the same pages
+
+
+def plant(server, positions_of, value):
+    """Write `value` into every (layer, kv head, feature) of the target pool's slots at the positions
+    `positions_of(request)` of each running request (only where it holds the page)."""
+    lay, sched = server.layout, server.scheduler
+    pages = server.config.num_pages
+    pools = jax.tree.map(np.array, server.pools)
+    for r in sched.running:
+        for t in positions_of(r):
+            block = lay.block_of(t)
+            if block >= len(r.pages):
+                continue
+            row = int(lay.rank_of(t)) * pages + r.pages[block]  # the page's row on its rank's shard
+            for leaf in jax.tree.leaves(pools):
+                leaf[:, row, :, int(lay.page_slot_of(t))] = value
+    server.pools = jax.tree.map(lambda x, old: jax.device_put(x, old.sharding), pools, server.pools)
+
+
+def test_rejected_drafts_never_leak_into_attention():
+    # After every step, plant a huge value in each running request's slots past its length (its
+    # rejected drafts, and slots it will write next): the tokens do not change. The same planting one
+    # slot earlier (the last token in the cache) does change them: the planting reaches attention.
+    name, tp, dcp = "llama-gqa", 1, 3
+    prompts, want = expected(name)["prompts"], plain(name, tp, dcp)
+    llm = speculative_llm(name, tp, dcp, "ngram")
+    past = lambda r: range(r.num_computed, r.num_computed + K + 1)  # noqa: E731
+    got, result, _ = serve(llm, prompts, "oracle", want, on_step=lambda srv, plan: plant(srv, past, 50.0))
+    assert got == want and 0 < result["spec_accepted_tokens"] < result["spec_drafted_tokens"]
+    inside = lambda r: [r.num_computed - 1]  # noqa: E731
+    got, _, _ = serve(llm, prompts, "oracle", want, on_step=lambda srv, plan: plant(srv, inside, 50.0))
+    assert got != want
+
+
+def test_propose_ngram():
+    t = np.asarray
+    assert propose_ngram(t([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]), 2) == [7, 5]  # most recent match of [1,2,3]
+    assert propose_ngram(t([4, 1, 2, 8, 3, 2, 9, 1, 2]), 3, max_n=2) == [8, 3, 2]  # longest n first: [1, 2]
+    assert propose_ngram(t([5, 6, 7, 5, 6, 7, 5]), 5) == [6, 7, 5, 6, 7]  # continues through its own proposal
+    assert propose_ngram(t([1, 2, 3, 4]), 3) == []  # nothing recurs
+    assert propose_ngram(t([7, 7]), 3) == [7, 7, 7]
+
+
+# --- sampling: the output is distributed as the target's ----------------------------------------------
+def chi2_pvalue(samples, probs):
+    """p-value of samples (ints) drawn from `probs` (cells with expected count < 5 pooled; a sample in a
+    cell of probability 0 gives 0)."""
+    probs = np.asarray(probs, np.float64)
+    probs = probs / probs.sum()
+    observed = np.bincount(np.asarray(samples), minlength=len(probs)).astype(np.float64)
+    if observed[probs == 0].sum() > 0:
+        return 0.0
+    exp = probs * observed.sum()
+    big = exp >= 5
+    obs_cells = np.append(observed[big], observed[~big].sum())
+    exp_cells = np.append(exp[big], exp[~big].sum())
+    keep = exp_cells > 0
+    obs_cells, exp_cells = obs_cells[keep], exp_cells[keep]
+    return float(scipy_stats.chisquare(obs_cells, exp_cells * obs_cells.sum() / exp_cells.sum()).pvalue)
+
+
+def accept_samples(p_logits, q, mode, rows=20000, top_k=0, q_claimed=None):
+    """Run `verify.accept` on `rows` rows with the same target logits [k+1, V] and draft distributions
+    q [k, V] (drafts drawn from q with NumPy); returns (tokens [rows, k+1], counts [rows])."""
+    k, v = q.shape
+    rng = np.random.default_rng(0)
+    drafts = np.stack([rng.choice(v, size=rows, p=q[i]) for i in range(k)], axis=1).astype(np.int32)
+    logits = jnp.broadcast_to(jnp.asarray(p_logits, jnp.float32), (rows, k + 1, v))
+    params = SamplingRows(jnp.ones(rows, jnp.float32), jnp.full(rows, top_k, jnp.int32), jnp.ones(rows, jnp.float32),
+                          jnp.arange(rows, dtype=jnp.uint32))
+    claimed = q if q_claimed is None else q_claimed
+    probs = None if mode == "ngram" else jnp.broadcast_to(jnp.asarray(claimed, jnp.float32), (rows, k, v))
+    accept = jax.jit(lambda *a: spec_verify.accept(*a))  # traced anew: sees a monkeypatched rule
+    tokens, counts, _ = accept(logits, jnp.asarray(drafts), jnp.ones((rows, k), bool), params,
+                                                     jnp.zeros(rows, jnp.int32), probs)
+    return np.asarray(tokens), np.asarray(counts)
+
+
+P_LOGITS = np.log(np.array([[0.30, 0.25, 0.20, 0.12, 0.08, 0.05], [0.05, 0.10, 0.40, 0.25, 0.15, 0.05],
+                            [0.20, 0.20, 0.20, 0.20, 0.10, 0.10]]))
+Q_DRAFT = np.array([[0.10, 0.50, 0.10, 0.10, 0.10, 0.10], [0.30, 0.10, 0.20, 0.20, 0.10, 0.10]])
+
+
+@pytest.mark.parametrize("mode,top_k", [("draft", 0), ("draft", 3), ("ngram", 0)])
+def test_acceptance_rule_gives_the_target_distribution(mode, top_k):
+    # Token 1 of a step follows p_1 (whatever was drafted); token 2, when d_1 was accepted, follows p_2.
+    # An n-gram proposal is deterministic: the drafts are one token each (q one-hot) — here a token the
+    # target finds likely in one position and unlikely in the other.
+    q = Q_DRAFT if mode == "draft" else np.eye(6)[[1, 0]]
+    p = np.asarray(spec_verify.target_probs(jnp.asarray(P_LOGITS, jnp.float32)[None], jnp.ones(1),
+                                            jnp.full(1, top_k, jnp.int32), jnp.ones(1))[0], np.float64)
+    if top_k:
+        assert (p == 0).any(axis=1).all()  # the filter is on: drafts outside the top-k must always be rejected
+    tokens, counts = accept_samples(P_LOGITS, q, mode, top_k=top_k)
+    assert chi2_pvalue(tokens[:, 0], p[0]) > 1e-3
+    assert chi2_pvalue(tokens[counts >= 2, 1], p[1]) > 1e-3
+    assert (counts >= 2).sum() > 2000 and (counts == 1).sum() > 2000  # both paths taken often
+
+
+def test_a_wrong_acceptance_rule_is_caught(monkeypatch):
+    # The same check fails for the two classic mistakes: resampling from p instead of the residual
+    # max(0, p - q), and accepting against another q than the drafts were drawn from.
+    p = np.exp(P_LOGITS) / np.exp(P_LOGITS).sum(-1, keepdims=True)
+    tokens, _ = accept_samples(P_LOGITS, Q_DRAFT, "draft", q_claimed=np.full((2, 6), 1 / 6))
+    assert chi2_pvalue(tokens[:, 0], p[0]) < 1e-6
+    monkeypatch.setattr(spec_verify, "residual", lambda p, q: p)
+    tokens, _ = accept_samples(P_LOGITS, Q_DRAFT, "draft")
+    assert chi2_pvalue(tokens[:, 0], p[0]) < 1e-6
+
+
+def small_vocab_llm(speculative=None, draft_layers=None):
+    """A random 2-layer Llama with a 6-token vocabulary on a 1 x 2 mesh."""
+    import json
+
+    from dcp_jax.config import ModelConfig
+    from dcp_jax.model import CausalLM, random_source
+
+    cfg = ModelConfig.from_dict(dict(json.loads((FIXTURES / "llama-gqa" / "config.json").read_text()), vocab_size=6))
+    mesh = make_mesh(1, 2)
+    model = CausalLM(cfg, random_source(cfg, mesh, seed=3, scale=1.0), mesh)
+    spec = None
+    if speculative == "draft":
+        spec = SpeculativeConfig("draft", 2, draft=layer_skip_draft(model, mesh, draft_layers))
+    elif speculative == "ngram":
+        spec = SpeculativeConfig("ngram", 2)
+    return LLM(model, mesh, page_size=2, max_num_seqs=32, speculative=spec, enable_prefix_caching=False)
+
+
+@pytest.mark.parametrize("speculative", ["draft", "ngram"])
+def test_sampled_tokens_follow_the_target_end_to_end(speculative):
+    # 1,500 requests with different seeds, temperature 1: the first three tokens (the 2nd and 3rd from
+    # verify steps, k = 2) against the target's exact joint law, from scoring all 216 continuations.
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # n-gram lookup proposes [3, 1] after it
+    llm = small_vocab_llm(speculative, draft_layers=1)
+    n = 1500
+    server = llm.server(16, 8, 1 + n)
+    reqs = [Request(f"s{i}", prompt, sampling=SamplingParams(temperature=1.0), seed=i, max_tokens=3, ignore_eos=True)
+            for i in range(n)]
+    result = run_requests(server, reqs)
+    assert result["spec_drafted_tokens"] > 0 and 0 < result["spec_accepted_tokens"] < result["spec_drafted_tokens"]
+    out = np.asarray([r.output_token_ids for r in reqs])
+    # the target's joint law of (t1, t2, t3), from the cache-free forward over all 216 continuations
+    seqs = np.asarray([prompt + [a, b, c] for a in range(6) for b in range(6) for c in range(6)])
+    lp = np.asarray(jax.nn.log_softmax(llm.model.forward(jnp.asarray(seqs)), axis=-1), np.float64)
+    at = np.arange(len(seqs))
+    n0 = len(prompt)
+    joint = np.exp(lp[at, n0 - 1, seqs[:, n0]] + lp[at, n0, seqs[:, n0 + 1]] + lp[at, n0 + 1, seqs[:, n0 + 2]])
+    assert np.isclose(joint.sum(), 1.0, atol=1e-4)
+    cells = out[:, 0] * 36 + out[:, 1] * 6 + out[:, 2]
+    assert chi2_pvalue(cells, joint / joint.sum()) > 1e-3
+
+
+# --- command line and server ----------------------------------------------------------------------------
+def test_cli_speculative_run(capsys):
+    from dcp_jax.generate import run
+
+    code = run(["--model", str(FIXTURES / "llama-gqa"), "--dcp", "2", "--prompt-ids", "1,2,3,1,2,3,1,2",
+                "--max-new-tokens", "6", "--ignore-eos", "--speculative", "ngram", "--num-speculative-tokens", "2"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "speculation ngram, k=2:" in out and "mean acceptance length" in out
+
+
+@pytest.mark.parametrize("argv,needle,code", [
+    (["--speculative", "draft"], "--speculative draft needs --draft-model", 2),
+    (["--draft-model", "x"], "--draft-model needs --speculative draft", 2),
+    (["--num-speculative-tokens", "2"], "--num-speculative-tokens needs --speculative", 2),
+    (["--speculative", "ngram", "--num-speculative-tokens", "0"], "--num-speculative-tokens must be >= 1", 2),
+    (["--speculative", "beam"], "invalid choice", 2),
+    (["--speculative", "draft", "--draft-model", str(FIXTURES / "nowhere")], "nowhere", 1),
+])
+def test_cli_speculative_errors(capsys, argv, needle, code):
+    from dcp_jax.generate import run
+
+    got = run(["--model", str(FIXTURES / "llama-gqa"), "--prompt-ids", "1,2", *argv])
+    out, err = capsys.readouterr()
+    assert got == code and needle in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_draft_with_another_vocabulary_is_refused():
+    import json
+
+    from dcp_jax import UserError
+    from dcp_jax.config import ModelConfig
+    from dcp_jax.model import CausalLM, random_source
+
+    target = load("llama-gqa", 1, 2)
+    cfg = ModelConfig.from_dict(dict(json.loads((FIXTURES / "llama-gqa" / "config.json").read_text()), vocab_size=128))
+    draft = CausalLM(cfg, random_source(cfg, target.mesh), target.mesh)
+    with pytest.raises(UserError, match=r"vocabulary \(128 ids\) differs from the target's \(256\)"):
+        LLM(target.model, target.mesh, speculative=SpeculativeConfig("draft", 2, draft=draft))
+
+
+def test_server_with_ngram_speculation():
+    openai = pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    uvicorn = pytest.importorskip("uvicorn")
+    from dcp_jax.serve import make_app
+
+    app, llm = make_app(FIXTURES / "llama-tokenizer", tp=1, dcp=2, max_num_seqs=4, max_model_len=64, page_size=4,
+                        prefill_chunk=16, speculative="ngram", num_speculative_tokens=3)
+    plain_llm = LLM.load(FIXTURES / "llama-tokenizer", dcp=2, page_size=4)
+    prompts = [[(5 * i + j) % 7 + 2 for j in range(12)] for i in range(4)]  # repetitive: n-grams hit
+    want = [plain_llm.generate([p], max_new_tokens=10, max_seq_len=64, ignore_eos=True).text[0] for p in prompts]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    try:
+        base = f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", timeout=60, max_retries=0)
+        got = [client.completions.create(model=client.models.list().data[0].id, prompt=p, max_tokens=10,
+                                         temperature=0, extra_body=dict(ignore_eos=True)).choices[0].text
+               for p in prompts]
+        assert got == want
+        text = httpx.get(base + "/metrics", timeout=10).text
+        values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                  if line.startswith("dcp_jax_spec_decode")}
+        assert values["dcp_jax_spec_decode_drafted_tokens"] > 0
+        assert values["dcp_jax_spec_decode_mean_acceptance_length"] >= 1
+    finally:
+        srv.should_exit = True
+        thread.join(30)
