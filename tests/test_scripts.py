@@ -90,3 +90,17 @@ def test_bench_compile_quick(capsys):
     assert out["ratio_deepest_to_shallowest"]["decode"] > 0
     assert {(r["engine"], r["scan_layers"]) for r in out["decode_speed"]} == {
         ("paged", True), ("paged", False), ("dense", True), ("dense", False)}  # (same tokens: asserted inside)
+
+
+def test_bench_spec_quick(capsys):
+    # both tasks on a 1 x 2 mesh, small: every speculative run gives plain decoding's tokens; the figures
+    # (speed-ups) are reported, not asserted
+    mod = runpy.run_path(str(SCRIPTS / "bench_spec.py"), run_name="bench_spec")
+    assert mod["main"](["--quick", "--json", "--mesh", "1x2", "--context", "512", "--new-tokens", "24"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["mismatches"] == [] and set(out["docs"]["runs"]) == {"plain", "ngram", "draft"}
+    for task in ("docs", "repeat"):
+        for name, r in out[task]["runs"].items():
+            assert r["exact"] and r["decode_tokens_per_s"] > 0
+            if name != "plain":
+                assert r["spec_drafted_tokens"] > 0 and r["mean_acceptance_length"] >= 1

@@ -107,6 +107,7 @@ def layer_skip_draft(model, mesh, num_layers: int, *, scan_layers: bool = True):
     """A draft model made of `model`'s first `num_layers` layers with its embeddings, final norm and
     head (self-speculation: the same vocabulary by construction, no second checkpoint to train).
     Returns a `CausalLM` on `mesh`; `LLM.save` writes it as a checkpoint like any other."""
+    from dcp_jax.config import ModelConfig
     from dcp_jax.model import CausalLM
     from dcp_jax.weights import DictSource
 
@@ -114,7 +115,7 @@ def layer_skip_draft(model, mesh, num_layers: int, *, scan_layers: bool = True):
     if not (isinstance(num_layers, int) and 1 <= num_layers < cfg.num_layers):
         raise UserError(f"a layer-skip draft keeps 1..{cfg.num_layers - 1} of the {cfg.num_layers} layers, "
                         f"got {num_layers!r}")
-    small = dataclasses.replace(cfg, num_layers=num_layers)
+    small = ModelConfig.from_dict(dict(cfg.hf_config, num_hidden_layers=num_layers))  # saved as its config
     weights = model.hf_weights()
     dtype = model.embed_tokens.get_value().dtype
     return CausalLM(small, DictSource(weights, small, mesh, dtype), mesh, scan_layers=scan_layers)

@@ -1,0 +1,196 @@
+"""Speculative decoding on CPU: decode tokens/s and mean acceptance length with and without it, side by side.
+
+Two tasks where drafts can hit, each run plain (the K-step decode loop) and speculative in one process,
+greedy, with the tokens checked equal (a mismatch is reported and the script exits 1):
+
+  docs       the embedded tiny model (byte-level, trained on Python's documentation) continuing 8
+             documentation snippets at once: plain, n-gram lookup, and a draft model — the target's
+             first 2 of 4 layers (`dcp_jax.spec.layer_skip_draft`, saved as an orbax checkpoint and
+             loaded through `draft_model=DIR`, as a user would)
+  repeat     one request with a 16K-token random prompt on a random-weight Llama (hidden 256, 4 layers,
+             vocabulary 1024) whose weights are scaled down (scale 0.1) until the next token depends
+             mostly on the current one: greedy decoding falls into short cycles, which n-gram lookup
+             predicts — the long-context case of quoting or editing what is already there
+
+Reported per run: decode tokens/s (tokens the decode/verify programs produced over their own time, host
+proposals included; prefill excluded), time per program call, drafted / accepted tokens, the mean
+acceptance length (tokens a sequence gains per verify step: 1 + accepted / steps) and the speed-up over
+plain decoding. The speed-up is about acceptance length x (plain step time / verify step time).
+
+    python scripts/bench_spec.py                  # 16K context, 256 new tokens; docs: 8 x 128 bytes
+    python scripts/bench_spec.py --quick --json   # 2K context, 64 new tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared helpers
+import bench_serving  # noqa: E402
+
+DEFAULTS = dict(context=16384, new_tokens=256, k=4, docs=8, doc_bytes=128, doc_new=128, scale=0.1,
+                prefill_chunk=256, page_size=64, decode_steps=8)
+QUICK = dict(context=2048, new_tokens=64, k=4, docs=4, doc_bytes=96, doc_new=64, scale=0.1,
+             prefill_chunk=256, page_size=16, decode_steps=8)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def doc_prompts(n: int, size: int) -> list[str]:
+    """`n` windows of `size` bytes from the end of Python's documentation topics (the text the embedded
+    model learned; its last 5% was held out from training)."""
+    from pydoc_data.topics import topics
+
+    text = "\n".join(topics[k] for k in sorted(topics)).encode("ascii", "ignore").decode()
+    tail = text[int(len(text) * 0.95):]
+    step = (len(tail) - size) // n
+    return [tail[i * step:i * step + size] for i in range(n)]
+
+
+def measure(llm, prompts, new_tokens: int, prefill_chunk: int) -> dict:
+    """One greedy generate; the figures of its decode phase."""
+    out = llm.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True, prefill_chunk=prefill_chunk)
+    server = llm.serving_engines()[-1]
+    s = out.stats
+    steps = max(s["decode_steps"], 1)  # decode steps of the batch, or verify steps
+    row = dict(decode_tokens_per_s=s["decode_tokens_per_s"], decode_s=s["decode_s"],
+               step_ms=1e3 * s["decode_s"] / steps, steps=s["decode_steps"], tokens=out.tokens,
+               prefill_s=s["prefill_s"], compile_s=s["compile_s"],
+               steps_per_call=1 if server.speculative is not None else llm.decode_steps)
+    for key in ("spec_drafted_tokens", "spec_accepted_tokens", "spec_acceptance_rate", "mean_acceptance_length"):
+        if key in s:
+            row[key] = s[key]
+    return row
+
+
+def docs_task(size: dict, tp: int, dcp: int, tmp: Path) -> dict:
+    from dcp_jax.engine import LLM
+    from dcp_jax.generate import DEFAULT_MODEL
+    from dcp_jax.spec import layer_skip_draft
+
+    common = dict(tp=tp, dcp=dcp, page_size=size["page_size"], max_num_seqs=size["docs"],
+                  decode_steps=size["decode_steps"])
+    prompts = doc_prompts(size["docs"], size["doc_bytes"])
+    plain = LLM.load(DEFAULT_MODEL, **common)
+    draft_dir = tmp / "tiny-draft"
+    LLM(layer_skip_draft(plain.model, plain.mesh, 2), plain.mesh, plain.tokenizer).save(draft_dir)
+    runs = {}
+    for name, kw in (("plain", {}), ("ngram", dict(speculative="ngram", num_speculative_tokens=size["k"])),
+                     ("draft", dict(speculative="draft", num_speculative_tokens=size["k"], draft_model=draft_dir))):
+        llm = plain if name == "plain" else LLM.load(DEFAULT_MODEL, **common, **kw)
+        runs[name] = measure(llm, prompts, size["doc_new"], size["prefill_chunk"])
+        log(f"  docs {name}: {runs[name]['decode_tokens_per_s']:.1f} tok/s")
+    return dict(prompts=len(prompts), prompt_bytes=size["doc_bytes"], new_tokens=size["doc_new"], runs=runs)
+
+
+def repeat_task(size: dict, tp: int, dcp: int) -> dict:
+    from dcp_jax import LLM, SpeculativeConfig, make_mesh
+    from dcp_jax.config import ModelConfig
+    from dcp_jax.model import CausalLM, random_source
+
+    cfg = ModelConfig.from_dict(bench_serving.hf_config("bench"))
+    mesh = make_mesh(tp, dcp)
+    model = CausalLM(cfg, random_source(cfg, mesh, seed=0, scale=size["scale"]), mesh)
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(3, cfg.vocab_size, size["context"] - size["new_tokens"])]
+    common = dict(page_size=size["page_size"], max_num_seqs=1, decode_steps=size["decode_steps"])
+    runs = {}
+    for name, spec in (("plain", None), ("ngram", SpeculativeConfig("ngram", size["k"]))):
+        llm = LLM(model, mesh, **common, speculative=spec)
+        runs[name] = measure(llm, [prompt], size["new_tokens"], size["prefill_chunk"])
+        log(f"  repeat {name}: {runs[name]['decode_tokens_per_s']:.1f} tok/s")
+    return dict(context=size["context"], prompt_tokens=len(prompt), new_tokens=size["new_tokens"],
+                scale=size["scale"], runs=runs)
+
+
+def finish(task: dict) -> list[str]:
+    """Speed-ups over plain, and whether every run's tokens equal plain's; returns mismatching runs."""
+    plain = task["runs"]["plain"]
+    bad = []
+    for name, r in task["runs"].items():
+        r["speedup"] = r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+        r["exact"] = r["tokens"] == plain["tokens"]
+        if not r["exact"]:
+            bad.append(name)
+    return bad
+
+
+def table(report: dict) -> str:
+    # a step: one decode step of the batch (plain; K per program call) or one verify step (one call)
+    lines = [f"{'task / run':18} {'decode tok/s':>12} {'speed-up':>9} {'ms/step':>8} {'tok/step':>8} "
+             f"{'drafted':>8} {'accepted':>9} {'accept len':>10} {'exact':>6}"]
+    for task in ("docs", "repeat"):
+        t = report.get(task)
+        if t is None:
+            continue
+        for name, r in t["runs"].items():
+            n_tok = sum(len(x) for x in r["tokens"]) - len(r["tokens"])  # the first token is prefill's
+            lines.append(
+                f"{task + ' / ' + name:18} {r['decode_tokens_per_s']:12.1f} {r['speedup']:8.2f}x {r['step_ms']:8.1f} "
+                f"{n_tok / max(r['steps'], 1):8.2f} {r.get('spec_drafted_tokens', ''):>8} "
+                f"{r.get('spec_accepted_tokens', ''):>9} "
+                f"{(format(r['mean_acceptance_length'], '.2f') if 'mean_acceptance_length' in r else ''):>10} "
+                f"{'yes' if r['exact'] else 'NO':>6}")
+    rep = report.get("repeat")
+    if rep is not None:
+        r = rep["runs"]["ngram"]
+        lines.append(f"repeat: {rep['context']:,}-token context, n-gram k={report['size']['k']}: "
+                     f"{r['speedup']:.2f}x plain decode tokens/s (target 1.8x) at mean acceptance length "
+                     f"{r['mean_acceptance_length']:.2f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="2K context, 64 new tokens, 4 snippets (< 2 min)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--mesh", type=bench_serving.parse_mesh, default=(1, 1), help="TPxDCP mesh (default 1x1)")
+    p.add_argument("--tasks", default="docs,repeat", help="comma-separated: docs, repeat (default both)")
+    p.add_argument("--context", type=int, help="repeat task: prompt + new tokens (default 16384; quick 2048)")
+    p.add_argument("--new-tokens", type=int, help="repeat task: tokens to generate (default 256; quick 64)")
+    p.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, help="drafts per verify step (default 4)")
+    args = p.parse_args(argv)
+    command = shlex.join(["python", "scripts/bench_spec.py", *(sys.argv[1:] if argv is None else argv)])
+    size = dict(QUICK if args.quick else DEFAULTS)
+    for key in ("context", "new_tokens", "k"):
+        if getattr(args, key) is not None:
+            size[key] = getattr(args, key)
+    tasks = [t for t in args.tasks.split(",") if t]
+    if not set(tasks) <= {"docs", "repeat"}:
+        p.error(f"--tasks takes docs and/or repeat, got {args.tasks!r}")
+    tp, dcp = args.mesh
+    from dcp_jax.mesh import ensure_cpu_devices
+
+    ensure_cpu_devices(tp * dcp)
+    report = dict(command=command, size=size, mesh=dict(tp=tp, dcp=dcp))
+    bad = []
+    with tempfile.TemporaryDirectory(prefix="bench_spec.") as tmp:
+        for task in tasks:
+            log(f"{task} on tp={tp} dcp={dcp}")
+            t0 = time.perf_counter()
+            report[task] = docs_task(size, tp, dcp, Path(tmp)) if task == "docs" else repeat_task(size, tp, dcp)
+            bad += [f"{task}/{name}" for name in finish(report[task])]
+            log(f"  {time.perf_counter() - t0:.1f} s")
+    report["mismatches"] = bad
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"$ {command}")
+        print(table(report))
+        if bad:
+            print(f"NOT EXACT: {', '.join(bad)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
