@@ -89,3 +89,52 @@ def test_load_errors():
                               devices=jax.devices()[:8])
     with pytest.raises(UserError, match="prefill= does not take colour"):
         DisaggregatedLLM.load(FIXTURES / "llama-gqa", prefill=dict(colour=1))
+
+
+class Stalling:
+    """A prefill handle whose offer for the prompt `stall` names a uuid nobody offers: the pull waits on
+    a transfer that never comes (a stalled prefill instance), while the real offer is left unpulled."""
+
+    def __init__(self, inner, stall):
+        self.inner, self.stall = inner, stall
+
+    def handshake(self):
+        return self.inner.handshake()
+
+    def prefill(self, items, timeout_s):
+        out = self.inner.prefill(items, timeout_s)
+        for item, offer in zip(items, out):
+            if item["prompt_token_ids"] == self.stall:
+                offer["uuid"] = 12345
+        return out
+
+    def release(self, uuid, pulled):
+        self.inner.release(uuid, pulled)
+
+
+def test_stalled_transfer_fails_that_request_only_and_the_offer_is_dropped():
+    import time
+
+    exp = expected("llama-gqa")
+    pair = DisaggregatedLLM.load(FIXTURES / "llama-gqa", prefill=dict(tp=1, dcp=1, page_size=2),
+                                 decode=dict(tp=1, dcp=2, page_size=2), timeout_s=1.0)
+    kw = dict(max_new_tokens=exp["max_new_tokens"], ignore_eos=True, prefill_chunk=4)
+    assert pair.generate(exp["prompts"], **kw).tokens == exp["greedy"]
+    pre, dec = pair.instances()[-1]
+    dec.prefill = Stalling(dec.prefill, exp["prompts"][1])
+    start = time.monotonic()
+    out = pair.generate(exp["prompts"], **kw)
+    assert time.monotonic() - start < 30  # bounded by the 1 s transfer timeout, not forever
+    assert out.finish_reasons == ["length", "error", "length"]
+    assert out.errors[1].startswith("pulling the KV from the prefill instance's transfer server 127.0.0.1:")
+    assert "did not finish within 1 s" in out.errors[1] and "\n" not in out.errors[1]
+    assert out.tokens[0] == exp["greedy"][0] and out.tokens[2] == exp["greedy"][2] and out.tokens[1] == []
+    sched = dec.engine.scheduler
+    sched.check()
+    assert sched.stats()["pages_used"] == 0 and not sched.has_unfinished()
+    # the prefill side still holds the real offer nobody pulled: after its timeout it drops it
+    assert pre.port.num_pending() == 1
+    time.sleep(1.2)
+    assert pre.port.reap() == 1 and pre.port.num_pending() == 0
+    dec.prefill = dec.prefill.inner  # the decode side goes on serving
+    assert pair.generate(exp["prompts"], **kw).tokens == exp["greedy"]

@@ -85,6 +85,10 @@ class DisaggregatedLLM:
                                                     timeout_s=self.timeout_s))
         return self._pairs[key]
 
+    def instances(self) -> list:
+        """The (PrefillInstance, DecodeInstance) pairs `generate` has built, oldest first, for inspection."""
+        return list(self._pairs.values())
+
     def generate(self, prompts, *, max_new_tokens: int = 32, max_seq_len: int | None = None,
                  prefill_chunk: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int = 0, ignore_eos: bool = False) -> Generation:

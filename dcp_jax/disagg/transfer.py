@@ -14,8 +14,8 @@ single-device pieces (one per distinct shard) and the destination picks the devi
 re-layout (ranks, interleave, page size, tp) is the destination's own program over its own mesh. Its
 `timeout` arguments bounded nothing in our probes: a pull of a uuid nobody offers, or from a process
 that died before the pull, waits forever; a source dying mid-pull fails the pull at once. So every
-wait here runs under our own deadline (a watchdog thread), and an offer nobody pulls is drained by the
-prefill side pulling it from itself (one pull consumes an offer).
+wait here runs under our own deadline (polling `is_ready`; an abandoned pull blocks no thread), and an
+offer nobody pulls is drained by the prefill side pulling it from itself (one pull consumes an offer).
 
 Placement math comes from `dcp_jax.layout.reshard_plan`; partition specs from `dcp_jax.mesh`.
 """
@@ -293,25 +293,21 @@ class Receiver:
 # --- the transport ------------------------------------------------------------------------------------
 
 
-def wait_bounded(fn, timeout_s: float, what: str):
-    """Run `fn()` (which may block forever inside the transfer library) in a daemon thread; its result,
-    or TransferError when it raises or has not returned within `timeout_s` (the thread is left behind)."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - reported to the waiting thread
-            box["error"] = e
-
-    th = threading.Thread(target=run, name="dcp-jax-transfer-wait", daemon=True)
-    th.start()
-    th.join(timeout_s)
-    if th.is_alive():
-        raise TransferError(f"{what} did not finish within {timeout_s:g} s")
-    if "error" in box:
-        raise TransferError(f"{what} failed: {str(box['error']).splitlines()[0]}")
-    return box["value"]
+def wait_ready(arrays: list[jax.Array], timeout_s: float, what: str) -> list[jax.Array]:
+    """`arrays` (a pull's results) once all are ready, or TransferError when one fails or they are not
+    all ready within `timeout_s`. Polls `is_ready` rather than blocking a thread: a pull the library
+    never completes is simply abandoned (a thread blocked in it would abort the process at exit)."""
+    end = time.monotonic() + timeout_s
+    pause = 0.0005
+    while not all(a.is_ready() for a in arrays):
+        if time.monotonic() > end:
+            raise TransferError(f"{what} did not finish within {timeout_s:g} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+    try:
+        return jax.block_until_ready(arrays)  # ready: returns at once, or raises the transfer's error
+    except Exception as e:  # noqa: BLE001 - e.g. the source died mid-pull: "Connection closed"
+        raise TransferError(f"{what} failed: {str(e).splitlines()[0]}") from None
 
 
 class TransferPort:
@@ -351,9 +347,8 @@ class TransferPort:
             entry = self.pending.pop(uuid, None)
         if entry is None:
             return False
-        conn = self.connect(self.address)
         try:
-            wait_bounded(lambda: jax.block_until_ready(conn.pull(uuid, entry[1])), timeout_s, "draining an offer")
+            wait_ready(self.connect(self.address).pull(uuid, entry[1]), timeout_s, "draining an offer")
         except TransferError:
             pass  # the peer pulled it after all (one pull consumes an offer): nothing is held
         self.dropped += 1
@@ -381,11 +376,12 @@ class TransferPort:
         avals = [jax.ShapeDtypeStruct(s.shape, np.dtype(s.dtype), sharding=SingleDeviceSharding(devices[i % len(devices)]))
                  for i, s in enumerate(specs)]
 
-        def go():
-            conn = self.connect(address)
-            return jax.block_until_ready(conn.pull(uuid, avals))
-
-        return wait_bounded(go, timeout_s, f"pulling the KV from the prefill instance's transfer server {address}")
+        what = f"pulling the KV from the prefill instance's transfer server {address}"
+        try:
+            pulled = self.connect(address).pull(uuid, avals)
+        except Exception as e:  # noqa: BLE001 - the library's error, as one line
+            raise TransferError(f"{what} failed: {str(e).splitlines()[0]}") from None
+        return wait_ready(pulled, timeout_s, what)
 
 
 def new_uuid() -> int:
