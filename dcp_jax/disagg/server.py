@@ -250,12 +250,13 @@ def make_decode_app(model_dir, *, prefill_at: str, timeout_s: float, tp, dcp, se
     template = ChatTemplate.from_tokenizer_config(path / "tokenizer_config.json") if path.is_dir() else None
     name = served_model_name or ("dcp-jax-tiny" if embedded else path.resolve().name)
     tp_, dcp_ = engine.mesh.shape["tp"], engine.mesh.shape["dcp"]
-    app = create_app(DisaggAsyncEngine(engine, decode, max_pending=max_pending), model_name=name,
-                     max_model_len=max_model_len, tokenizer=llm.tokenizer, chat_template=template, tp=tp_, dcp=dcp_)
+    runner = DisaggAsyncEngine(engine, decode, max_pending=max_pending)
+    app = create_app(runner, model_name=name, max_model_len=max_model_len, tokenizer=llm.tokenizer,
+                     chat_template=template, tp=tp_, dcp=dcp_)
 
     @app.get("/disagg/stats")
-    async def stats():
-        return dict(decode.stats, source=decode.source)
+    async def stats():  # the transfers so far, and the scheduler's snapshot after the last step
+        return dict(decode.stats, source=decode.source, scheduler=runner.stats)
 
     return app, llm, decode
 
