@@ -93,7 +93,9 @@ class DisaggregatedLLM:
                  prefill_chunk: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int = 0, ignore_eos: bool = False) -> Generation:
         """As `LLM.generate`; `stats` adds transfer_bytes (what the transfers delivered), transfer_s (time
-        in the pulls), write_s (writing the KV into the decode pool) and both sides' meshes."""
+        in the pulls), stage_s (gathering the KV pieces on the prefill side), write_s (writing the KV
+        into the decode pool) and both sides' meshes; ttft_s counts until a request's KV is in the
+        decode pool (its first token is then emitted)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         ids = [self.decode_llm.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
@@ -122,7 +124,7 @@ class DisaggregatedLLM:
 
         requests = [Request(f"r{i}", p, sampling=sampling, seed=seed, max_tokens=max_new_tokens, ignore_eos=ignore_eos)
                     for i, p in enumerate(ids)]
-        stats0, timing0 = dict(dec.stats), dict(eng.timing)
+        stats0, timing0, stage0 = dict(dec.stats), dict(eng.timing), pre.stats["stage_s"]
         t0 = time.perf_counter()
         for r in requests:
             r.arrival_time = time.monotonic()
@@ -153,6 +155,7 @@ class DisaggregatedLLM:
             raise UserError(errors[0])
         stats = {k: dec.stats[k] - stats0[k] for k in ("transfer_bytes", "transfer_s", "write_s", "transfers")}
         timing = {k: eng.timing[k] - timing0[k] for k in timing0}
+        stats["stage_s"] = pre.stats["stage_s"] - stage0  # gathering the pieces on the prefill side
         decode_s = timing["decode_s"]
         p_mesh, d_mesh = pre.engine.mesh, eng.mesh
         stats.update(
@@ -163,6 +166,7 @@ class DisaggregatedLLM:
             batch=len(ids), max_seq_len=max_model_len, prompt_tokens=sum(map(len, ids)),
             generated_tokens=sum(len(r.output_token_ids) for r in requests), compile_s=compile_s,
             prefill_s=prefill_s, ttft_s=max(first.values(), default=0.0), decode_s=decode_s,
+            decode_steps=timing["decode_steps"],
             decode_tokens_per_s=timing["decode_tokens"] / decode_s if decode_s > 0 else 0.0, wall_s=wall,
             requests=[dict(ttft_s=first.get(r.request_id), prompt_tokens=r.num_prompt_tokens,
                            generated_tokens=len(r.output_token_ids), finish_reason=r.finish_reason)

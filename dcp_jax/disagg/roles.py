@@ -58,7 +58,7 @@ class PrefillInstance:
         self.engine, self.port = engine, port
         self.stager = Stager(engine)
         self.lock = threading.Lock()
-        self.stats = dict(requests=0, prompt_tokens=0, prefill_s=0.0, offered_bytes=0)
+        self.stats = dict(requests=0, prompt_tokens=0, prefill_s=0.0, stage_s=0.0, offered_bytes=0)
 
     def info(self) -> dict:
         return describe(self.engine, "prefill", self.port.address)
@@ -83,9 +83,11 @@ class PrefillInstance:
                     r = c.request
                     if not c.is_last or not r.output_token_ids:
                         continue
+                    ts = time.perf_counter()
                     arrays, specs = self.stager.stage(plan.block_table[c.slot], c.end)  # before the next step
                     uuid = new_uuid()
                     self.port.offer(uuid, arrays)
+                    self.stats["stage_s"] += time.perf_counter() - ts
                     results[r.request_id] = Offer("", uuid, c.end, r.output_token_ids[0], r.output_logprobs[0], specs,
                                                   time.perf_counter() - t0)
                     self.stats["offered_bytes"] += sum(s.nbytes for s in specs)
