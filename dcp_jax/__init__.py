@@ -1,6 +1,7 @@
 """dcp_jax: Decode Context Parallelism in JAX — KV cache sharded along the sequence over a mesh axis."""
 
 from dcp_jax.attention import dcp_attention
+from dcp_jax.disagg import DisaggregatedLLM
 from dcp_jax.engine import LLM, Engine, Generation, SamplingParams
 from dcp_jax.errors import UserError
 from dcp_jax.layout import KVLayout, PagedLayout, kv_cache_bytes
@@ -10,6 +11,7 @@ from dcp_jax.spec import SpeculativeConfig
 __all__ = [
     "AXES",
     "LLM",
+    "DisaggregatedLLM",
     "Engine",
     "Generation",
     "SamplingParams",

@@ -22,7 +22,7 @@ import numpy as np
 
 from pallas_kernels.attention.common import SlotPositions
 
-__all__ = ["KVLayout", "PagedLayout", "kv_cache_bytes"]
+__all__ = ["KVLayout", "PagedLayout", "ReshardPlan", "kv_cache_bytes", "kv_head_sources", "reshard_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,3 +219,76 @@ class PagedLayout:
     def capacity_tokens(self, num_pages):
         """Tokens `num_pages` pages hold over all shards: num_pages · page_size · num_shards."""
         return num_pages * self.tokens_per_block
+
+
+# --- prefill/decode disaggregation: one paged placement to another ----------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ReshardPlan:
+    """Where each of the first `length` tokens of a sequence sits in a source paged placement and where
+    it goes in a destination one (NumPy int arrays [length], indexed by position).
+
+    Source side: rank `src_rank`, logical block `src_block`, slot `src_page_slot` of that block's page.
+    The source gathers a sequence's pages into a staging array [N_src · blocks, page_src] (rank-major:
+    row `src_row` = src_rank · src_blocks + src_block); the destination writes token t into block
+    `dst_block`'s page on rank `dst_rank`, at slot `dst_page_slot`. Exactly `length` entries: the rows
+    of a partial last page past `length` appear nowhere, so no stale row is ever copied.
+    """
+
+    src: PagedLayout
+    dst: PagedLayout
+    length: int
+    src_rank: np.ndarray
+    src_block: np.ndarray
+    src_page_slot: np.ndarray
+    dst_rank: np.ndarray
+    dst_block: np.ndarray
+    dst_page_slot: np.ndarray
+
+    @property
+    def src_blocks(self) -> int:
+        """Blocks (pages per rank) the source holds the sequence in."""
+        return int(self.src.blocks_for(self.length))
+
+    @property
+    def dst_blocks(self) -> int:
+        """Blocks (pages per rank) the destination needs for the sequence."""
+        return int(self.dst.blocks_for(self.length))
+
+    @property
+    def src_row(self) -> np.ndarray:
+        """Row of each token in the source's rank-major staging array [N_src · src_blocks, page_src]."""
+        return self.src_rank * self.src_blocks + self.src_block
+
+    def src_counts(self) -> np.ndarray:
+        """Tokens each source rank sends (NumPy [N_src]); the same as `src.local_lengths(length)`."""
+        return np.bincount(self.src_rank, minlength=self.src.num_shards)
+
+    def dst_counts(self) -> np.ndarray:
+        """Tokens each destination rank receives (NumPy [N_dst])."""
+        return np.bincount(self.dst_rank, minlength=self.dst.num_shards)
+
+    def dst_pool_index(self, table_row, pages_per_rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """(page index in the destination's global pool [N_dst · pages], slot in that page) of every
+        token, through the destination sequence's block-table row (`pages_per_rank` pages per rank)."""
+        table_row = np.asarray(table_row)
+        return self.dst_rank * pages_per_rank + table_row[self.dst_block], self.dst_page_slot
+
+
+def reshard_plan(src: PagedLayout, dst: PagedLayout, length: int) -> ReshardPlan:
+    """The plan moving the first `length` tokens from placement `src` to placement `dst` (any numbers
+    of shards, interleaves and page sizes on either side)."""
+    if not isinstance(length, (int, np.integer)) or isinstance(length, bool) or length < 0:
+        raise ValueError(f"length must be an integer >= 0, got {length!r}")
+    t = np.arange(int(length), dtype=np.int64)
+    return ReshardPlan(src, dst, int(length),
+                       src_rank=src.rank_of(t), src_block=src.block_of(t), src_page_slot=src.page_slot_of(t),
+                       dst_rank=dst.rank_of(t), dst_block=dst.block_of(t), dst_page_slot=dst.page_slot_of(t))
+
+
+def kv_head_sources(stored_heads: int, replication: int) -> np.ndarray:
+    """The model's kv head held by each of `stored_heads` cache heads when every head is stored
+    `replication` times (so each tp rank holds whole heads): stored head j holds head j // replication.
+    Two sides with different tp re-split heads through it: each destination head takes its source."""
+    return np.arange(stored_heads) // replication

@@ -56,6 +56,19 @@ def build_parser():
                    help="reuse the KV of cached full blocks of a prompt's prefix (default on)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_speculative_args(p)
+    # --- prefill/decode disaggregation (dcp_jax.disagg, docs/DISAGG.md) ---------------------------------
+    from dcp_jax.disagg import cli as disagg_cli
+
+    g = p.add_argument_group("prefill/decode disaggregation")
+    g.add_argument("--role", choices=("single", "prefill", "decode"), default="single",
+                   help="single: prefill and decode here (default); prefill: only prefill, for a decode instance; "
+                        "decode: serve clients, prompts prefilled by the instance at --prefill-at")
+    g.add_argument("--prefill-at", default=None, metavar="HOST:PORT", help="the prefill instance (--role decode)")
+    g.add_argument("--interleave", type=positive_int("--interleave"), default=1,
+                   help="KV interleave size of this role's pool (--role prefill/decode; default 1)")
+    g.add_argument("--transfer-timeout", type=disagg_cli.positive_float("--transfer-timeout"), default=60.0,
+                   metavar="SECONDS",
+                   help="bound on one request's prefill + KV pull (decode) / on an unpulled offer (prefill)")
     return p
 
 
@@ -103,11 +116,18 @@ def make_app(model_dir=None, *, tp: int | None = None, dcp: int | None = None, s
 
 
 def run(argv=None) -> int:
+    from dcp_jax.disagg.cli import check_role_args
+
     try:
         args = build_parser().parse_args(argv)
         if args.mesh and (args.tp or args.dcp):
             raise UsageError("give either --mesh or --tp/--dcp, not both")
         speculative = speculative_kwargs(args)
+        if (problem := check_role_args(args)) is not None:  # dcp_jax.disagg
+            raise UsageError(problem)
+        if args.role != "single" and args.speculative is not None:
+            raise UsageError(f"--speculative is not supported with --role {args.role}: serve speculative decoding "
+                             "from a single instance (--role single)")
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return USAGE_ERROR
@@ -117,6 +137,10 @@ def run(argv=None) -> int:
         print("error: the server needs the 'serve' extra: pip install 'dcp_jax[serve]'", file=sys.stderr)
         return RUN_ERROR
     tp, dcp = args.mesh or (args.tp, args.dcp)
+    if args.role != "single":  # dcp_jax.disagg
+        from dcp_jax.disagg.server import run_role
+
+        return run_role(args, tp, dcp)
     try:
         app, llm = make_app(args.model, tp=tp, dcp=dcp, served_model_name=args.served_model_name,
                             kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,

@@ -541,3 +541,34 @@ class Scheduler:
         for r in self.waiting:
             assert r.state is RequestState.WAITING and not r.pages and r.slot is None and r.num_computed == 0
         assert {r.request_id for r in self.running} | {r.request_id for r in self.waiting} == set(self.requests)
+
+    # --- prefill/decode disaggregation (dcp_jax.disagg) ----------------------------------------------
+    def admit_prefilled(self, request: Request, first_token: int, first_logprob: float | None,
+                        write: Callable[[list[int]], None]) -> bool | None:
+        """Admit `request` straight into decoding: its prompt's KV was computed elsewhere (a prefill
+        instance) and its first token sampled there. Takes a slot and the prompt's pages, calls
+        `write(pages)` to put the KV into them (block-table order), then records the first token (which
+        may finish the request at once). Returns True when admitted, None when no slot or pages are free
+        now, or requests wait for recompute (try again after a step), False when the request can never
+        run (finished with finish_reason "error", as `add_request` does). A duplicate id raises UserError."""
+        if request.request_id in self.requests:
+            raise UserError(f"request id {request.request_id!r} is already in use: give each request a unique id")
+        if request.arrival_time is None:
+            request.arrival_time = self.clock()
+        problem = self.validate(request)
+        if problem is not None:
+            request.finish("error", error=problem)
+            self.finished.append(request)
+            return False
+        need = self.layout.blocks_for(request.num_prompt_tokens)
+        if self.waiting or not self.free_slots or need > self.pool.num_available:
+            return None
+        request.slot = min(self.free_slots)
+        self.free_slots.remove(request.slot)
+        request.state, request.num_computed = RequestState.DECODING, request.num_prompt_tokens
+        self.requests[request.request_id] = request
+        self.running.append(request)
+        self.grow(request, need)
+        write(list(request.pages))
+        self.append(request, first_token, first_logprob)
+        return True

@@ -1,0 +1,178 @@
+"""`DisaggregatedLLM`: a prefill instance and a decode instance in one process, each on its own devices.
+
+>>> pair = DisaggregatedLLM.load(model_dir, prefill=dict(tp=1, dcp=2), decode=dict(tp=1, dcp=4))
+>>> out = pair.generate(["Hello"], max_new_tokens=16)
+>>> out.tokens, out.stats["transfer_bytes"], out.stats["transfer_s"]
+
+The KV moves through `jax.experimental.transfer` exactly as between two processes (each side has its
+own TransferServer; the decode side connects to the prefill side's address), so this is the two-process
+pair minus HTTP. `generate` prefills every prompt on the prefill side (one batch), pulls each one's KV,
+admits the requests into the decode side's pool as their KV lands and pages allow, and decodes them
+with continuous batching.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import numpy as np
+
+from dcp_jax import mesh as mesh_lib
+from dcp_jax.disagg.roles import DecodeInstance, LocalPrefill, PrefillInstance
+from dcp_jax.disagg.transfer import TransferError, TransferPort
+from dcp_jax.engine import LLM, Generation, SamplingParams, default_prefill_chunk
+from dcp_jax.errors import UserError
+from dcp_jax.serving.request import Request
+
+SIDE_KEYS = ("tp", "dcp", "interleave", "page_size", "max_num_seqs", "kv_cache_memory", "decode_steps",
+             "max_num_batched_tokens", "enable_prefix_caching", "impl", "scan_layers")
+
+
+def _side(name: str, kw: dict | None) -> dict:
+    kw = dict(kw or {})
+    bad = sorted(set(kw) - set(SIDE_KEYS))
+    if bad:
+        raise UserError(f"{name}= does not take {', '.join(bad)}; it takes {', '.join(SIDE_KEYS)}")
+    return kw
+
+
+class DisaggregatedLLM:
+    """A prefill `LLM` and a decode `LLM` over disjoint devices, paired through their transfer servers."""
+
+    def __init__(self, prefill: LLM, decode: LLM, *, timeout_s: float = 60.0):
+        self.prefill_llm, self.decode_llm, self.timeout_s = prefill, decode, timeout_s
+        shared = set(prefill.mesh.devices.flat) & set(decode.mesh.devices.flat)
+        if shared:
+            raise UserError(f"the prefill and decode meshes share {len(shared)} device(s): give each side its own")
+        self.tokenizer = decode.tokenizer
+        self.prefill_port = TransferPort(prefill.mesh.devices.flat[0], offer_timeout_s=timeout_s)
+        self.decode_port = TransferPort(decode.mesh.devices.flat[0])
+        self._pairs: dict = {}  # (prefill engine, decode engine) -> (PrefillInstance, DecodeInstance)
+
+    @classmethod
+    def load(cls, model_dir, *, prefill: dict | None = None, decode: dict | None = None, dtype: str = "float32",
+             devices=None, timeout_s: float = 60.0) -> "DisaggregatedLLM":
+        """Load the model twice: on the first tp·dcp devices for the prefill side (`prefill` = LLM.load's
+        tp, dcp, interleave, page_size, ...), and on the next ones for the decode side (`decode`)."""
+        p, d = _side("prefill", prefill), _side("decode", decode)
+        n_p, n_d = p.get("tp", 1) * p.get("dcp", 1), d.get("tp", 1) * d.get("dcp", 1)
+        if devices is None:
+            mesh_lib.ensure_cpu_devices(n_p + n_d)
+            devices = jax.devices()
+        devices = list(devices)
+        if len(devices) < n_p + n_d:
+            raise UserError(f"the pair needs {n_p} + {n_d} devices but {len(devices)} are given: shrink a side's "
+                            f"mesh or simulate more CPU devices (dcp_jax.ensure_cpu_devices({n_p + n_d}))")
+        return cls(LLM.load(model_dir, dtype=dtype, devices=devices[:n_p], **p),
+                   LLM.load(model_dir, dtype=dtype, devices=devices[n_p:n_p + n_d], **d), timeout_s=timeout_s)
+
+    def decode(self, ids) -> str | None:
+        return self.decode_llm.decode(ids)
+
+    def pair(self, max_model_len: int, chunk: int, prefill_lengths, peaks, num_seqs: int):
+        """The paired instances for these sizes (kept: their programs compile once per configuration)."""
+        p_llm, d_llm = self.prefill_llm, self.decode_llm
+        p_eng = p_llm.server(max_model_len, chunk, p_llm.num_pages(max_model_len, prefill_lengths),
+                             max_num_seqs=min(p_llm.max_num_seqs, num_seqs))
+        d_eng = d_llm.server(max_model_len, chunk, d_llm.num_pages(max_model_len, peaks),
+                             max_num_seqs=min(d_llm.max_num_seqs, num_seqs))
+        key = (p_eng, d_eng)
+        if key not in self._pairs:
+            pre = PrefillInstance(p_eng, self.prefill_port)
+            self._pairs[key] = (pre, DecodeInstance(d_eng, LocalPrefill(pre), self.decode_port,
+                                                    timeout_s=self.timeout_s))
+        return self._pairs[key]
+
+    def instances(self) -> list:
+        """The (PrefillInstance, DecodeInstance) pairs `generate` has built, oldest first, for inspection."""
+        return list(self._pairs.values())
+
+    def generate(self, prompts, *, max_new_tokens: int = 32, max_seq_len: int | None = None,
+                 prefill_chunk: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int = 0, ignore_eos: bool = False) -> Generation:
+        """As `LLM.generate`; `stats` adds transfer_bytes (what the transfers delivered), transfer_s (time
+        in the pulls), stage_s (gathering the KV pieces on the prefill side), write_s (writing the KV
+        into the decode pool) and both sides' meshes; ttft_s counts until a request's KV is in the
+        decode pool (its first token is then emitted)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]
+        ids = [self.decode_llm.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+        if not ids:
+            raise UserError("no prompt given")
+        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+            raise UserError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if not (isinstance(seed, int) and 0 <= seed < 2**32):
+            raise UserError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+        sampling = SamplingParams(temperature, top_k, top_p)
+        longest = max(map(len, ids))
+        max_model_len = max_seq_len or longest + max_new_tokens
+        if not (isinstance(max_model_len, int) and max_model_len >= 2):
+            raise UserError(f"max_seq_len must be an integer >= 2, got {max_model_len!r}")
+        if prefill_chunk is None:
+            prefill_chunk = default_prefill_chunk(self.prefill_llm.mesh.devices.flat[0].platform)
+        chunk = min(prefill_chunk, max(16, 1 << math.ceil(math.log2(max(longest, 1)))))
+        peaks = [min(len(p) + max_new_tokens, max_model_len) for p in ids]
+        pre, dec = self.pair(max_model_len, chunk, [len(p) + 1 for p in ids], peaks, len(ids))
+        eng, sched = dec.engine, dec.engine.scheduler
+        tc = time.perf_counter()
+        pre.engine.prefill_program(chunk)
+        eng.decode_program()
+        eng.allocate()
+        compile_s = time.perf_counter() - tc
+
+        requests = [Request(f"r{i}", p, sampling=sampling, seed=seed, max_tokens=max_new_tokens, ignore_eos=ignore_eos)
+                    for i, p in enumerate(ids)]
+        stats0, timing0, stage0 = dict(dec.stats), dict(eng.timing), pre.stats["stage_s"]
+        t0 = time.perf_counter()
+        for r in requests:
+            r.arrival_time = time.monotonic()
+        landed = dec.fetch_many(requests)
+        prefill_s = time.perf_counter() - t0
+        backlog, first = [], {}
+        for r, got in zip(requests, landed):
+            if isinstance(got, TransferError):
+                r.finish("error", error=str(got))
+            else:
+                backlog.append((r, got))
+        while backlog or sched.has_unfinished():
+            while backlog:
+                r, got = backlog[0]
+                ok = dec.admit(r, got)
+                if ok is None:
+                    break
+                backlog.pop(0)
+                first[r.request_id] = time.perf_counter() - t0
+            if sched.has_unfinished():
+                eng.step()
+            elif backlog:
+                raise RuntimeError("a landed request fits no empty pool")  # validate() refuses those first
+            sched.pop_finished()
+        wall = time.perf_counter() - t0
+        errors = [r.error for r in requests]
+        if all(e is not None for e in errors):
+            raise UserError(errors[0])
+        stats = {k: dec.stats[k] - stats0[k] for k in ("transfer_bytes", "transfer_s", "write_s", "transfers")}
+        timing = {k: eng.timing[k] - timing0[k] for k in timing0}
+        stats["stage_s"] = pre.stats["stage_s"] - stage0  # gathering the pieces on the prefill side
+        decode_s = timing["decode_s"]
+        p_mesh, d_mesh = pre.engine.mesh, eng.mesh
+        stats.update(
+            prefill=dict(tp=p_mesh.shape[mesh_lib.TP], dcp=p_mesh.shape[mesh_lib.DCP],
+                         interleave=pre.engine.layout.interleave, page_size=pre.engine.layout.page_size),
+            decode=dict(tp=d_mesh.shape[mesh_lib.TP], dcp=d_mesh.shape[mesh_lib.DCP],
+                        interleave=eng.layout.interleave, page_size=eng.layout.page_size),
+            batch=len(ids), max_seq_len=max_model_len, prompt_tokens=sum(map(len, ids)),
+            generated_tokens=sum(len(r.output_token_ids) for r in requests), compile_s=compile_s,
+            prefill_s=prefill_s, ttft_s=max(first.values(), default=0.0), decode_s=decode_s,
+            decode_steps=timing["decode_steps"],
+            decode_tokens_per_s=timing["decode_tokens"] / decode_s if decode_s > 0 else 0.0, wall_s=wall,
+            requests=[dict(ttft_s=first.get(r.request_id), prompt_tokens=r.num_prompt_tokens,
+                           generated_tokens=len(r.output_token_ids), finish_reason=r.finish_reason)
+                      for r in requests],
+            **eng.kv_bytes())
+        out = Generation([list(r.output_token_ids) for r in requests], [list(r.output_logprobs) for r in requests],
+                         stats, finish_reasons=[r.finish_reason for r in requests], errors=errors)
+        out.text = None if self.tokenizer is None else [self.decode(r.output_token_ids) for r in requests]
+        return out

@@ -1,0 +1,217 @@
+"""The two roles of a disaggregated pair, independent of how they talk (in-process calls or HTTP).
+
+    decode instance (the client's)                    prefill instance
+    ------------------------------                    ----------------
+    pair():      handshake  ───────────────────────►  info(): identity, cache geometry, placement
+                 refuses a mismatch (one line)
+    fetch(r):    prefill(r) ───────────────────────►  prefill(): run the prompt through its engine
+                                                      (max_tokens=1: the first token is sampled here),
+                                                      stage the KV pieces, offer them under a uuid
+                 ◄──────────── Offer (first token, uuid, piece shapes)
+                 pull the pieces (bounded wait) ◄═══  TransferServer (jax.experimental.transfer)
+                 release(uuid) ────────────────────►  forget the offer (unreleased ones are drained
+                                                      after the offer timeout)
+    admit(r):    take a slot and pages, write the KV through the reshard plan, record the first
+                 token; then the request decodes with every other one
+
+The prefill side samples the first token (as vLLM's prefill instances do) rather than the decode side
+recomputing the last prompt token: the prompt's last row runs once, the decode side needs no prefill
+program, and the first token is ready as soon as the prefill is. Sampling keys come from (seed,
+position), so the token is the one a single instance would sample.
+
+A request holds decode-side pages only once its KV has landed: a stalled or dead prefill instance
+fails the request (TransferError) without ever taking pages from the requests that are decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+from dcp_jax.disagg.transfer import (
+    Offer,
+    Receiver,
+    Stager,
+    TransferError,
+    TransferPort,
+    check_pairing,
+    describe,
+    new_uuid,
+)
+from dcp_jax.engine import SamplingParams
+from dcp_jax.serving.request import Request
+
+
+def request_item(r: Request) -> dict:
+    """What the prefill side needs of a request (JSON-able)."""
+    s = r.sampling
+    return dict(request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids), temperature=s.temperature,
+                top_k=s.top_k, top_p=s.top_p, seed=r.seed)
+
+
+class PrefillInstance:
+    """A `ServingEngine` that only prefills: each request runs to its first token, then its KV waits on
+    this instance's transfer server for the decode instance to pull it. Thread-safe (one lock)."""
+
+    def __init__(self, engine, port: TransferPort):
+        self.engine, self.port = engine, port
+        self.stager = Stager(engine)
+        self.lock = threading.Lock()
+        self.stats = dict(requests=0, prompt_tokens=0, prefill_s=0.0, stage_s=0.0, offered_bytes=0)
+
+    def info(self) -> dict:
+        return describe(self.engine, "prefill", self.port.address)
+
+    def prefill(self, items: list[dict]) -> list[dict]:
+        """Prefill every item (request_item's fields); per item, an Offer's JSON or {"request_id", "error"}."""
+        with self.lock:
+            eng, sched = self.engine, self.engine.scheduler
+            eng.allocate()
+            reqs, results = [], {}
+            for it in items:
+                sampling = SamplingParams(float(it.get("temperature", 0.0)), int(it.get("top_k", 0)),
+                                          float(it.get("top_p", 1.0)))
+                r = Request(f"p{new_uuid()}", it["prompt_token_ids"], sampling=sampling, seed=int(it.get("seed", 0)),
+                            max_tokens=1, ignore_eos=True)
+                reqs.append((it["request_id"], r))
+                sched.add_request(r)
+            t0 = time.perf_counter()
+            while sched.has_unfinished():
+                plan = eng.step()
+                for c in plan.prefills:
+                    r = c.request
+                    if not c.is_last or not r.output_token_ids:
+                        continue
+                    ts = time.perf_counter()
+                    arrays, specs = self.stager.stage(plan.block_table[c.slot], c.end)  # before the next step
+                    uuid = new_uuid()
+                    self.port.offer(uuid, arrays)
+                    self.stats["stage_s"] += time.perf_counter() - ts
+                    results[r.request_id] = Offer("", uuid, c.end, r.output_token_ids[0], r.output_logprobs[0], specs,
+                                                  time.perf_counter() - t0)
+                    self.stats["offered_bytes"] += sum(s.nbytes for s in specs)
+                sched.pop_finished()
+            sched.pop_finished()
+            self.stats["prefill_s"] += time.perf_counter() - t0
+            out = []
+            for rid, r in reqs:
+                offer = results.get(r.request_id)
+                if offer is None:
+                    out.append(dict(request_id=rid, error=r.error or f"the prefill ended with {r.finish_reason}"))
+                    continue
+                offer.request_id = rid
+                self.stats["requests"] += 1
+                self.stats["prompt_tokens"] += offer.length
+                out.append(offer.to_json())
+            return out
+
+    def release(self, uuid: int, pulled: bool) -> bool:
+        """The decode side is done with `uuid`: pulled, or gave up (then the offer is drained here)."""
+        return self.port.confirm(uuid) if pulled else self.port.drop(uuid)
+
+
+class LocalPrefill:
+    """The decode side's handle on a `PrefillInstance` in the same process (the in-process pair)."""
+
+    def __init__(self, instance: PrefillInstance):
+        self.instance = instance
+
+    def handshake(self) -> dict:
+        return self.instance.info()
+
+    def prefill(self, items: list[dict], timeout_s: float) -> list[dict]:
+        return self.instance.prefill(items)
+
+    def release(self, uuid: int, pulled: bool) -> None:
+        self.instance.release(uuid, pulled)
+
+
+@dataclasses.dataclass
+class Landed:
+    """A request's KV pulled onto the decode instance's devices, not yet in its pool."""
+
+    offer: Offer
+    pieces: list
+    transfer_bytes: int
+    transfer_s: float
+
+
+class DecodeInstance:
+    """The client-facing side: asks `prefill` (LocalPrefill or an HTTP client) for a request's KV, pulls
+    it within `timeout_s`, and admits the request into `engine`'s decoding."""
+
+    def __init__(self, engine, prefill, port: TransferPort, *, timeout_s: float = 60.0):
+        self.engine, self.prefill, self.port, self.timeout_s = engine, prefill, port, timeout_s
+        self.source = prefill.handshake()
+        check_pairing(self.source, self.info())
+        self.receiver = Receiver(engine, self.source)
+        self.devices = list(engine.mesh.devices.flat)
+        self.stats = dict(transfer_bytes=0, transfer_s=0.0, write_s=0.0, transfers=0, failed=0)
+
+    def info(self) -> dict:
+        return describe(self.engine, "decode", self.port.address)
+
+    def fetch_many(self, requests: list[Request]) -> list[Landed | TransferError]:
+        """Prefill `requests` on the prefill instance (one batch) and pull each one's KV. Blocking, every
+        wait bounded by `timeout_s`; per request a Landed or the TransferError that failed it."""
+        try:
+            offers = self.prefill.prefill([request_item(r) for r in requests], self.timeout_s)
+        except TransferError as e:
+            self.stats["failed"] += len(requests)
+            return [e] * len(requests)
+        out = []
+        for offer in offers:
+            if "error" in offer:
+                self.stats["failed"] += 1
+                out.append(TransferError(f"the prefill instance refused the request: {offer['error']}"))
+                continue
+            out.append(self.pull(Offer.from_json(offer)))
+        return out
+
+    def fetch(self, request: Request) -> Landed:
+        (landed,) = self.fetch_many([request])
+        if isinstance(landed, TransferError):
+            raise landed
+        return landed
+
+    def pull(self, offer: Offer) -> Landed | TransferError:
+        t0 = time.perf_counter()
+        try:
+            pieces = self.port.pull(self.source["transfer_address"], offer.uuid, offer.pieces, self.devices,
+                                    self.timeout_s)
+        except TransferError as e:
+            self.stats["failed"] += 1
+            try:
+                self.prefill.release(offer.uuid, pulled=False)
+            except TransferError:
+                pass  # the prefill instance is gone: nothing to release
+            return e
+        dt = time.perf_counter() - t0
+        try:
+            self.prefill.release(offer.uuid, pulled=True)
+        except TransferError:
+            pass  # it will drain the (already consumed) offer after its timeout
+        nbytes = sum(int(p.nbytes) for p in pieces)  # what the transfer delivered
+        self.stats["transfer_bytes"] += nbytes
+        self.stats["transfer_s"] += dt
+        self.stats["transfers"] += 1
+        return Landed(offer, pieces, nbytes, dt)
+
+    def admit(self, request: Request, landed: Landed) -> bool | None:
+        """Between engine steps: take pages, write the landed KV, record the first token (see
+        `Scheduler.admit_prefilled` for the answers)."""
+        o = landed.offer
+        if o.length != request.num_prompt_tokens:
+            raise TransferError(f"the prefill instance sent {o.length} tokens of KV for a {request.num_prompt_tokens}-"
+                                "token prompt")
+        t0 = time.perf_counter()
+
+        def write(pages):
+            self.receiver.write(landed.pieces, o.pieces, o.length, pages)
+
+        ok = self.engine.scheduler.admit_prefilled(request, o.first_token, o.first_logprob, write)
+        if ok:
+            self.stats["write_s"] += time.perf_counter() - t0
+            landed.pieces = []  # the staged copies can go
+        return ok

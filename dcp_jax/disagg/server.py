@@ -1,0 +1,308 @@
+"""The two server roles of a disaggregated pair (`python -m dcp_jax.serve --role prefill|decode`).
+
+    prefill:  a FastAPI app of its own (the control channel: HTTP + JSON over the existing stack),
+              GET /disagg/handshake, POST /disagg/prefill, POST /disagg/release, GET /disagg/stats,
+              GET /health; the KV itself leaves through its jax.experimental.transfer server.
+    decode:   the OpenAI server (dcp_jax.serving.openai) over `DisaggAsyncEngine`: a request's prompt
+              goes to the prefill instance, its KV is pulled, and it joins the decode batch.
+
+Pairing happens when the decode instance starts: it fetches the prefill instance's handshake and
+refuses to start, with one line, if the prefill instance is unreachable or the models differ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import math
+import queue
+import threading
+from pathlib import Path
+
+from dcp_jax.disagg.roles import DecodeInstance, PrefillInstance
+from dcp_jax.disagg.transfer import TransferError, TransferPort
+from dcp_jax.serving.async_engine import AsyncEngine
+
+
+# --- the prefill side's control channel ---------------------------------------------------------------
+
+
+def load_engine(model_dir, *, tp, dcp, dtype, page_size, max_num_seqs, kv_cache_memory, max_model_len,
+                prefill_chunk, decode_steps, enable_prefix_caching, interleave=1):
+    """(LLM, ServingEngine, max_model_len, path, embedded) sized and compiled as `dcp_jax.serve` does."""
+    from dcp_jax import mesh as mesh_lib
+    from dcp_jax.engine import LLM, default_prefill_chunk
+    from dcp_jax.generate import DEFAULT_MODEL
+    from dcp_jax.serve import DEFAULT_EMBEDDED_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN
+
+    embedded = model_dir is None
+    path = Path(model_dir) if model_dir is not None else DEFAULT_MODEL
+    if tp is None and dcp is None and embedded:
+        tp, dcp = mesh_lib.local_mesh_shape(max_tp=2)
+    tp, dcp = tp or 1, dcp or 1
+    llm = LLM.load(path, tp=tp, dcp=dcp, dtype=dtype, page_size=page_size, max_num_seqs=max_num_seqs,
+                   kv_cache_memory=kv_cache_memory, decode_steps=decode_steps, interleave=interleave,
+                   enable_prefix_caching=enable_prefix_caching)
+    max_model_len = max_model_len or (DEFAULT_EMBEDDED_MAX_MODEL_LEN if embedded else DEFAULT_MAX_MODEL_LEN)
+    if max_model_len < 2:
+        raise ValueError(f"--max-model-len must be >= 2, got {max_model_len}")
+    chunk = prefill_chunk or default_prefill_chunk(llm.mesh.devices.flat[0].platform)
+    chunk = min(chunk, max(16, 1 << math.ceil(math.log2(max_model_len))))
+    engine = llm.server(max_model_len, chunk, llm.num_pages(max_model_len))
+    engine.prefill_program(chunk)  # compile before the port opens
+    engine.allocate()
+    return llm, engine, max_model_len, path, embedded
+
+
+def make_prefill_app(instance: PrefillInstance, reap_every_s: float = 0.5):
+    """The prefill instance's FastAPI app. Prefills run one batch at a time on one worker thread; a
+    reaper drains offers the decode side never released (it went away) after the offer timeout."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp-jax-prefill")
+    stop = threading.Event()
+
+    def reap():
+        while not stop.wait(reap_every_s):
+            instance.port.reap()
+
+    @asynccontextmanager
+    async def lifespan(app):
+        reaper = threading.Thread(target=reap, name="dcp-jax-reaper", daemon=True)
+        reaper.start()
+        yield
+        stop.set()
+        worker.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="dcp_jax prefill instance", lifespan=lifespan)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "role": "prefill"}
+
+    @app.get("/disagg/handshake")
+    async def handshake():
+        return instance.info()
+
+    @app.post("/disagg/prefill")
+    async def prefill(body: dict):
+        items = body.get("items")
+        if not isinstance(items, list) or not all(isinstance(i, dict) and "prompt_token_ids" in i for i in items):
+            return JSONResponse({"error": "give {'items': [{'request_id', 'prompt_token_ids', ...}]}"}, 400)
+        loop = asyncio.get_running_loop()
+        try:
+            offers = await loop.run_in_executor(worker, instance.prefill, items)
+        except Exception as e:  # noqa: BLE001 - one line back to the decode side, never a traceback
+            return JSONResponse({"error": f"the prefill failed: {type(e).__name__}: {e}"}, 500)
+        return {"offers": offers}
+
+    @app.post("/disagg/release")
+    async def release(body: dict):
+        uuid, pulled = int(body["uuid"]), bool(body.get("pulled", True))
+        loop = asyncio.get_running_loop()
+        found = await loop.run_in_executor(None, instance.release, uuid, pulled)
+        return {"released": found}
+
+    @app.get("/disagg/stats")
+    async def stats():
+        return dict(instance.stats, pending_offers=instance.port.num_pending(), dropped_offers=instance.port.dropped)
+
+    return app
+
+
+class HttpPrefill:
+    """The decode side's handle on a prefill instance at HOST:PORT (httpx; every call time-bounded)."""
+
+    def __init__(self, address: str, timeout_s: float = 60.0):
+        import httpx
+
+        self.address = address
+        self.client = httpx.Client(base_url=f"http://{address}", timeout=timeout_s)
+        self.httpx = httpx
+
+    def call(self, method: str, path: str, timeout_s: float | None = None, **kw) -> dict:
+        try:
+            r = self.client.request(method, path, timeout=timeout_s or self.client.timeout, **kw)
+        except self.httpx.HTTPError as e:
+            raise TransferError(f"the prefill instance at {self.address} did not answer {path} "
+                                f"({type(e).__name__}: {e})") from None
+        try:
+            body = r.json()
+        except ValueError:
+            body = {"error": r.text[:200]}
+        if r.status_code != 200:
+            raise TransferError(f"the prefill instance at {self.address} answered {path} with "
+                                f"{r.status_code}: {body.get('error', body)}")
+        return body
+
+    def handshake(self) -> dict:
+        from dcp_jax.errors import UserError
+
+        try:
+            return self.call("GET", "/disagg/handshake", timeout_s=10)
+        except TransferError as e:
+            raise UserError(f"cannot pair with the prefill instance at {self.address}: {e}; start it first with "
+                            "`python -m dcp_jax.serve --role prefill` and give its --host:--port to --prefill-at") from None
+
+    def prefill(self, items: list[dict], timeout_s: float) -> list[dict]:
+        return self.call("POST", "/disagg/prefill", timeout_s=timeout_s, json={"items": items})["offers"]
+
+    def release(self, uuid: int, pulled: bool) -> None:
+        self.call("POST", "/disagg/release", timeout_s=10, json={"uuid": uuid, "pulled": pulled})
+
+
+# --- the decode side ---------------------------------------------------------------------------------
+
+
+class DisaggAsyncEngine(AsyncEngine):
+    """`AsyncEngine` whose requests are prefilled remotely: a submitted request is fetched (prefill +
+    pull, bounded by the decode instance's timeout) on a helper thread; when its KV has landed the
+    engine thread admits it between steps (pages permitting, in arrival order). A request whose fetch
+    fails finishes with finish_reason "error" and the TransferError's line; the others go on."""
+
+    def __init__(self, engine, decode: DecodeInstance, **kw):
+        super().__init__(engine, **kw)
+        self.decode = decode
+        self.backlog: collections.deque = collections.deque()  # (tracked, Landed), in landing order
+
+    def fetch(self, tracked) -> None:
+        try:
+            landed = self.decode.fetch(tracked.request)
+            self.commands.put(("landed", (tracked, landed)))
+        except TransferError as e:
+            self.commands.put(("failed", (tracked, str(e))))
+        except Exception as e:  # noqa: BLE001 - one request fails, the server goes on
+            self.commands.put(("failed", (tracked, f"the KV transfer failed: {type(e).__name__}: {e}")))
+
+    def admit_backlog(self) -> None:
+        sched = self.engine.scheduler
+        while self.backlog:
+            tracked, landed = self.backlog[0]
+            r = tracked.request
+            if r.is_finished:  # cancelled while its KV was on the way
+                self.backlog.popleft()
+                continue
+            try:
+                ok = self.decode.admit(r, landed)
+            except TransferError as e:
+                r.finish("error", error=str(e))
+                sched.finished.append(r)
+                ok = False
+            if ok is None:
+                return
+            self.backlog.popleft()
+
+    def drain(self, block: bool) -> None:
+        sched = self.engine.scheduler
+        self.admit_backlog()
+        while True:
+            try:
+                kind, arg = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
+            except queue.Empty:
+                if block:
+                    continue
+                return
+            block = False
+            if kind == "add":
+                self.tracked[arg.request.request_id] = arg
+                if arg.request.arrival_time is None:
+                    arg.request.arrival_time = sched.clock()
+                problem = sched.validate(arg.request)
+                if problem is not None:  # never sent to the prefill instance
+                    arg.request.finish("error", error=problem)
+                    sched.finished.append(arg.request)
+                else:
+                    threading.Thread(target=self.fetch, args=(arg,), name="dcp-jax-fetch", daemon=True).start()
+            elif kind == "landed":
+                self.backlog.append(arg)
+                self.admit_backlog()
+            elif kind == "failed":
+                tracked, error = arg
+                if not tracked.request.is_finished:
+                    tracked.request.finish("error", error=error)
+                    sched.finished.append(tracked.request)
+            elif kind == "cancel":
+                t = self.tracked.get(arg)
+                if sched.get(arg) is not None:
+                    sched.cancel(arg)
+                elif t is not None and not t.request.is_finished:  # its KV is still on the way
+                    t.request.finish("abort")
+                    sched.finished.append(t.request)
+            elif kind == "wake":
+                return
+            self.publish()
+
+
+def make_decode_app(model_dir, *, prefill_at: str, timeout_s: float, tp, dcp, served_model_name, max_pending,
+                    host: str = "127.0.0.1", **engine_kw):
+    """Load, pair with the prefill instance at `prefill_at` (UserError if that fails), compile, and
+    return (FastAPI app, LLM, DecodeInstance)."""
+    from dcp_jax.serving.openai import ChatTemplate, create_app
+
+    llm, engine, max_model_len, path, embedded = load_engine(model_dir, tp=tp, dcp=dcp, **engine_kw)
+    engine.decode_program()
+    port = TransferPort(llm.mesh.devices.flat[0], host=host)
+    decode = DecodeInstance(engine, HttpPrefill(prefill_at, timeout_s), port, timeout_s=timeout_s)
+    template = ChatTemplate.from_tokenizer_config(path / "tokenizer_config.json") if path.is_dir() else None
+    name = served_model_name or ("dcp-jax-tiny" if embedded else path.resolve().name)
+    tp_, dcp_ = engine.mesh.shape["tp"], engine.mesh.shape["dcp"]
+    runner = DisaggAsyncEngine(engine, decode, max_pending=max_pending)
+    app = create_app(runner, model_name=name, max_model_len=max_model_len, tokenizer=llm.tokenizer,
+                     chat_template=template, tp=tp_, dcp=dcp_)
+
+    @app.get("/disagg/stats")
+    async def stats():  # the transfers so far, and the scheduler's snapshot after the last step
+        return dict(decode.stats, source=decode.source, scheduler=runner.stats)
+
+    return app, llm, decode
+
+
+def make_prefill(model_dir, *, timeout_s: float, tp, dcp, host: str = "127.0.0.1", **engine_kw):
+    """Load and compile the prefill role: (FastAPI app, LLM, PrefillInstance)."""
+    llm, engine, _, _, _ = load_engine(model_dir, tp=tp, dcp=dcp, **engine_kw)
+    port = TransferPort(llm.mesh.devices.flat[0], host=host, offer_timeout_s=timeout_s)
+    instance = PrefillInstance(engine, port)
+    return make_prefill_app(instance), llm, instance
+
+
+def run_role(args, tp, dcp) -> int:
+    """`python -m dcp_jax.serve --role prefill|decode ...` after the arguments were checked."""
+    import sys
+
+    import uvicorn
+
+    from dcp_jax.generate import RUN_ERROR
+
+    engine_kw = dict(dtype=args.dtype, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+                     kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+                     prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps,
+                     enable_prefix_caching=args.enable_prefix_caching, interleave=args.interleave)
+    try:
+        if args.role == "prefill":
+            app, llm, inst = make_prefill(args.model, timeout_s=args.transfer_timeout, tp=tp, dcp=dcp,
+                                          host=args.host, **engine_kw)
+            what = f"prefill instance (KV transfer server {inst.port.address})"
+        else:
+            app, llm, inst = make_decode_app(args.model, prefill_at=args.prefill_at, timeout_s=args.transfer_timeout,
+                                             tp=tp, dcp=dcp, served_model_name=args.served_model_name,
+                                             max_pending=args.max_pending, host=args.host, **engine_kw)
+            src = inst.source
+            what = (f"decode instance paired with the prefill instance at {args.prefill_at} "
+                    f"(tp={src['tp']} x dcp={src['dcp']}, interleave {src['interleave']}, page {src['page_size']})")
+    except (ValueError, ImportError) as e:  # UserError and the library's own ValueErrors
+        print(f"error: {e}", file=sys.stderr)
+        return RUN_ERROR
+    lay = inst.engine.layout
+    print(f"serving {llm.source} as the {what} on http://{args.host}:{args.port} (tp={llm.mesh.shape['tp']} x "
+          f"dcp={llm.mesh.shape['dcp']}, interleave {lay.interleave}, page {lay.page_size})", file=sys.stderr,
+          flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    except (OSError, SystemExit) as e:
+        print(f"error: could not serve on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return RUN_ERROR
+    return 0

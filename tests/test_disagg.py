@@ -1,0 +1,140 @@
+"""Prefill/decode disaggregation in one process (DisaggregatedLLM): each side on its own simulated CPU
+devices, the KV moved by jax.experimental.transfer. Greedy tokens equal transformers' (= one instance's,
+tests/test_serving.py) for every pair; the bytes pulled are the prompt's KV to within one page per rank."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from dcp_jax import DisaggregatedLLM, UserError
+from dcp_jax.disagg.transfer import check_pairing
+from tests.util import FIXTURES, expected
+
+PAIRS = [  # name, prefill side, decode side
+    ("llama-gqa", dict(tp=1, dcp=1, page_size=4), dict(tp=1, dcp=4, page_size=2)),
+    ("llama-gqa", dict(tp=2, dcp=1, page_size=3), dict(tp=2, dcp=2, interleave=2, page_size=4)),
+    ("llama-gqa", dict(tp=1, dcp=2, interleave=2, page_size=4), dict(tp=1, dcp=4, page_size=3)),
+    ("llama-gqa", dict(tp=4, dcp=1, page_size=2), dict(tp=1, dcp=2, page_size=5)),  # kv heads stored twice
+    ("deepseek-v3", dict(tp=1, dcp=2, page_size=2), dict(tp=2, dcp=2, interleave=2, page_size=4)),  # MLA
+]
+
+
+def token_bytes(cfg) -> int:
+    """KV bytes of one token over all layers, each kv head once (MLA: one latent)."""
+    kinds = 1 if cfg.mla else 2
+    return cfg.num_layers * kinds * cfg.num_kv_heads * cfg.head_dim * 4
+
+
+@pytest.mark.parametrize("name,prefill,decode", PAIRS)
+def test_pair_matches_one_instance(name, prefill, decode):
+    exp = expected(name)
+    pair = DisaggregatedLLM.load(FIXTURES / name, prefill=prefill, decode=decode)
+    out = pair.generate(exp["prompts"], max_new_tokens=exp["max_new_tokens"], ignore_eos=True, prefill_chunk=4)
+    assert out.tokens == exp["greedy"]
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(exp["greedy_logprobs"]), atol=2e-3)
+    s = out.stats
+    assert s["prefill"]["tp"] == prefill["tp"] and s["decode"]["dcp"] == decode["dcp"]
+    # bytes the transfers delivered: each prompt's KV, plus less than one source page per source rank
+    cfg = pair.decode_llm.model.config
+    per_token = token_bytes(cfg)
+    src = pair.prefill_llm.paged_layout()
+    prompt = sum(len(p) for p in exp["prompts"]) * per_token
+    slack = len(exp["prompts"]) * src.num_shards * src.page_size * per_token
+    assert prompt <= s["transfer_bytes"] < prompt + slack, (s["transfer_bytes"], prompt, slack)
+    assert s["transfers"] == len(exp["prompts"]) and s["transfer_s"] > 0
+    engine = pair.decode_llm.serving_engines()[-1]
+    engine.scheduler.check()
+    assert engine.scheduler.stats()["pages_used"] == 0
+    # a second call reuses the compiled programs and the pairing
+    again = pair.generate(exp["prompts"][:1], max_new_tokens=exp["max_new_tokens"], ignore_eos=True,
+                          prefill_chunk=4)
+    assert again.tokens == exp["greedy"][:1]
+
+
+def test_small_decode_pool_admits_as_pages_free_and_sampling_matches():
+    # A decode pool for one request at a time: landed requests wait for pages (FCFS); sampled tokens
+    # (temperature > 0) equal a single instance's, the first token coming from the prefill side.
+    from dcp_jax import LLM
+
+    prompts = [[3, 7, 11, 2, 9], [5, 1, 4, 1, 5, 9, 2, 6], [8, 8, 8]]
+    kw = dict(max_new_tokens=6, ignore_eos=True, temperature=1.1, top_k=40, seed=5, prefill_chunk=4)
+    pair = DisaggregatedLLM.load(FIXTURES / "llama-gqa", prefill=dict(tp=1, dcp=1, page_size=2),
+                                 decode=dict(tp=1, dcp=2, page_size=2, max_num_seqs=1))
+    out = pair.generate(prompts, **kw)
+    one = LLM.load(FIXTURES / "llama-gqa", tp=1, dcp=2, page_size=2).generate(prompts, **kw)
+    assert out.tokens == one.tokens
+    assert [r["ttft_s"] for r in out.stats["requests"]] == sorted(r["ttft_s"] for r in out.stats["requests"])
+
+
+def test_mismatched_pairs_refuse_at_start():
+    a = dict(role="prefill", config_hash="abc", dtype="float32", kv_heads=2, head_dim=8, num_layers=2,
+             max_model_len=64)
+    check_pairing(a, dict(a, role="decode"))
+    for key, value, words in (("config_hash", "xyz", "model (config hash) abc"), ("dtype", "bfloat16", "KV dtype"),
+                              ("kv_heads", 4, "KV heads 2"), ("head_dim", 16, "KV head dim 8")):
+        with pytest.raises(UserError, match=re.escape("cannot pair: the prefill instance has " + words)) as e:
+            check_pairing(a, dict(a, role="decode", **{key: value}))
+        assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="not a prefill one: start it with --role prefill"):
+        check_pairing(dict(a, role="decode"), a)
+    with pytest.raises(UserError, match="the same --max-model-len"):
+        check_pairing(a, dict(a, role="decode", max_model_len=128))
+
+
+def test_load_errors():
+    with pytest.raises(UserError, match="the pair needs 4 \\+ 8 devices but 8 are given"):
+        DisaggregatedLLM.load(FIXTURES / "llama-gqa", prefill=dict(tp=2, dcp=2), decode=dict(tp=2, dcp=4),
+                              devices=jax.devices()[:8])
+    with pytest.raises(UserError, match="prefill= does not take colour"):
+        DisaggregatedLLM.load(FIXTURES / "llama-gqa", prefill=dict(colour=1))
+
+
+class Stalling:
+    """A prefill handle whose offer for the prompt `stall` names a uuid nobody offers: the pull waits on
+    a transfer that never comes (a stalled prefill instance), while the real offer is left unpulled."""
+
+    def __init__(self, inner, stall):
+        self.inner, self.stall = inner, stall
+
+    def handshake(self):
+        return self.inner.handshake()
+
+    def prefill(self, items, timeout_s):
+        out = self.inner.prefill(items, timeout_s)
+        for item, offer in zip(items, out):
+            if item["prompt_token_ids"] == self.stall:
+                offer["uuid"] = 12345
+        return out
+
+    def release(self, uuid, pulled):
+        self.inner.release(uuid, pulled)
+
+
+def test_stalled_transfer_fails_that_request_only_and_the_offer_is_dropped():
+    import time
+
+    exp = expected("llama-gqa")
+    pair = DisaggregatedLLM.load(FIXTURES / "llama-gqa", prefill=dict(tp=1, dcp=1, page_size=2),
+                                 decode=dict(tp=1, dcp=2, page_size=2), timeout_s=1.0)
+    kw = dict(max_new_tokens=exp["max_new_tokens"], ignore_eos=True, prefill_chunk=4)
+    assert pair.generate(exp["prompts"], **kw).tokens == exp["greedy"]
+    pre, dec = pair.instances()[-1]
+    dec.prefill = Stalling(dec.prefill, exp["prompts"][1])
+    start = time.monotonic()
+    out = pair.generate(exp["prompts"], **kw)
+    assert time.monotonic() - start < 30  # bounded by the 1 s transfer timeout, not forever
+    assert out.finish_reasons == ["length", "error", "length"]
+    assert out.errors[1].startswith("pulling the KV from the prefill instance's transfer server 127.0.0.1:")
+    assert "did not finish within 1 s" in out.errors[1] and "\n" not in out.errors[1]
+    assert out.tokens[0] == exp["greedy"][0] and out.tokens[2] == exp["greedy"][2] and out.tokens[1] == []
+    sched = dec.engine.scheduler
+    sched.check()
+    assert sched.stats()["pages_used"] == 0 and not sched.has_unfinished()
+    # the prefill side still holds the real offer nobody pulled: after its timeout it drops it
+    assert pre.port.num_pending() == 1
+    time.sleep(1.2)
+    assert pre.port.reap() == 1 and pre.port.num_pending() == 0
+    dec.prefill = dec.prefill.inner  # the decode side goes on serving
+    assert pair.generate(exp["prompts"], **kw).tokens == exp["greedy"]

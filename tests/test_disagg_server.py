@@ -1,0 +1,176 @@
+"""The two server roles as two processes on loopback CPU devices: `python -m dcp_jax.serve --role prefill`
+(tp=1 x dcp=2, pages of 3) and `--role decode --prefill-at` (tp=1 x dcp=4, interleave 2, pages of 4).
+Greedy tokens equal transformers'; a mismatched or absent prefill instance stops the decode instance at
+start-up with one line; a stalled prefill instance fails a request in bounded time and the decode
+instance goes on; a decode side that never pulls has its offer dropped; a dead prefill instance fails
+requests at once. Every wait is bounded and every child is killed."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+ROOT = Path(__file__).resolve().parent.parent
+FIX = ROOT / "tests" / "fixtures" / "llama-gqa"
+EXP = json.loads((FIX / "expected.json").read_text())
+TIMEOUT = 3  # --transfer-timeout of both roles
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict:
+    e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    e["XLA_FLAGS"] = (e.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+    return e
+
+
+def spawn(*args) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "dcp_jax.serve", "--model", str(FIX), "--max-model-len", "64",
+            "--log-level", "warning", "--transfer-timeout", str(TIMEOUT), *map(str, args)]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
+                            start_new_session=True)
+
+
+def kill(p: subprocess.Popen) -> tuple[str, str]:
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+    return p.communicate(timeout=30)
+
+
+def wait_up(p: subprocess.Popen, port: int, limit: float = 120) -> None:
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        if p.poll() is not None:
+            raise AssertionError(f"the server exited: {p.communicate(timeout=10)}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    kill(p)
+    raise AssertionError("the server did not come up")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    pport, dport = free_port(), free_port()
+    prefill = spawn("--role", "prefill", "--mesh", "tp=1,dcp=2", "--page-size", 3, "--port", pport)
+    procs = [prefill]
+    try:
+        wait_up(prefill, pport)
+        decode = spawn("--role", "decode", "--prefill-at", f"127.0.0.1:{pport}", "--mesh", "tp=1,dcp=4",
+                       "--interleave", 2, "--page-size", 4, "--decode-steps", 2, "--port", dport)
+        procs.append(decode)
+        wait_up(decode, dport)
+        yield dict(prefill=prefill, decode=decode, pbase=f"http://127.0.0.1:{pport}",
+                   dbase=f"http://127.0.0.1:{dport}", pport=pport)
+    finally:
+        for p in procs:
+            kill(p)
+
+
+def complete(base, prompt, max_tokens, timeout=60) -> dict:
+    body = dict(model=FIX.name, prompt=prompt, max_tokens=max_tokens, logprobs=1, temperature=0)
+    return httpx.post(base + "/v1/completions", json=body, timeout=timeout).json()
+
+
+def ids(answer) -> list[int]:
+    return [int(t) for t in answer["choices"][0]["logprobs"]["tokens"]]
+
+
+def test_pair_matches_transformers_and_moves_the_prompt_kv(pair):
+    n = EXP["max_new_tokens"]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # at once: they decode together
+        answers = list(pool.map(lambda p: complete(pair["dbase"], p, n), EXP["prompts"]))
+    assert [ids(a) for a in answers] == EXP["greedy"]
+    stats = httpx.get(pair["dbase"] + "/disagg/stats", timeout=10).json()
+    assert stats["transfers"] == 3 and stats["failed"] == 0
+    per_token = 2 * 2 * 2 * 8 * 4  # layers x (k, v) x kv heads x head dim x float32
+    prompt = sum(map(len, EXP["prompts"])) * per_token
+    assert prompt <= stats["transfer_bytes"] < prompt + 3 * 2 * 3 * per_token  # + under a page per source rank
+    assert stats["source"]["dcp"] == 2 and stats["scheduler"]["pages_used"] == 0
+    pre = httpx.get(pair["pbase"] + "/disagg/stats", timeout=10).json()
+    assert pre["offered_bytes"] == stats["transfer_bytes"] and pre["pending_offers"] == 0
+
+
+def test_a_decode_side_that_never_pulls_has_its_offer_dropped(pair):
+    # Ask the prefill instance directly, as a decode instance would, then go away without pulling.
+    items = [dict(request_id="gone", prompt_token_ids=[1, 2, 3, 4, 5])]
+    offers = httpx.post(pair["pbase"] + "/disagg/prefill", json=dict(items=items), timeout=30).json()["offers"]
+    assert offers[0]["length"] == 5 and offers[0]["pieces"]
+    stats = lambda: httpx.get(pair["pbase"] + "/disagg/stats", timeout=10).json()  # noqa: E731
+    assert stats()["pending_offers"] == 1
+    end = time.monotonic() + 10 * TIMEOUT
+    while stats()["pending_offers"] and time.monotonic() < end:
+        time.sleep(0.2)
+    assert stats()["pending_offers"] == 0 and stats()["dropped_offers"] >= 1
+
+
+def test_mismatch_and_absent_prefill_stop_the_decode_instance_at_start(pair):
+    wrong = spawn("--role", "decode", "--prefill-at", f"127.0.0.1:{pair['pport']}", "--mesh", "tp=1,dcp=2",
+                  "--dtype", "bfloat16", "--port", free_port())
+    absent = spawn("--role", "decode", "--prefill-at", f"127.0.0.1:{free_port()}", "--mesh", "tp=1,dcp=2",
+                   "--port", free_port())
+    for p, words in ((wrong, "cannot pair: the prefill instance has KV dtype float32 but this decode instance "
+                             "has bfloat16"),
+                     (absent, "cannot pair with the prefill instance at 127.0.0.1:")):
+        try:
+            _, err = p.communicate(timeout=120)
+        finally:
+            kill(p)
+        assert p.returncode == 1
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], err[-2000:]
+
+
+def test_stalled_then_dead_prefill_fails_requests_in_bounded_time(pair):
+    os.killpg(pair["prefill"].pid, signal.SIGSTOP)  # stalled: alive, answers nothing
+    try:
+        start = time.monotonic()
+        answer = complete(pair["dbase"], [9, 8, 7], 4, timeout=60)
+        assert time.monotonic() - start < 10 * TIMEOUT
+        message = answer["error"]["message"]  # the request's one-line error, as the API reports failed requests
+        assert message.startswith("the prefill instance at 127.0.0.1:") and "did not answer /disagg/prefill" in message
+    finally:
+        os.killpg(pair["prefill"].pid, signal.SIGCONT)
+    # it resumes: the decode instance goes on serving, with every page back
+    assert ids(complete(pair["dbase"], EXP["prompts"][0], EXP["max_new_tokens"])) == EXP["greedy"][0]
+    kill(pair["prefill"])  # dead: requests fail at once, the decode instance stays up
+    start = time.monotonic()
+    answer = complete(pair["dbase"], [9, 8, 7], 4, timeout=60)
+    assert time.monotonic() - start < 10 * TIMEOUT and answer["error"]["message"].startswith("the prefill instance at")
+    assert httpx.get(pair["dbase"] + "/health", timeout=10).status_code == 200
+    stats = httpx.get(pair["dbase"] + "/disagg/stats", timeout=10).json()
+    assert stats["scheduler"]["pages_used"] == 0 and stats["failed"] >= 2
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--role", "decode"], "--role decode needs --prefill-at HOST:PORT"),
+    (["--prefill-at", "h:1"], "--prefill-at is for --role decode"),
+    (["--role", "decode", "--prefill-at", "nohost"], "--prefill-at takes HOST:PORT"),
+    (["--interleave", "2"], "--interleave applies to --role prefill and --role decode"),
+    (["--role", "prefill", "--transfer-timeout", "0"], "--transfer-timeout must be > 0"),
+])
+def test_usage_errors(argv, message, capsys):
+    from dcp_jax.serve import run
+
+    assert run(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

@@ -1,0 +1,62 @@
+"""The reshard plan of prefill/decode disaggregation (dcp_jax.layout.reshard_plan) against brute force:
+every (rank, block, page slot) of both placements enumerated through `position_of`, joined on position."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dcp_jax.layout import PagedLayout, kv_head_sources, reshard_plan
+
+
+@st.composite
+def paged(draw):
+    n, i = draw(st.integers(1, 8)), draw(st.integers(1, 4))
+    return PagedLayout(n, i, i * draw(st.integers(1, 4)))
+
+
+def brute_force(lay: PagedLayout, length: int) -> dict[int, tuple[int, int, int]]:
+    """position -> (rank, block, page slot), by walking every slot of every page the sequence uses."""
+    where = {}
+    for rank in range(lay.num_shards):
+        for block in range(lay.blocks_for(length)):
+            for s in range(lay.page_size):
+                t = int(lay.position_of(rank, block, s))
+                if t < length:
+                    assert t not in where, "two slots hold one position"
+                    where[t] = (rank, block, s)
+    return where
+
+
+@settings(max_examples=120, deadline=None)
+@given(paged(), paged(), st.integers(0, 150))
+def test_plan_matches_brute_force(src, dst, length):
+    plan = reshard_plan(src, dst, length)
+    s, d = brute_force(src, length), brute_force(dst, length)
+    assert sorted(s) == sorted(d) == list(range(length))  # every token once, nothing past length
+    for t in range(length):
+        assert (plan.src_rank[t], plan.src_block[t], plan.src_page_slot[t]) == s[t]
+        assert (plan.dst_rank[t], plan.dst_block[t], plan.dst_page_slot[t]) == d[t]
+    np.testing.assert_array_equal(plan.src_counts(), src.local_lengths(length))
+    np.testing.assert_array_equal(plan.dst_counts(), dst.local_lengths(length))
+    # staging rows stay inside the source's [N · blocks] pages; destination slots are distinct
+    assert length == 0 or plan.src_row.max() < src.num_shards * plan.src_blocks
+    pages, slots = plan.dst_pool_index(np.arange(1, plan.dst_blocks + 1), pages_per_rank=plan.dst_blocks + 1)
+    assert len(set(zip(pages.tolist(), slots.tolist()))) == length
+
+
+def test_partial_last_page_and_examples():
+    # 1 shard, pages of 4 -> 4 shards, interleave 2, pages of 2 (a block = 8 tokens): 11 tokens
+    plan = reshard_plan(PagedLayout(1, 1, 4), PagedLayout(4, 2, 2), 11)
+    assert plan.src_blocks == 3 and plan.dst_blocks == 2
+    assert plan.dst_rank.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 0, 0, 1]
+    assert plan.dst_block.tolist() == [0] * 8 + [1] * 3
+    assert plan.src_counts().tolist() == [11] and plan.dst_counts().tolist() == [4, 3, 2, 2]
+    assert len(plan.src_rank) == 11  # the last source page's 12th slot is not in the plan
+    with pytest.raises(ValueError, match="length must be an integer >= 0"):
+        reshard_plan(PagedLayout(1, 1, 4), PagedLayout(1, 1, 4), -1)
+
+
+def test_kv_head_sources():
+    assert kv_head_sources(2, 1).tolist() == [0, 1]
+    assert kv_head_sources(4, 2).tolist() == [0, 0, 1, 1]  # tp=4 over 2 kv heads: each stored twice
