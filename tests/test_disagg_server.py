@@ -167,6 +167,7 @@ def test_stalled_then_dead_prefill_fails_requests_in_bounded_time(pair):
     (["--role", "decode", "--prefill-at", "nohost"], "--prefill-at takes HOST:PORT"),
     (["--interleave", "2"], "--interleave applies to --role prefill and --role decode"),
     (["--role", "prefill", "--transfer-timeout", "0"], "--transfer-timeout must be > 0"),
+    (["--role", "prefill", "--speculative", "ngram"], "--speculative is not supported with --role prefill"),
 ])
 def test_usage_errors(argv, message, capsys):
     from dcp_jax.serve import run
