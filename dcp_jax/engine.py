@@ -568,22 +568,10 @@ class LLM:
         self._servers[config] = server
         return server
 
-    def generate(self, prompts, *, max_new_tokens: int = 32, max_seq_len: int | None = None,
-                 prefill_chunk: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 seed: int = 0, ignore_eos: bool = False, on_chunk=None, on_token=None) -> Generation:
-        """`prompts`: a string, a list of strings, a list of ids, or a list of id lists.
-
-        Requests run through the scheduler: admitted while pages and slots are free, prefilled in
-        chunks, decoded together, preempted and recomputed when pages run out. `max_seq_len` is the
-        model context (default: longest prompt + max_new_tokens). Returns a `Generation` with `tokens`
-        and `logprobs` (per request), `text` (None without a tokenizer), `finish_reasons`, `errors`
-        (per request, None when it ran) and `stats`. A request that can never run fails alone; if every
-        one fails, UserError. `on_chunk(done, total)` reports prefill tokens; `on_token(step, tokens [B])`
-        receives new tokens as they come (-1 for requests with none at that step).
-        """
-        from dcp_jax.serving.engine import run_requests
-        from dcp_jax.serving.request import Request
-
+    def generation_args(self, prompts, *, max_new_tokens: int, max_seq_len: int | None, prefill_chunk: int | None,
+                        temperature: float, top_k: int, top_p: float, seed: int):
+        """`generate`'s arguments checked and sized: (prompt ids per request, SamplingParams, the model
+        context, the compiled prefill chunk, each request's peak tokens). UserError names a bad one."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         ids = [self.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
@@ -610,6 +598,27 @@ class LLM:
         # the compiled chunk: no longer than the longest prompt needs (a short prompt pads little)
         chunk = min(prefill_chunk, max(16, 1 << math.ceil(math.log2(max(longest, 1)))))
         peaks = [min(len(p) + max_new_tokens, max_model_len) for p in ids]
+        return ids, sampling, max_model_len, chunk, peaks
+
+    def generate(self, prompts, *, max_new_tokens: int = 32, max_seq_len: int | None = None,
+                 prefill_chunk: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int = 0, ignore_eos: bool = False, on_chunk=None, on_token=None) -> Generation:
+        """`prompts`: a string, a list of strings, a list of ids, or a list of id lists.
+
+        Requests run through the scheduler: admitted while pages and slots are free, prefilled in
+        chunks, decoded together, preempted and recomputed when pages run out. `max_seq_len` is the
+        model context (default: longest prompt + max_new_tokens). Returns a `Generation` with `tokens`
+        and `logprobs` (per request), `text` (None without a tokenizer), `finish_reasons`, `errors`
+        (per request, None when it ran) and `stats`. A request that can never run fails alone; if every
+        one fails, UserError. `on_chunk(done, total)` reports prefill tokens; `on_token(step, tokens [B])`
+        receives new tokens as they come (-1 for requests with none at that step).
+        """
+        from dcp_jax.serving.engine import run_requests
+        from dcp_jax.serving.request import Request
+
+        ids, sampling, max_model_len, chunk, peaks = self.generation_args(
+            prompts, max_new_tokens=max_new_tokens, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         # no more decode slots than requests: an idle slot still costs its rows in every decode step
         server = self.server(max_model_len, chunk, self.num_pages(max_model_len, peaks),
                              max_num_seqs=min(self.max_num_seqs, len(ids)))

@@ -66,8 +66,8 @@ def speculative_llm(name, tp, dcp, proposer):
     return load(name, tp, dcp, speculative="ngram", num_speculative_tokens=K)
 
 
-def serve(llm, prompts, proposer=None, outputs=None, arrivals=None, on_step=None):
-    server = llm.server(48, 4, 1 + 3 * llm.paged_layout().blocks_for(48))
+def serve(llm, prompts, proposer=None, outputs=None, arrivals=None, on_step=None, pages=None):
+    server = llm.server(48, 4, pages or 1 + 3 * llm.paged_layout().blocks_for(48))
     if proposer == "oracle":
         server.proposer = Oracle(prompts, outputs)
     reqs = [Request(f"r{i}", p, max_tokens=NEW, ignore_eos=True) for i, p in enumerate(prompts)]
@@ -99,6 +99,19 @@ def test_greedy_speculation_equals_plain_decoding(name, tp, dcp, proposer):
     if proposer == "oracle":  # every acceptance length occurred
         assert 0 < result["spec_accepted_tokens"] < result["spec_drafted_tokens"]
     assert sorted(k[0] for k in server.compiled) == ["prefill", "verify"]
+
+
+@pytest.mark.parametrize("proposer", ["oracle", "layer-skip"])
+def test_preemption_under_speculation(proposer):
+    # A pool that holds the longest request but not all three: verify steps reserve k + 1 tokens, the
+    # newest request is preempted and recomputed (its cached prefix blocks reused; a draft model's KV
+    # comes back with them, since it lives on the same pages); every token equals plain decoding's.
+    name, tp, dcp = "llama-gqa", 1, 3
+    prompts, want = expected(name)["prompts"], plain(name, tp, dcp)
+    llm = speculative_llm(name, tp, dcp, proposer)
+    pages = 1 + llm.paged_layout().blocks_for(17 + NEW)  # the longest request alone
+    got, result, _ = serve(llm, prompts, proposer, want, arrivals=[0, 0, 0.05], pages=pages)
+    assert result["preemptions"] > 0 and got == want and result["pages_used"] == 0
 
 
 def test_acceptance_does_not_depend_on_the_mesh():

@@ -13,16 +13,14 @@ with continuous batching.
 
 from __future__ import annotations
 
-import math
 import time
 
 import jax
-import numpy as np
 
 from dcp_jax import mesh as mesh_lib
 from dcp_jax.disagg.roles import DecodeInstance, LocalPrefill, PrefillInstance
 from dcp_jax.disagg.transfer import TransferError, TransferPort
-from dcp_jax.engine import LLM, Generation, SamplingParams, default_prefill_chunk
+from dcp_jax.engine import LLM, Generation
 from dcp_jax.errors import UserError
 from dcp_jax.serving.request import Request
 
@@ -96,24 +94,9 @@ class DisaggregatedLLM:
         in the pulls), stage_s (gathering the KV pieces on the prefill side), write_s (writing the KV
         into the decode pool) and both sides' meshes; ttft_s counts until a request's KV is in the
         decode pool (its first token is then emitted)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
-            prompts = [prompts]
-        ids = [self.decode_llm.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
-        if not ids:
-            raise UserError("no prompt given")
-        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
-            raise UserError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if not (isinstance(seed, int) and 0 <= seed < 2**32):
-            raise UserError(f"seed must be an integer in [0, 2**32), got {seed!r}")
-        sampling = SamplingParams(temperature, top_k, top_p)
-        longest = max(map(len, ids))
-        max_model_len = max_seq_len or longest + max_new_tokens
-        if not (isinstance(max_model_len, int) and max_model_len >= 2):
-            raise UserError(f"max_seq_len must be an integer >= 2, got {max_model_len!r}")
-        if prefill_chunk is None:
-            prefill_chunk = default_prefill_chunk(self.prefill_llm.mesh.devices.flat[0].platform)
-        chunk = min(prefill_chunk, max(16, 1 << math.ceil(math.log2(max(longest, 1)))))
-        peaks = [min(len(p) + max_new_tokens, max_model_len) for p in ids]
+        ids, sampling, max_model_len, chunk, peaks = self.prefill_llm.generation_args(
+            prompts, max_new_tokens=max_new_tokens, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         pre, dec = self.pair(max_model_len, chunk, [len(p) + 1 for p in ids], peaks, len(ids))
         eng, sched = dec.engine, dec.engine.scheduler
         tc = time.perf_counter()

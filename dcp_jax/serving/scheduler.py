@@ -205,19 +205,26 @@ class Scheduler:
         """Queue `request` (FCFS). A request that can never run is finished at once with
         finish_reason "error" and a one-line message naming the fix; the others are not affected.
         A duplicate id raises UserError (the first request keeps it)."""
-        if request.request_id in self.requests:
-            raise UserError(f"request id {request.request_id!r} is already in use: give each request a unique id")
-        if request.arrival_time is None:
-            request.arrival_time = self.clock()
-        problem = self.validate(request)
-        if problem is not None:
-            request.finish("error", error=problem)
-            self.finished.append(request)
+        if self.refuse(request):
             return request
         request.state = RequestState.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
         return request
+
+    def refuse(self, request: Request) -> bool:
+        """Stamp a new request's arrival; finish it at once (finish_reason "error", collected with the
+        finished) when it can never run, returning True. A duplicate id raises UserError."""
+        if request.request_id in self.requests:
+            raise UserError(f"request id {request.request_id!r} is already in use: give each request a unique id")
+        if request.arrival_time is None:
+            request.arrival_time = self.clock()
+        problem = self.validate(request)
+        if problem is None:
+            return False
+        request.finish("error", error=problem)
+        self.finished.append(request)
+        return True
 
     def validate(self, request: Request) -> str | None:
         """Why `request` can never run (one line, with the fix), or None."""
@@ -551,14 +558,7 @@ class Scheduler:
         may finish the request at once). Returns True when admitted, None when no slot or pages are free
         now, or requests wait for recompute (try again after a step), False when the request can never
         run (finished with finish_reason "error", as `add_request` does). A duplicate id raises UserError."""
-        if request.request_id in self.requests:
-            raise UserError(f"request id {request.request_id!r} is already in use: give each request a unique id")
-        if request.arrival_time is None:
-            request.arrival_time = self.clock()
-        problem = self.validate(request)
-        if problem is not None:
-            request.finish("error", error=problem)
-            self.finished.append(request)
+        if self.refuse(request):
             return False
         need = self.layout.blocks_for(request.num_prompt_tokens)
         if self.waiting or not self.free_slots or need > self.pool.num_available:
