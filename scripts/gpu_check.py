@@ -207,6 +207,10 @@ def headline_rows(results: dict) -> list[tuple[str, str, str, str]]:
         if s >= TARGET_COPY_FRACTION_FROM:
             oks.append(frac is not None and frac >= TARGET_COPY_FRACTION)
         rows.append((label, measured, target, _verdict(all(oks))))
+        if r.get("pallas_verify5_ms") is not None:
+            rows.append((f"verify step (5 queries) {_k(s)}: time vs 1 query",
+                         f"{_fmt(r['pallas_verify5_ms'], '.3f')} ms = {_fmt(r.get('verify5_cost_vs_decode'))}×",
+                         "report (speculation gains ≈ acceptance length / this)", "—"))
     pk = st.get("prefill_kernel", {})
     if pk.get("pallas_ms") is not None:
         rows.append((f"prefill kernel causal T=S={pk.get('t', 8192)}",
@@ -480,6 +484,18 @@ def stage_decode_kernel(rec: dict, budget_s: float, save, lengths, copy_gbs: flo
                 row[f"{name}_error"] = first_line(e)
             save()
         del kt, vt
+        # a speculative verify step: k + 1 = 5 queries per sequence at the end of the same keys (the
+        # speed-up of speculation is about acceptance length x (one-query time / this time))
+        try:
+            qv = jax.random.normal(jax.random.key(1), (q.shape[0], 5) + q.shape[2:], q.dtype)
+            qv_pos = jnp.broadcast_to(jnp.arange(s - 5, s, dtype=jnp.int32)[None], (q.shape[0], 5))
+            row["pallas_verify5_ms"] = bench(kernel_fn(s, "pallas"), qv, k, v, qv_pos, kv_len) * 1e3
+            if row.get("pallas_ms"):
+                row["verify5_cost_vs_decode"] = row["pallas_verify5_ms"] / row["pallas_ms"]
+            del qv
+        except Exception as e:  # noqa: BLE001
+            row["pallas_verify5_error"] = first_line(e)
+        save()
         if "pallas" in outs:
             if "reference" in outs:
                 row["max_abs_diff_vs_reference"] = _max_abs_diff(outs["pallas"], outs["reference"])

@@ -134,7 +134,7 @@ SAMPLE = dict(
             dict(keys=8192, pallas_ms=0.1, cudnn_ms=0.12, pallas_gbs=2600.0, fraction_of_copy=0.61,
                  speedup_vs_cudnn=1.2, max_abs_diff_vs_reference=0.004),
             dict(keys=32768, pallas_ms=0.3, cudnn_ms=0.28, pallas_gbs=3600.0, fraction_of_copy=0.84,
-                 speedup_vs_cudnn=0.93),
+                 speedup_vs_cudnn=0.93, pallas_verify5_ms=0.36, verify5_cost_vs_decode=1.2),
             dict(keys=131072, error="skipped: 3 s left in the stage budget"),
         ]),
         prefill_kernel=dict(status="ok", t=8192, pallas_ms=1.5, pallas_tflops=366.0, cudnn_ms=0.96, cudnn_tflops=572.0),
@@ -154,6 +154,8 @@ def test_headline_rows_verdicts(gc):
     assert rows["decode kernel 8K: of copy / vs cuDNN"][3] == "PASS"  # 8K: only "faster than cuDNN"
     assert rows["decode kernel 32K: of copy / vs cuDNN"][3] == "FAIL"  # 84% < 85% and slower than cuDNN
     assert rows["decode kernel 128K: of copy / vs cuDNN"][1].startswith("skipped")
+    assert rows["verify step (5 queries) 32K: time vs 1 query"][1] == "0.360 ms = 1.20×"
+    assert "verify step (5 queries) 8K: time vs 1 query" not in rows  # not measured there: no row
     assert rows["kernel tests on the GPU"][3] == "PASS"
     assert "1.33× faster" in rows["TTFT b=16 @32K: ours vs transformers"][1]
     assert "75% of 1200" in rows["e2e decode b=16 @32K: tok/s (roofline)"][1]

@@ -344,6 +344,9 @@ def large_copies(text: str, elements: int) -> list[str]:
     ("paged-decode-mla", (2, 1, 16, 1, 4096, 576, 512), jnp.bfloat16, True, 64, 0),
     ("stacked-paged-decode", (4, 1, 32, 8, 4096, 128, 128), jnp.bfloat16, False, 128, 4),
     ("stacked-dense-prefill", (1, 256, 32, 8, 8192, 128, 128), jnp.bfloat16, False, 0, 3),
+    # speculative verify steps: k + 1 = 5 query tokens per sequence over paged, stacked caches
+    ("stacked-paged-verify-gqa", (8, 5, 32, 8, 16384, 128, 128), jnp.bfloat16, False, 64, 4),
+    ("paged-verify-mla", (8, 5, 16, 1, 16384, 576, 512), jnp.bfloat16, True, 64, 0),
 ])
 def test_pallas_lowers_for_cuda_without_copying_the_cache(name, shape, dtype, shared_v, page, layers):
     # (with `layers`, the caches are stacked over layers and "cache-sized" means one layer's share)
