@@ -356,6 +356,14 @@ def test_server_with_ngram_speculation():
                                          temperature=0, extra_body=dict(ignore_eos=True)).choices[0].text
                for p in prompts]
         assert got == want
+        # sampled + streamed: a verify step hands several tokens to the stream at once; with the same seed
+        # the streamed text equals the whole response's (draws depend on seed and position only)
+        model = client.models.list().data[0].id
+        kw = dict(model=model, prompt=prompts[0], max_tokens=16, temperature=0.9, seed=11,
+                  extra_body=dict(ignore_eos=True))
+        whole = client.completions.create(**kw).choices[0].text
+        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+        assert streamed == whole
         text = httpx.get(base + "/metrics", timeout=10).text
         values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
                   if line.startswith("dcp_jax_spec_decode")}
