@@ -2,8 +2,10 @@
 
     SpeculativeConfig(method="ngram" | "draft", num_tokens=k, draft=CausalLM | None)
 
-Both sit behind the same verify program (`dcp_jax.serving.engine`): the engine asks the config for the
-drafts of each decoding sequence and the target checks them in one forward of k + 1 tokens per sequence.
+Both feed the same verify program (`dcp_jax.serving.engine`), which checks each decoding sequence's
+drafts in one forward of k + 1 tokens. A host proposer is any object with `propose(request, num) ->
+list[int]` (at most `num` drafts; `ServingEngine.proposer`, an `NgramProposer` for method "ngram"); a
+draft model drafts on the device instead, inside the verify program.
 
 - n-gram (`NgramProposer`): no model, no memory. Find the most recent earlier occurrence of the context's
   last n tokens (n from `max_n` down to `min_n`) and propose the k tokens that followed it. The
