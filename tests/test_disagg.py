@@ -167,6 +167,10 @@ def test_handoff_holds_each_decode_device_to_its_share(name, prefill, decode):
     assert 0 < out.stats["max_device_bytes"] <= bound < kv
     # each piece is pulled once (a head this side stores twice is copied on arrival, not pulled twice)
     assert kv <= out.stats["transfer_bytes"] < kv + src.num_shards * src.page_size * token_bytes(cfg)
+    # the prefill side refuses a request whose decode placement it cannot cut pieces for
+    bad = dict(dec.placement, page_size=0)
+    (refused,) = pre.prefill([dict(request_id="y", prompt_token_ids=prompt, decode=bad)])
+    assert refused["error"].startswith("the request names no usable decode placement: ValueError('PagedLayout")
     # the same, device by device, on a handoff driven step by step
     r = Request("x", prompt, max_tokens=2, ignore_eos=True)
     landed = dec.fetch(r)

@@ -4,15 +4,17 @@
     ------------------------------                    ----------------
     pair():      handshake  ───────────────────────►  info(): identity, cache geometry, placement
                  refuses a mismatch (one line)
-    fetch(r):    prefill(r) ───────────────────────►  prefill(): run the prompt through its engine
+    fetch(r):    prefill(r, this side's placement) ►  prefill(): run the prompt through its engine
                                                       (max_tokens=1: the first token is sampled here),
-                                                      stage the KV pieces, offer them under a uuid
+                                                      cut the KV into pieces per decode rank and head
+                                                      shard, offer them under a uuid
                  ◄──────────── Offer (first token, uuid, piece shapes)
-                 pull the pieces (bounded wait) ◄═══  TransferServer (jax.experimental.transfer)
+                 pull each piece onto the device that
+                 keeps it (bounded wait)  ◄═════════  TransferServer (jax.experimental.transfer)
                  release(uuid) ────────────────────►  forget the offer (unreleased ones are drained
                                                       after the offer timeout)
-    admit(r):    take a slot and pages, write the KV through the reshard plan, record the first
-                 token; then the request decodes with every other one
+    admit(r):    take a slot and pages, each device writes its own pieces into its pages, record
+                 the first token; then the request decodes with every other one
 
 The prefill side samples the first token (as vLLM's prefill instances do) rather than the decode side
 recomputing the last prompt token: the prompt's last row runs once, the decode side needs no prefill
@@ -68,14 +70,17 @@ class PrefillInstance:
         return describe(self.engine, "prefill", self.port.address)
 
     def prefill(self, items: list[dict]) -> list[dict]:
-        """Prefill every item (request_item's fields); per item, an Offer's JSON or {"request_id", "error"}."""
+        """Prefill every item (request_item's fields); per item, an Offer's JSON or {"request_id", "error"}.
+        Each item's KV is cut for the decode placement it names ("decode"; one like this instance's if
+        none); an unusable placement refuses that item."""
         with self.lock:
             eng, sched = self.engine, self.engine.scheduler
             eng.allocate()
             reqs, results, dests = [], {}, {}  # reqs: (request_id, Request or the reason it was refused)
+            own = self.info()
             for it in items:
                 try:
-                    dest = placement(it["decode"])
+                    dest = placement(it.get("decode") or own)  # none named: cut for a side laid out as this one
                     src_layout(dest)
                     if max(hi for _, hi in head_ranges(dest)) > eng.model.config.num_kv_heads:
                         raise ValueError("more kv heads than the model's")

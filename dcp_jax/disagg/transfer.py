@@ -1,23 +1,42 @@
 """Moving one request's prompt KV from a prefill instance's pool into a decode instance's pool.
 
-    prefill side:  gather the request's pages into a staging array [L, N_src·blocks, K, page_src, D]
-                   (rows past the prompt zeroed), split it into its per-device shards, keep one copy of
-                   each (replicated kv heads once), and offer them under a uuid   [TransferServer.await_pull]
-    decode side:   pull the pieces onto its own devices, check them in within a deadline        [pull]
-                   then one program writes token t of source (rank, block, slot) into destination
-                   (rank, page, slot) of the request's pages, heads re-split     [jit, pool donated]
+    decode side:   asks for the prefill with its placement (`placement`: context ranks, interleave,
+                   page size, how its kv heads split over tp)
+    prefill side:  one gather program cuts the request's KV into pieces [T, L, heads, D], one per
+                   (source rank, destination rank, destination head shard's heads) on the source device
+                   holding them: the tokens that source rank holds and that destination rank owns, in
+                   the order the destination writes them (`ReshardPlan.piece_positions`), padded with
+                   zeros to every slot of the source's blocks (sizes depend on the number of blocks only);
+                   a kv head replicated over source tp ranks is taken once, a head several destination
+                   shards keep is offered once; offered under a uuid            [TransferServer.await_pull]
+    decode side:   pulls each piece onto the device of its destination rank that keeps its heads
+                   (copies it to that rank's other devices keeping the same head, where tp > kv heads),
+                   within a deadline                                                               [pull]
+                   then each device's own program writes its pieces' tokens into its pages of the
+                   request (its pool shard donated; padding dropped); the pool is reassembled from
+                   the shards without a copy                                       [jit per device]
+
+So no decode device ever holds more of a prompt than its own tokens of its own heads, plus the zero
+padding of the source's last block (under one source page per source rank); the bytes pulled are the
+prompt's KV plus that padding, each head once.
 
 The transport is `jax.experimental.transfer`. What it does and does not do (JAX 0.12, probed on CPU):
 a pull must ask for exactly the source's shard structure (the same shard shapes, in order; a
 differently split or replicated pull fails, and once aborted the source process). So the source offers
-single-device pieces (one per distinct shard) and the destination picks the device each lands on; the
-re-layout (ranks, interleave, page size, tp) is the destination's own program over its own mesh. Its
-`timeout` arguments bounded nothing in our probes: a pull of a uuid nobody offers, or from a process
-that died before the pull, waits forever; a source dying mid-pull fails the pull at once. So every
-wait here runs under our own deadline (polling `is_ready`; an abandoned pull blocks no thread), and an
-offer nobody pulls is drained by the prefill side pulling it from itself (one pull consumes an offer).
+single-device pieces and the destination picks the device each lands on; the source cuts them for the
+destination's placement (ranks, interleave, page size, tp), the destination scatters them into its own
+pages. The pieces of different destination ranks differ in size (the tokens each pair of ranks shares:
+e.g. round-robin over 2 ranks on both sides sends nothing from rank 0 to rank 1), so one program over
+the destination mesh could take them only padded to the largest, which would pull and hold more than
+each rank's share: the write programs are per device instead (compiled once per device and number of
+source blocks). The library's `timeout` arguments bounded nothing in our probes: a pull of a uuid
+nobody offers, or from a process that died before the pull, waits forever; a source dying mid-pull
+fails the pull at once. So every wait here runs under our own deadline (polling `is_ready`; an
+abandoned pull blocks no thread), and an offer nobody pulls is drained by the prefill side pulling it
+from itself (one pull consumes an offer).
 
-Placement math comes from `dcp_jax.layout.reshard_plan`; partition specs from `dcp_jax.mesh`.
+Placement math comes from `dcp_jax.layout` (`reshard_plan`, `kv_head_ranges`); partition specs from
+`dcp_jax.mesh`.
 """
 
 from __future__ import annotations
