@@ -22,7 +22,8 @@ import numpy as np
 
 from pallas_kernels.attention.common import SlotPositions
 
-__all__ = ["KVLayout", "PagedLayout", "ReshardPlan", "kv_cache_bytes", "kv_head_sources", "reshard_plan"]
+__all__ = ["KVLayout", "PagedLayout", "ReshardPlan", "kv_cache_bytes", "kv_head_ranges", "kv_head_sources",
+           "reshard_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +270,29 @@ class ReshardPlan:
         """Tokens each destination rank receives (NumPy [N_dst])."""
         return np.bincount(self.dst_rank, minlength=self.dst.num_shards)
 
+    @property
+    def staged_tokens(self) -> int:
+        """Slots the source's `src_blocks` blocks hold over all its ranks (>= length): the positions
+        [0, staged_tokens) that `piece_positions` splits. Depends on `src_blocks` only."""
+        return self.src_blocks * self.src.tokens_per_block
+
+    def piece_positions(self) -> list[list[np.ndarray]]:
+        """[src rank][dst rank] -> the positions p < `staged_tokens` that source rank holds and destination
+        rank owns, ascending (= the destination's local-slot order, the order it writes them in).
+
+        One piece of KV per (source rank, destination rank): every slot of the sequence's source blocks,
+        so the sizes depend on `src_blocks` only (a program per number of blocks, not per length);
+        positions >= length are padding (the source zeroes them, the destination drops them). Each
+        position < staged_tokens is in exactly one piece, so the pieces together are the staged slots."""
+        t = np.arange(self.staged_tokens, dtype=np.int64)
+        s, d = self.src.rank_of(t), self.dst.rank_of(t)
+        return [[t[(s == i) & (d == j)] for j in range(self.dst.num_shards)] for i in range(self.src.num_shards)]
+
+    def piece_sizes(self) -> np.ndarray:
+        """Tokens of each piece (NumPy [N_src, N_dst]); row sums are the source ranks' staged slots."""
+        return np.array([[len(p) for p in row] for row in self.piece_positions()], dtype=np.int64).reshape(
+            self.src.num_shards, self.dst.num_shards)
+
     def dst_pool_index(self, table_row, pages_per_rank: int) -> tuple[np.ndarray, np.ndarray]:
         """(page index in the destination's global pool [N_dst · pages], slot in that page) of every
         token, through the destination sequence's block-table row (`pages_per_rank` pages per rank)."""
@@ -292,3 +316,14 @@ def kv_head_sources(stored_heads: int, replication: int) -> np.ndarray:
     `replication` times (so each tp rank holds whole heads): stored head j holds head j // replication.
     Two sides with different tp re-split heads through it: each destination head takes its source."""
     return np.arange(stored_heads) // replication
+
+
+def kv_head_ranges(stored_heads: int, replication: int, groups: int) -> list[tuple[int, int]]:
+    """The model's kv heads [lo, hi) held by each of `groups` equal head shards of `stored_heads` cache
+    heads (heads stored `replication` times, as `kv_head_sources`): with replication a shard holds one
+    head (and several shards the same one), without it a run of stored_heads // groups heads."""
+    if stored_heads % groups:
+        raise ValueError(f"{stored_heads} stored kv heads do not split into {groups} equal shards")
+    heads = kv_head_sources(stored_heads, replication)
+    per = stored_heads // groups
+    return [(int(heads[g * per]), int(heads[(g + 1) * per - 1]) + 1) for g in range(groups)]

@@ -202,6 +202,13 @@ def kv_pool_spec(head_axes: AxisNames = (TP,), context_axes: AxisNames = (DCP,),
     return P(*((None,) if stacked else ()), _group(context_axes), _group(head_axes), None, None)
 
 
+def kv_tokens_spec(head_axes: AxisNames = (TP,), context_axes: AxisNames = (DCP,)) -> P:
+    """KV tokens gathered out of a paged pool, token-major [N·T, L, K, D] (each context rank's T tokens,
+    layers, kv heads, head dim): each context rank holds the tokens it gathered from its own pages, kv
+    heads over `head_axes` (as the pool it came from)."""
+    return P(_group(context_axes), None, _group(head_axes), None)
+
+
 def lengths_spec() -> P:
     """Per-sequence vectors [B] (lengths), [B, T] (positions) and the block table [B, blocks]: replicated."""
     return P()

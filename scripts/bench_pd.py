@@ -7,7 +7,9 @@ One interpreter, one random-weight float32 Llama checkpoint, 8 simulated CPU dev
             single-device pieces on the prefill side), transfer_s (jax.experimental.transfer pulling
             them onto the decode devices), write_s (the decode side's reshard program writing them into
             its pages), and the bytes the transfer delivered against the prompt's KV bytes (each kv head
-            once): the excess is under one source page per source rank.
+            once): the excess is under one source page per source rank. 'max/device' is the most KV one
+            decode device held for the handoff (its pulled pieces and any copies, measured from the
+            arrays), against 'KV/device', the prompt's KV over the decode side's dcp x min(tp, kv heads).
   serving   the same N requests (mixed prompt lengths, greedy, ignore_eos) through the pair and
             through one instance on the decode side's mesh (`LLM`), side by side: TTFT p50/p99 (pair:
             until the request's KV is in the decode pool), TPOT (decode time per decode step: every
@@ -84,6 +86,7 @@ def main(argv=None) -> int:
     one = LLM.load(ckpt, devices=devices[n_p:n_dev], interleave=args.decode_interleave, **args.decode, **side)
     model_cfg = one.model.config
     per_token = model_cfg.num_layers * 2 * model_cfg.num_kv_heads * model_cfg.head_dim * 4
+    per_device = args.decode["dcp"] * min(args.decode["tp"], model_cfg.num_kv_heads)  # devices sharing the KV
     rng = np.random.default_rng(0)
     kw = dict(ignore_eos=True, prefill_chunk=cfg["prefill_chunk"])
 
@@ -98,6 +101,7 @@ def main(argv=None) -> int:
                    write_ms=s["write_s"] * 1e3, handoff_ms=(s["stage_s"] + s["transfer_s"] + s["write_s"]) * 1e3,
                    transfer_bytes=s["transfer_bytes"], prompt_kv_bytes=kv, excess_bytes=s["transfer_bytes"] - kv,
                    one_page_per_rank_bytes=pair.prefill_llm.paged_layout().num_shards * ps * per_token,
+                   max_device_bytes=s["max_device_bytes"], kv_per_device_bytes=kv // per_device,
                    prefill_ms=s["prefill_s"] * 1e3)
         handoff.append(row)
         log(f"handoff {n}: {row['handoff_ms']:.1f} ms, {row['transfer_bytes']} B")
@@ -134,11 +138,12 @@ def main(argv=None) -> int:
         print(f"pair prefill {pm['tp']}x{pm['dcp']} -> decode {dm['tp']}x{dm['dcp']} (interleave "
               f"{args.decode_interleave}), pages of {ps}, {cfg['model']} model, float32, CPU")
         print(f"{'prompt':>7} {'stage ms':>9} {'pull ms':>8} {'write ms':>9} {'handoff ms':>11} {'bytes':>10} "
-              f"{'prompt KV':>10} {'excess':>8} {'1 page/rank':>11}")
+              f"{'prompt KV':>10} {'excess':>8} {'1 page/rank':>11} {'max/device':>10} {'KV/device':>10}")
         for r in handoff:
             print(f"{r['prompt_tokens']:>7} {r['stage_ms']:>9.2f} {r['transfer_ms']:>8.2f} {r['write_ms']:>9.2f} "
                   f"{r['handoff_ms']:>11.2f} {r['transfer_bytes']:>10} {r['prompt_kv_bytes']:>10} "
-                  f"{r['excess_bytes']:>8} {r['one_page_per_rank_bytes']:>11}")
+                  f"{r['excess_bytes']:>8} {r['one_page_per_rank_bytes']:>11} {r['max_device_bytes']:>10} "
+                  f"{r['kv_per_device_bytes']:>10}")
         print(f"\n{cfg['requests']} requests, prompts {lo}..{hi}, {out_n} output tokens each, all at once")
         print(f"{'run':<13} {'wall s':>7} {'ttft p50/p99 s':>15} {'tpot ms':>8} {'out tok/s':>10}")
         for r in runs:

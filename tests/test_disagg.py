@@ -138,3 +138,55 @@ def test_stalled_transfer_fails_that_request_only_and_the_offer_is_dropped():
     assert pre.port.reap() == 1 and pre.port.num_pending() == 0
     dec.prefill = dec.prefill.inner  # the decode side goes on serving
     assert pair.generate(exp["prompts"], **kw).tokens == exp["greedy"]
+
+
+@pytest.mark.parametrize("name,prefill,decode", [
+    ("llama-gqa", dict(tp=1, dcp=1, page_size=4), dict(tp=1, dcp=4, page_size=2)),
+    ("llama-gqa", dict(tp=2, dcp=1, page_size=3), dict(tp=2, dcp=2, interleave=2, page_size=4)),
+    ("deepseek-v3", dict(tp=1, dcp=2, page_size=2), dict(tp=2, dcp=2, interleave=2, page_size=4)),  # MLA
+    ("llama-gqa", dict(tp=1, dcp=2, page_size=4), dict(tp=4, dcp=1, page_size=3)),  # decode stores heads twice
+])
+def test_handoff_holds_each_decode_device_to_its_share(name, prefill, decode):
+    # A 160-token prompt's handoff: the KV the receive path places on each decode device (the pulled
+    # pieces and any copies, summed over the arrays' shards per device) is that device's tokens of its
+    # heads, plus at most one source page per source rank; never the whole prompt on every device.
+    # (Before pieces were cut per destination rank, every device held the whole prompt's KV.)
+    from dcp_jax.serving.request import Request
+
+    n = 160
+    prompt = [int(t) for t in np.random.default_rng(1).integers(3, 250, n)]
+    pair = DisaggregatedLLM.load(FIXTURES / name, prefill=prefill, decode=decode)
+    out = pair.generate([prompt], max_new_tokens=3, ignore_eos=True, prefill_chunk=32)
+    assert out.tokens == pair.decode_llm.generate([prompt], max_new_tokens=3, ignore_eos=True, prefill_chunk=32).tokens
+    pre, dec = pair.instances()[-1]
+    cfg = pair.decode_llm.model.config
+    kv = n * token_bytes(cfg)
+    share = dec.engine.mesh.shape["dcp"] * min(decode["tp"], cfg.num_kv_heads)  # MLA: one latent "head"
+    src = pair.prefill_llm.paged_layout()
+    bound = kv / share + src.num_shards * src.page_size * token_bytes(cfg) / min(decode["tp"], cfg.num_kv_heads)
+    assert 0 < out.stats["max_device_bytes"] <= bound < kv
+    # each piece is pulled once (a head this side stores twice is copied on arrival, not pulled twice)
+    assert kv <= out.stats["transfer_bytes"] < kv + src.num_shards * src.page_size * token_bytes(cfg)
+    # the prefill side refuses a request whose decode placement it cannot cut pieces for
+    bad = dict(dec.placement, page_size=0)
+    (refused,) = pre.prefill([dict(request_id="y", prompt_token_ids=prompt, decode=bad)])
+    assert refused["error"].startswith("the request names no usable decode placement: ValueError('PagedLayout")
+    # the same, device by device, on a handoff driven step by step
+    r = Request("x", prompt, max_tokens=2, ignore_eos=True)
+    landed = dec.fetch(r)
+    assert dec.admit(r, landed)
+    placed = landed.device_bytes
+    assert sorted(placed) == sorted(d.id for d in dec.engine.mesh.devices.flat)
+    assert all(0 < b <= bound for b in placed.values()), (placed, bound, kv)
+    assert sum(placed.values()) >= kv  # every device's share is there: the whole prompt over the mesh
+    # the compiled write programs (XLA's memory analysis, per device): besides the donated pool shard
+    # (aliased to the output) and the token indices, their arguments are one device's pieces, within
+    # the bound; their temporaries hold no copy of the pieces (a few KB of indices)
+    assert dec.receiver.compiled
+    for program in dec.receiver.compiled.values():
+        m = program.memory_analysis()
+        args = jax.tree.leaves(program.args_info)
+        index = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in args if a.dtype == np.int32)
+        assert m.alias_size_in_bytes == sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in args if a.donated)
+        pieces = m.argument_size_in_bytes - m.alias_size_in_bytes - index
+        assert 0 < pieces <= bound and m.temp_size_in_bytes < bound / 4, (pieces, m.temp_size_in_bytes, bound, kv)

@@ -60,3 +60,41 @@ def test_partial_last_page_and_examples():
 def test_kv_head_sources():
     assert kv_head_sources(2, 1).tolist() == [0, 1]
     assert kv_head_sources(4, 2).tolist() == [0, 0, 1, 1]  # tp=4 over 2 kv heads: each stored twice
+
+
+def every_slot(lay: PagedLayout, blocks: int) -> dict[int, int]:
+    """position -> rank over every slot of `blocks` blocks (past any length), walking the pages."""
+    return {int(lay.position_of(r, b, s)): r for r in range(lay.num_shards) for b in range(blocks)
+            for s in range(lay.page_size)}
+
+
+@settings(max_examples=120, deadline=None)
+@given(paged(), paged(), st.integers(1, 150))
+def test_piece_positions_match_brute_force(src, dst, length):
+    # one piece per (source rank, destination rank): every staged slot of the source's blocks that
+    # source rank holds and destination rank owns, in the destination's local-slot order
+    plan = reshard_plan(src, dst, length)
+    staged = every_slot(src, plan.src_blocks)
+    assert sorted(staged) == list(range(plan.staged_tokens))
+    owner = every_slot(dst, int(dst.blocks_for(plan.staged_tokens)))
+    pieces = plan.piece_positions()
+    for i in range(src.num_shards):
+        for j in range(dst.num_shards):
+            want = sorted(t for t in staged if staged[t] == i and owner[t] == j)
+            assert pieces[i][j].tolist() == want
+            slots = dst.local_slot_of(pieces[i][j])
+            assert (np.diff(slots) > 0).all()  # the order the destination writes its slots in
+    np.testing.assert_array_equal(plan.piece_sizes().sum(axis=1), src.local_lengths(plan.staged_tokens))
+    # the sizes depend on the number of source blocks only (one program per blocks, not per length)
+    first = (plan.src_blocks - 1) * src.tokens_per_block + 1
+    np.testing.assert_array_equal(reshard_plan(src, dst, first).piece_sizes(), plan.piece_sizes())
+
+
+def test_kv_head_ranges():
+    from dcp_jax.layout import kv_head_ranges
+
+    assert kv_head_ranges(2, 1, 1) == [(0, 2)] and kv_head_ranges(2, 1, 2) == [(0, 1), (1, 2)]
+    assert kv_head_ranges(4, 2, 4) == [(0, 1), (0, 1), (1, 2), (1, 2)]  # tp=4 over 2 kv heads
+    assert kv_head_ranges(8, 1, 2) == [(0, 4), (4, 8)] and kv_head_ranges(1, 1, 1) == [(0, 1)]  # MLA: one latent
+    with pytest.raises(ValueError, match="do not split into 3 equal shards"):
+        kv_head_ranges(4, 1, 3)

@@ -92,7 +92,8 @@ class DisaggregatedLLM:
                  seed: int = 0, ignore_eos: bool = False) -> Generation:
         """As `LLM.generate`; `stats` adds transfer_bytes (what the transfers delivered), transfer_s (time
         in the pulls), stage_s (gathering the KV pieces on the prefill side), write_s (writing the KV
-        into the decode pool) and both sides' meshes; ttft_s counts until a request's KV is in the
+        into the decode pool), max_device_bytes (the most KV bytes one decode device held for one
+        request's handoff) and both sides' meshes; ttft_s counts until a request's KV is in the
         decode pool (its first token is then emitted)."""
         ids, sampling, max_model_len, chunk, peaks = self.prefill_llm.generation_args(
             prompts, max_new_tokens=max_new_tokens, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
@@ -139,6 +140,9 @@ class DisaggregatedLLM:
         stats = {k: dec.stats[k] - stats0[k] for k in ("transfer_bytes", "transfer_s", "write_s", "transfers")}
         timing = {k: eng.timing[k] - timing0[k] for k in timing0}
         stats["stage_s"] = pre.stats["stage_s"] - stage0  # gathering the pieces on the prefill side
+        # the most KV one decode device held for one request's handoff (pulled pieces and their copies)
+        stats["max_device_bytes"] = max((max(g.device_bytes.values(), default=0) for g in landed
+                                         if not isinstance(g, TransferError)), default=0)
         decode_s = timing["decode_s"]
         p_mesh, d_mesh = pre.engine.mesh, eng.mesh
         stats.update(

@@ -4,15 +4,17 @@
     ------------------------------                    ----------------
     pair():      handshake  ───────────────────────►  info(): identity, cache geometry, placement
                  refuses a mismatch (one line)
-    fetch(r):    prefill(r) ───────────────────────►  prefill(): run the prompt through its engine
+    fetch(r):    prefill(r, this side's placement) ►  prefill(): run the prompt through its engine
                                                       (max_tokens=1: the first token is sampled here),
-                                                      stage the KV pieces, offer them under a uuid
+                                                      cut the KV into pieces per decode rank and head
+                                                      shard, offer them under a uuid
                  ◄──────────── Offer (first token, uuid, piece shapes)
-                 pull the pieces (bounded wait) ◄═══  TransferServer (jax.experimental.transfer)
+                 pull each piece onto the device that
+                 keeps it (bounded wait)  ◄═════════  TransferServer (jax.experimental.transfer)
                  release(uuid) ────────────────────►  forget the offer (unreleased ones are drained
                                                       after the offer timeout)
-    admit(r):    take a slot and pages, write the KV through the reshard plan, record the first
-                 token; then the request decodes with every other one
+    admit(r):    take a slot and pages, each device writes its own pieces into its pages, record
+                 the first token; then the request decodes with every other one
 
 The prefill side samples the first token (as vLLM's prefill instances do) rather than the decode side
 recomputing the last prompt token: the prompt's last row runs once, the decode side needs no prefill
@@ -38,16 +40,20 @@ from dcp_jax.disagg.transfer import (
     check_pairing,
     describe,
     new_uuid,
+    head_ranges,
+    placement,
+    src_layout,
 )
 from dcp_jax.engine import SamplingParams
 from dcp_jax.serving.request import Request
 
 
-def request_item(r: Request) -> dict:
-    """What the prefill side needs of a request (JSON-able)."""
+def request_item(r: Request, decode: dict) -> dict:
+    """What the prefill side needs of a request (JSON-able): its prompt and sampling, and `decode`, the
+    decode side's `placement` (how to cut the KV into pieces for it)."""
     s = r.sampling
     return dict(request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids), temperature=s.temperature,
-                top_k=s.top_k, top_p=s.top_p, seed=r.seed)
+                top_k=s.top_k, top_p=s.top_p, seed=r.seed, decode=decode)
 
 
 class PrefillInstance:
@@ -64,17 +70,29 @@ class PrefillInstance:
         return describe(self.engine, "prefill", self.port.address)
 
     def prefill(self, items: list[dict]) -> list[dict]:
-        """Prefill every item (request_item's fields); per item, an Offer's JSON or {"request_id", "error"}."""
+        """Prefill every item (request_item's fields); per item, an Offer's JSON or {"request_id", "error"}.
+        Each item's KV is cut for the decode placement it names ("decode"; one like this instance's if
+        none); an unusable placement refuses that item."""
         with self.lock:
             eng, sched = self.engine, self.engine.scheduler
             eng.allocate()
-            reqs, results = [], {}
+            reqs, results, dests = [], {}, {}  # reqs: (request_id, Request or the reason it was refused)
+            own = self.info()
             for it in items:
+                try:
+                    dest = placement(it.get("decode") or own)  # none named: cut for a side laid out as this one
+                    src_layout(dest)
+                    if max(hi for _, hi in head_ranges(dest)) > eng.model.config.num_kv_heads:
+                        raise ValueError("more kv heads than the model's")
+                except (KeyError, TypeError, ValueError) as e:
+                    reqs.append((it["request_id"], f"the request names no usable decode placement: {e!r}"))
+                    continue
                 sampling = SamplingParams(float(it.get("temperature", 0.0)), int(it.get("top_k", 0)),
                                           float(it.get("top_p", 1.0)))
                 r = Request(f"p{new_uuid()}", it["prompt_token_ids"], sampling=sampling, seed=int(it.get("seed", 0)),
                             max_tokens=1, ignore_eos=True)
                 reqs.append((it["request_id"], r))
+                dests[r.request_id] = dest
                 sched.add_request(r)
             t0 = time.perf_counter()
             while sched.has_unfinished():
@@ -84,7 +102,8 @@ class PrefillInstance:
                     if not c.is_last or not r.output_token_ids:
                         continue
                     ts = time.perf_counter()
-                    arrays, specs = self.stager.stage(plan.block_table[c.slot], c.end)  # before the next step
+                    arrays, specs = self.stager.stage(plan.block_table[c.slot], c.end,  # before the next step
+                                                      dests[r.request_id])
                     uuid = new_uuid()
                     self.port.offer(uuid, arrays)
                     self.stats["stage_s"] += time.perf_counter() - ts
@@ -96,6 +115,9 @@ class PrefillInstance:
             self.stats["prefill_s"] += time.perf_counter() - t0
             out = []
             for rid, r in reqs:
+                if isinstance(r, str):
+                    out.append(dict(request_id=rid, error=r))
+                    continue
                 offer = results.get(r.request_id)
                 if offer is None:
                     out.append(dict(request_id=rid, error=r.error or f"the prefill ended with {r.finish_reason}"))
@@ -135,6 +157,7 @@ class Landed:
     pieces: list
     transfer_bytes: int
     transfer_s: float
+    device_bytes: dict = dataclasses.field(default_factory=dict)  # device id -> KV bytes placed there (write)
 
 
 class DecodeInstance:
@@ -146,7 +169,7 @@ class DecodeInstance:
         self.source = prefill.handshake()
         check_pairing(self.source, self.info())
         self.receiver = Receiver(engine, self.source)
-        self.devices = list(engine.mesh.devices.flat)
+        self.placement = placement(self.info())
         self.stats = dict(transfer_bytes=0, transfer_s=0.0, write_s=0.0, transfers=0, failed=0)
 
     def info(self) -> dict:
@@ -156,7 +179,7 @@ class DecodeInstance:
         """Prefill `requests` on the prefill instance (one batch) and pull each one's KV. Blocking, every
         wait bounded by `timeout_s`; per request a Landed or the TransferError that failed it."""
         try:
-            offers = self.prefill.prefill([request_item(r) for r in requests], self.timeout_s)
+            offers = self.prefill.prefill([request_item(r, self.placement) for r in requests], self.timeout_s)
         except TransferError as e:
             self.stats["failed"] += len(requests)
             return [e] * len(requests)
@@ -178,7 +201,8 @@ class DecodeInstance:
     def pull(self, offer: Offer) -> Landed | TransferError:
         t0 = time.perf_counter()
         try:
-            pieces = self.port.pull(self.source["transfer_address"], offer.uuid, offer.pieces, self.devices,
+            devices = self.receiver.pull_devices(offer.pieces)  # each piece onto a device that keeps it
+            pieces = self.port.pull(self.source["transfer_address"], offer.uuid, offer.pieces, devices,
                                     self.timeout_s)
         except TransferError as e:
             self.stats["failed"] += 1
@@ -208,7 +232,7 @@ class DecodeInstance:
         t0 = time.perf_counter()
 
         def write(pages):
-            self.receiver.write(landed.pieces, o.pieces, o.length, pages)
+            landed.device_bytes = self.receiver.write(landed.pieces, o.pieces, o.length, pages)
 
         ok = self.engine.scheduler.admit_prefilled(request, o.first_token, o.first_logprob, write)
         if ok:

@@ -2,7 +2,8 @@
 
     prefill:  a FastAPI app of its own (the control channel: HTTP + JSON over the existing stack),
               GET /disagg/handshake, POST /disagg/prefill, POST /disagg/release, GET /disagg/stats,
-              GET /health; the KV itself leaves through its jax.experimental.transfer server.
+              GET /health; the KV itself leaves through its jax.experimental.transfer server, cut
+              for the decode instance's placement, which each prefill item carries ("decode").
     decode:   the OpenAI server (dcp_jax.serving.openai) over `DisaggAsyncEngine`: a request's prompt
               goes to the prefill instance, its KV is pulled, and it joins the decode batch.
 

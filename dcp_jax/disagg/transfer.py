@@ -1,23 +1,42 @@
 """Moving one request's prompt KV from a prefill instance's pool into a decode instance's pool.
 
-    prefill side:  gather the request's pages into a staging array [L, N_src·blocks, K, page_src, D]
-                   (rows past the prompt zeroed), split it into its per-device shards, keep one copy of
-                   each (replicated kv heads once), and offer them under a uuid   [TransferServer.await_pull]
-    decode side:   pull the pieces onto its own devices, check them in within a deadline        [pull]
-                   then one program writes token t of source (rank, block, slot) into destination
-                   (rank, page, slot) of the request's pages, heads re-split     [jit, pool donated]
+    decode side:   asks for the prefill with its placement (`placement`: context ranks, interleave,
+                   page size, how its kv heads split over tp)
+    prefill side:  one gather program cuts the request's KV into pieces [T, L, heads, D], one per
+                   (source rank, destination rank, destination head shard's heads) on the source device
+                   holding them: the tokens that source rank holds and that destination rank owns, in
+                   the order the destination writes them (`ReshardPlan.piece_positions`), padded with
+                   zeros to every slot of the source's blocks (sizes depend on the number of blocks only);
+                   a kv head replicated over source tp ranks is taken once, a head several destination
+                   shards keep is offered once; offered under a uuid            [TransferServer.await_pull]
+    decode side:   pulls each piece onto the device of its destination rank that keeps its heads
+                   (copies it to that rank's other devices keeping the same head, where tp > kv heads),
+                   within a deadline                                                               [pull]
+                   then each device's own program writes its pieces' tokens into its pages of the
+                   request (its pool shard donated; padding dropped); the pool is reassembled from
+                   the shards without a copy                                       [jit per device]
+
+So no decode device ever holds more of a prompt than its own tokens of its own heads, plus the zero
+padding of the source's last block (under one source page per source rank); the bytes pulled are the
+prompt's KV plus that padding, each head once.
 
 The transport is `jax.experimental.transfer`. What it does and does not do (JAX 0.12, probed on CPU):
 a pull must ask for exactly the source's shard structure (the same shard shapes, in order; a
 differently split or replicated pull fails, and once aborted the source process). So the source offers
-single-device pieces (one per distinct shard) and the destination picks the device each lands on; the
-re-layout (ranks, interleave, page size, tp) is the destination's own program over its own mesh. Its
-`timeout` arguments bounded nothing in our probes: a pull of a uuid nobody offers, or from a process
-that died before the pull, waits forever; a source dying mid-pull fails the pull at once. So every
-wait here runs under our own deadline (polling `is_ready`; an abandoned pull blocks no thread), and an
-offer nobody pulls is drained by the prefill side pulling it from itself (one pull consumes an offer).
+single-device pieces and the destination picks the device each lands on; the source cuts them for the
+destination's placement (ranks, interleave, page size, tp), the destination scatters them into its own
+pages. The pieces of different destination ranks differ in size (the tokens each pair of ranks shares:
+e.g. round-robin over 2 ranks on both sides sends nothing from rank 0 to rank 1), so one program over
+the destination mesh could take them only padded to the largest, which would pull and hold more than
+each rank's share: the write programs are per device instead (compiled once per device and number of
+source blocks). The library's `timeout` arguments bounded nothing in our probes: a pull of a uuid
+nobody offers, or from a process that died before the pull, waits forever; a source dying mid-pull
+fails the pull at once. So every wait here runs under our own deadline (polling `is_ready`; an
+abandoned pull blocks no thread), and an offer nobody pulls is drained by the prefill side pulling it
+from itself (one pull consumes an offer).
 
-Placement math comes from `dcp_jax.layout.reshard_plan`; partition specs from `dcp_jax.mesh`.
+Placement math comes from `dcp_jax.layout` (`reshard_plan`, `kv_head_ranges`); partition specs from
+`dcp_jax.mesh`.
 """
 
 from __future__ import annotations
@@ -36,7 +55,7 @@ from jax.sharding import SingleDeviceSharding
 
 from dcp_jax import mesh as mesh_lib
 from dcp_jax.errors import UserError
-from dcp_jax.layout import PagedLayout, kv_head_sources, reshard_plan
+from dcp_jax.layout import PagedLayout, kv_head_ranges, kv_head_sources, reshard_plan
 
 
 class TransferError(RuntimeError):
@@ -62,7 +81,8 @@ def describe(engine, role: str, address: str) -> dict:
                 mla=cfg.mla is not None, num_layers=cfg.num_layers, stored_kv_heads=model.kv_heads,
                 kv_replication=model.kv_replication, tp=engine.mesh.shape[mesh_lib.TP],
                 dcp=engine.mesh.shape[mesh_lib.DCP], num_shards=lay.num_shards, interleave=lay.interleave,
-                page_size=lay.page_size, max_model_len=engine.config.max_model_len,
+                page_size=lay.page_size, head_shards=mesh_lib.axis_size(engine.mesh, model.head_axes),
+                max_model_len=engine.config.max_model_len,
                 transfer_address=address)
 
 
@@ -83,7 +103,22 @@ def check_pairing(prefill: dict, decode: dict) -> None:
 
 
 def src_layout(info: dict) -> PagedLayout:
+    """The paged placement a `describe` dict names (either side's)."""
     return PagedLayout(info["num_shards"], info["interleave"], info["page_size"])
+
+
+PLACEMENT_KEYS = ("num_shards", "interleave", "page_size", "tp", "stored_kv_heads", "kv_replication", "head_shards")
+
+
+def placement(info: dict) -> dict:
+    """What the decode side tells the prefill side with every request (JSON-able, from its `describe`):
+    its paged placement and how its cache heads split, so the source cuts the pieces it wants."""
+    return {k: int(info[k]) for k in PLACEMENT_KEYS}
+
+
+def head_ranges(info: dict) -> list[tuple[int, int]]:
+    """The model's kv heads [lo, hi) of each head shard of the side `info` describes."""
+    return kv_head_ranges(info["stored_kv_heads"], info["kv_replication"], info["head_shards"])
 
 
 # --- the pieces of one request's staged KV ----------------------------------------------------------
@@ -91,12 +126,15 @@ def src_layout(info: dict) -> PagedLayout:
 
 @dataclasses.dataclass(frozen=True)
 class PieceSpec:
-    """One single-device piece of a staged KV array: layer stack `stack`, array `kind` (0 = k, 1 = v;
-    MLA: 0 = latent), source context rank `rank`, the model's kv heads [head0, head0 + shape[2])."""
+    """One single-device piece [T, L, heads, D] of a request's KV: layer stack `stack`, array `kind`
+    (0 = k, 1 = v; MLA: 0 = latent), the T tokens that source context rank `rank` holds and destination
+    context rank `dst_rank` owns (`ReshardPlan.piece_positions()[rank][dst_rank]`, in that order), the
+    model's kv heads [head0, head0 + shape[2]) (those one destination head shard keeps)."""
 
     stack: int
     kind: int
     rank: int
+    dst_rank: int
     head0: int
     shape: tuple[int, ...]
     dtype: str
@@ -110,8 +148,8 @@ class PieceSpec:
 
     @classmethod
     def from_json(cls, d: dict) -> "PieceSpec":
-        return cls(int(d["stack"]), int(d["kind"]), int(d["rank"]), int(d["head0"]), tuple(d["shape"]),
-                   str(d["dtype"]))
+        return cls(int(d["stack"]), int(d["kind"]), int(d["rank"]), int(d["dst_rank"]), int(d["head0"]),
+                   tuple(int(x) for x in d["shape"]), str(d["dtype"]))
 
 
 @dataclasses.dataclass
@@ -139,155 +177,234 @@ class Offer:
 
 
 class Stager:
-    """The prefill side: gathers a request's pages out of `engine`'s pool into single-device pieces.
+    """The prefill side: gathers a request's KV out of `engine`'s pool into single-device pieces, one per
+    (source rank, destination rank, destination head shard's heads), cut for the destination's placement.
 
-    One compiled gather per number of blocks (at most max_blocks_per_seq of them)."""
+    One compiled gather per (number of blocks, destination placement)."""
 
     def __init__(self, engine):
         self.engine = engine
         self.compiled: dict = {}
 
-    def gather_program(self, blocks: int):
-        """(pools, block-table row [blocks], length) -> staged arrays [L, N·blocks, K, page, D] per pool
-        array, sharded like the pool (each rank its own blocks), slots at positions >= length zeroed."""
-        if blocks not in self.compiled:
+    def gather_program(self, blocks: int, dst: PagedLayout):
+        """(pools, block-table row [blocks], length) -> per destination rank r that owns any staged slot,
+        per pool array, the tokens [N_src·B_r, L, K, D] (token-major, as the destination writes them):
+        source rank s's B_r rows are
+        its tokens of piece (s, r) in `piece_positions` order, then zero rows up to B_r (the largest
+        such piece); sharded like the pool (each rank gathers from its own pages), positions >= length
+        zeroed."""
+        key = (blocks, dst)
+        if key not in self.compiled:
             eng = self.engine
             lay, model = eng.layout, eng.model
             spec = mesh_lib.kv_pool_spec(model.head_axes, model.context_axes, stacked=True)
+            out_spec = mesh_lib.kv_tokens_spec(model.head_axes, model.context_axes)
             ctx_axes = model.context_axes
             leaves, tree = jax.tree.flatten(eng.pool_spec())
+            plan = reshard_plan(lay, dst, blocks * lay.tokens_per_block)
+            positions, end = plan.piece_positions(), plan.staged_tokens
+            tables = []  # (dst rank, [N_src, B] positions, padded with `end`: never < length)
+            for r in range(dst.num_shards):
+                width = max(len(positions[s][r]) for s in range(lay.num_shards))
+                if width:
+                    table = np.full((lay.num_shards, width), end, np.int32)
+                    for s in range(lay.num_shards):
+                        table[s, :len(positions[s][r])] = positions[s][r]
+                    tables.append((r, table))
 
             def body(*args):
                 pools, row, length = args[:-2], args[-2], args[-1]
                 rank = lax.axis_index(ctx_axes) if ctx_axes else 0
-                pos = lay.position_of(rank, jnp.arange(blocks)[:, None], jnp.arange(lay.page_size)[None, :])
-                keep = (pos < length)[None, :, None, :, None]
-                return tuple(jnp.where(keep, p[:, row], jnp.zeros((), p.dtype)) for p in pools)
+                out = []
+                for _, table in tables:
+                    pos = jnp.asarray(table)[rank]  # this source rank's tokens of its piece for that rank
+                    block = jnp.minimum(lay.block_of(pos), blocks - 1)
+                    keep = (pos < length)[:, None, None, None]
+                    for p in pools:
+                        vals = p[:, row[block], :, lay.page_slot_of(pos)]  # [B, L, K, D]
+                        out.append(jnp.where(keep, vals, jnp.zeros((), p.dtype)))
+                return tuple(out)
 
             def gather(pools, row, length):
                 flat = jax.tree.leaves(pools)
-                out = jax.shard_map(body, mesh=eng.mesh, in_specs=(*(spec,) * len(flat), mesh_lib.lengths_spec(),
-                                                                   mesh_lib.lengths_spec()),
-                                    out_specs=(spec,) * len(flat))(*flat, row, length)
-                return tree.unflatten(list(out))
+                return jax.shard_map(body, mesh=eng.mesh, in_specs=(*(spec,) * len(flat), mesh_lib.lengths_spec(),
+                                                                    mesh_lib.lengths_spec()),
+                                     out_specs=(out_spec,) * (len(flat) * len(tables)))(*flat, row, length)
 
             i32 = jax.ShapeDtypeStruct((blocks,), jnp.int32, sharding=eng.replicated)
             n = jax.ShapeDtypeStruct((), jnp.int32, sharding=eng.replicated)
-            self.compiled[blocks] = jax.jit(gather).lower(tree.unflatten(leaves), i32, n).compile()
-        return self.compiled[blocks]
+            compiled = jax.jit(gather).lower(tree.unflatten(leaves), i32, n).compile()
+            self.compiled[key] = (compiled, [r for r, _ in tables], plan.piece_sizes())
+        return self.compiled[key]
 
-    def stage(self, table_row, length: int) -> tuple[list[jax.Array], list[PieceSpec]]:
+    def stage(self, table_row, length: int, dest: dict) -> tuple[list[jax.Array], list[PieceSpec]]:
         """The pieces holding the first `length` tokens of the sequence whose block-table row is
-        `table_row`: one single-device array per distinct shard (a kv head replicated over tp ranks is
-        taken once), ready before this returns (the pool may be donated to the next step after)."""
+        `table_row`, cut for the decode side `dest` describes (`placement`): per pool array, destination
+        rank r, source rank s and destination head shard, one single-device array on the source device
+        holding those heads, of the tokens s holds and r owns (a kv head replicated over tp ranks is taken
+        once; a head several destination shards keep is offered once). Ready before this returns (the
+        pool may be donated to the next step after)."""
         eng = self.engine
+        model = eng.model
+        dst = src_layout(dest)
+        wanted = sorted(set(head_ranges(dest)))  # distinct: replicated destination heads share one piece
         blocks = int(eng.layout.blocks_for(length))
         row = np.asarray(table_row[:blocks], np.int32)
-        staged = self.gather_program(blocks)(eng.pools, row, np.int32(length))
-        rep = eng.model.kv_replication
+        program, dst_ranks, sizes = self.gather_program(blocks, dst)
+        staged = program(eng.pools, row, np.int32(length))
+        heads_of = kv_head_sources(model.kv_heads, model.kv_replication)
+        flat = jax.tree.leaves(eng.pool_spec())
+        groups = [(s, k) for s, stack in enumerate(eng.pool_spec()) for k in range(len(stack))]
         arrays, specs = [], []
-        for s, stack in enumerate(staged):
-            for k, arr in enumerate(stack):
+        for i, r in enumerate(dst_ranks):
+            for g, (s, k) in enumerate(groups):
+                arr = staged[i * len(flat) + g]
+                width = arr.shape[0] // eng.layout.num_shards
                 seen = set()
                 for shard in sorted(arr.addressable_shards, key=lambda sh: (sh.index[2].start or 0,
-                                                                            sh.index[1].start or 0)):
-                    rank = (shard.index[1].start or 0) // blocks
+                                                                            sh.index[0].start or 0)):
+                    rank = (shard.index[0].start or 0) // width
                     h0 = shard.index[2].start or 0
-                    if h0 % rep or (rank, h0) in seen:  # a replica of a head already taken
-                        continue
-                    seen.add((rank, h0))
-                    heads = shard.data.shape[2] if rep == 1 else 1
-                    data = shard.data if heads == shard.data.shape[2] else shard.data[:, :, :heads]
-                    arrays.append(data)
-                    specs.append(PieceSpec(s, k, rank, h0 // rep, tuple(data.shape), str(data.dtype)))
+                    mine = heads_of[h0:h0 + shard.data.shape[2]]  # the model heads of its stored heads
+                    n = int(sizes[rank, r])
+                    for lo, hi in wanted:
+                        lo, hi = max(lo, int(mine[0])), min(hi, int(mine[-1]) + 1)
+                        if lo >= hi or n == 0 or (rank, lo) in seen:  # a replica of a piece already taken
+                            continue
+                        seen.add((rank, lo))
+                        j = int(np.argmax(mine == lo))  # its first stored copy of head lo
+                        data = shard.data
+                        if (n, hi - lo) != (data.shape[0], data.shape[2]):
+                            data = data[:n, :, j:j + hi - lo]
+                        arrays.append(data)
+                        specs.append(PieceSpec(s, k, rank, r, lo, tuple(data.shape), str(data.dtype)))
         jax.block_until_ready(arrays)
         return arrays, specs
 
 
 class Receiver:
-    """The decode side: writes pulled pieces into `engine`'s pool through the reshard plan.
+    """The decode side: writes pulled pieces into `engine`'s pool, each device only its own tokens.
 
-    One compiled program per staged shape (number of source blocks)."""
+    Every piece is pulled onto the device of its destination rank that keeps its heads (`pull_devices`);
+    a head several of this side's head shards keep (kv heads replicated over tp) is copied to the
+    others of that rank. Then each device runs its own write program (its pool shard donated) on the
+    pieces it holds; the pool is reassembled from the shards without a copy. A device never holds more
+    of the prompt than its own tokens of its own heads (plus the padding of the source's last block).
+    Pieces differ in size from rank to rank (the tokens each pair of ranks shares), which a single
+    program over the mesh could only take padded to the largest, so the programs are per device:
+    one compiled per (device, the shapes of its pieces), i.e. per number of source blocks."""
 
     def __init__(self, engine, source: dict):
         self.engine, self.source = engine, source
         self.src = src_layout(source)
         self.compiled: dict = {}
+        model = engine.model
+        pages = engine.config.num_pages
+        heads_of = kv_head_sources(model.kv_heads, model.kv_replication)
+        shape = jax.tree.leaves(engine.pool_spec())[0].shape
+        where = engine.pool_sharding.devices_indices_map(shape)
+        self.devices = []  # (device, context rank, the model heads of its stored heads), in mesh order
+        for dev in engine.mesh.devices.flat:
+            idx = where[dev]
+            h = range(model.kv_heads)[idx[2]]
+            self.devices.append((dev, (idx[1].start or 0) // pages, heads_of[h.start:h.stop]))
 
-    def scatter_program(self, specs: tuple[PieceSpec, ...], tokens: int):
-        """(pools, pieces (replicated), src_row, src_slot, dst_page, dst_slot [tokens]) -> pools: each
-        token's KV (the model's heads, re-split to this side's stored heads) written into its page slot;
-        entries with dst_page out of range are dropped."""
-        key = (specs, tokens)
+    def targets(self, spec: PieceSpec) -> list:
+        """The devices that keep `spec`'s tokens and heads: those of its destination rank holding its
+        heads (several when this side stores a head on more than one tp rank)."""
+        heads = range(spec.head0, spec.head0 + spec.shape[2])
+        out = [d for d, rank, mine in self.devices if rank == spec.dst_rank and all(h in mine for h in heads)]
+        if not out:
+            raise TransferError(f"the prefill instance offered a piece for rank {spec.dst_rank}, kv heads "
+                                f"{heads.start}..{heads.stop - 1}, which no device of this instance keeps")
+        return out
+
+    def pull_devices(self, specs: list[PieceSpec]) -> list:
+        """Where each piece lands when pulled: the first device that keeps it."""
+        return [self.targets(s)[0] for s in specs]
+
+    def write_program(self, device, meta: tuple, index_len: tuple):
+        """(this device's pool shards, its pieces, page [T] and slot [T] per piece) -> pool shards: piece
+        i = meta[i] (pool array, head0, shape) written into every stored head of this device that holds
+        one of its heads, token j at (page[j], slot[j]) of this device's pages; pages out of range dropped."""
+        key = (device.id, meta)
         if key not in self.compiled:
             eng = self.engine
-            model = eng.model
-            spec = mesh_lib.kv_pool_spec(model.head_axes, model.context_axes, stacked=True)
-            ctx_axes, head_axes = model.context_axes, model.head_axes
-            heads_of = jnp.asarray(kv_head_sources(model.kv_heads, model.kv_replication), jnp.int32)
-            pages = eng.config.num_pages
-            leaves, tree = jax.tree.flatten(eng.pool_spec())
-            order = [(s.stack, s.kind) for s in specs]
-            groups = sorted(set(order))  # one per pool array, in tree order
-            n_flat = len(leaves)
-            assert len(groups) == n_flat, (groups, n_flat)
+            leaves = jax.tree.leaves(eng.pool_spec())
+            sharding = SingleDeviceSharding(device)
+            mine = next(m for d, _, m in self.devices if d == device)
 
-            def staged_of(pieces):
-                """Reassemble each pool array's staged [L, N_src·blocks, kv_heads, page_src, D]."""
-                out = []
-                for g in groups:
-                    mine = [(s, p) for s, p in zip(specs, pieces) if (s.stack, s.kind) == g]
-                    by_head = {}
-                    for s, p in mine:
-                        by_head.setdefault(s.head0, []).append((s.rank, p))
-                    cols = [jnp.concatenate([p for _, p in sorted(v, key=lambda x: x[0])], axis=1)
-                            for _, v in sorted(by_head.items())]
-                    out.append(jnp.concatenate(cols, axis=2))
-                return out
+            def put(pool, x, pg, j, sl):
+                """pool[:, pg[t], j:j+h, sl[t]] = x[t] for x [T, L, h, D], straight from the piece (token-major
+                as XLA scatters: no transposed or per-head copy of it); tokens whose page is out of range
+                are dropped."""
+                idx = jnp.stack([pg, jnp.full_like(pg, j), sl], axis=1)  # [T, 3]: page, first head, slot
+                dims = lax.ScatterDimensionNumbers(update_window_dims=(1, 2, 3), inserted_window_dims=(1, 3),
+                                                   scatter_dims_to_operand_dims=(1, 2, 3))
+                return lax.scatter(pool, idx, x.astype(pool.dtype), dims, indices_are_sorted=False,
+                                   unique_indices=False, mode=lax.GatherScatterMode.FILL_OR_DROP)
 
-            def body(*args):
-                pools, pieces = args[:n_flat], args[n_flat:-4]
-                src_row, src_slot, dst_page, dst_slot = args[-4:]
-                rank = lax.axis_index(ctx_axes) if ctx_axes else 0
-                local_heads = pools[0].shape[2]
-                t = lax.axis_index(head_axes) if head_axes else 0
-                head_map = lax.dynamic_slice_in_dim(heads_of, t * local_heads, local_heads)
-                mine = dst_page // pages == rank
-                page = jnp.where(mine, dst_page - rank * pages, pages)  # not this rank's: dropped
-                out = []
-                for pool, staged in zip(pools, staged_of(pieces)):
-                    vals = staged[:, src_row, :, src_slot]  # [T, L, kv_heads, D]
-                    vals = jnp.take(vals, head_map, axis=2)  # [T, L, K_local, D]
-                    out.append(pool.at[:, page, :, dst_slot].set(vals.astype(pool.dtype), mode="drop"))
-                return tuple(out)
+            def write(pools, pieces, page, slot):
+                pools = list(pools)
+                for (g, head0, shape), x, pg, sl in zip(meta, pieces, page, slot):
+                    h = shape[2]
+                    js = [j for j, m in enumerate(mine.tolist()) if head0 <= m < head0 + h]
+                    if len(js) == h and mine[js[0]:js[0] + h].tolist() == list(range(head0, head0 + h)):
+                        pools[g] = put(pools[g], x, pg, js[0], sl)  # the piece's heads, stored once, in order
+                    else:
+                        for j in js:  # a head this device stores several times
+                            m = int(mine[j]) - head0
+                            pools[g] = put(pools[g], x[:, :, m:m + 1], pg, j, sl)  # (rare: a copy of one head)
+                return tuple(pools)
 
-            def scatter(pools, pieces, src_row, src_slot, dst_page, dst_slot):
-                flat = jax.tree.leaves(pools)
-                rep = mesh_lib.spec()
-                out = jax.shard_map(body, mesh=eng.mesh,
-                                    in_specs=(*(spec,) * n_flat, *(rep,) * len(pieces), *(rep,) * 4),
-                                    out_specs=(spec,) * n_flat)(*flat, *pieces, src_row, src_slot, dst_page, dst_slot)
-                return tree.unflatten(list(out))
-
-            replicated = eng.replicated
-            piece_specs = tuple(jax.ShapeDtypeStruct(s.shape, np.dtype(s.dtype), sharding=replicated) for s in specs)
-            idx = jax.ShapeDtypeStruct((tokens,), jnp.int32, sharding=replicated)
-            jitted = jax.jit(scatter, donate_argnums=(0,), out_shardings=eng.pool_sharding)
-            self.compiled[key] = jitted.lower(tree.unflatten(leaves), piece_specs, idx, idx, idx, idx).compile()
+            pool_args = tuple(jax.ShapeDtypeStruct(eng.pool_sharding.shard_shape(leaf.shape), leaf.dtype,
+                                                   sharding=sharding) for leaf in leaves)
+            piece_args = tuple(jax.ShapeDtypeStruct(shape, eng.dtype, sharding=sharding) for _, _, shape in meta)
+            idx = tuple(jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding) for n in index_len)
+            jitted = jax.jit(write, donate_argnums=(0,))
+            self.compiled[key] = jitted.lower(pool_args, piece_args, idx, idx).compile()
         return self.compiled[key]
 
-    def write(self, pieces: list[jax.Array], specs: list[PieceSpec], length: int, table_row) -> None:
-        """Write the pulled pieces' first `length` tokens into the request's pages (block-table row)."""
+    def write(self, pieces: list[jax.Array], specs: list[PieceSpec], length: int, table_row) -> dict[int, int]:
+        """Write the pulled pieces' first `length` tokens into the request's pages (block-table row).
+        Returns the bytes of KV the receive path placed on each device (device id -> bytes, summed over
+        the pulled pieces and their copies actually held there)."""
         eng = self.engine
-        plan = reshard_plan(self.src, eng.layout, length)
-        cap = self.src.num_shards * plan.src_blocks * self.src.page_size  # the staged slots: a fixed shape
-        pad = cap - length
-        dst_page, dst_slot = plan.dst_pool_index(table_row, eng.config.num_pages)
-        drop = eng.layout.num_shards * eng.config.num_pages
-        idx = [np.concatenate([a, np.full(pad, fill)]).astype(np.int32) for a, fill in (
-            (plan.src_row, 0), (plan.src_page_slot, 0), (dst_page, drop), (dst_slot, 0))]
-        replicated = [jax.device_put(p, eng.replicated) for p in pieces]
-        eng.pools = self.scatter_program(tuple(specs), cap)(eng.allocate(), tuple(replicated), *idx)
+        lay, pages = eng.layout, eng.config.num_pages
+        positions = reshard_plan(self.src, lay, length).piece_positions()
+        table_row = np.asarray(table_row)
+        groups = [(s, k) for s, stack in enumerate(eng.pool_spec()) for k in range(len(stack))]
+        held: dict = {d: [] for d, _, _ in self.devices}  # device -> [(spec, array, page, slot)]
+        for piece, spec in zip(pieces, specs):
+            pos = positions[spec.rank][spec.dst_rank] if spec.rank < len(positions) else []
+            if len(pos) != spec.shape[0]:
+                raise TransferError(f"a piece of {spec.shape[0]} tokens from rank {spec.rank} to rank "
+                                    f"{spec.dst_rank}, where the placements give {len(pos)}")
+            keep = pos < length
+            page = np.where(keep, table_row[np.minimum(lay.block_of(pos), len(table_row) - 1)], pages)
+            slot = lay.page_slot_of(pos)
+            for dev in self.targets(spec):  # several when this side replicates the piece's head
+                here = piece if piece.devices() == {dev} else jax.device_put(piece, SingleDeviceSharding(dev))
+                held[dev].append((spec, here, page.astype(np.int32), slot.astype(np.int32)))
+        placed = {d.id: sum(sh.data.nbytes for _, a, _, _ in held[d] for sh in a.addressable_shards if sh.device == d)
+                  for d in held}
+        leaves = jax.tree.leaves(eng.allocate())
+        shards = [{sh.device: sh.data for sh in leaf.addressable_shards} for leaf in leaves]
+        # each device's shards are donated to its program below (the global arrays are replaced after)
+        for dev, items in held.items():
+            if not items:
+                continue
+            meta = tuple((groups.index((s.stack, s.kind)), s.head0, s.shape) for s, _, _, _ in items)
+            program = self.write_program(dev, meta, tuple(len(p) for _, _, p, _ in items))
+            out = program(tuple(sh[dev] for sh in shards), tuple(a for _, a, _, _ in items),
+                          tuple(p for _, _, p, _ in items), tuple(s for _, _, _, s in items))
+            for sh, new in zip(shards, out):
+                sh[dev] = new
+        devices = [d for d, _, _ in self.devices]
+        eng.pools = jax.tree.unflatten(jax.tree.structure(eng.pool_spec()), [
+            jax.make_array_from_single_device_arrays(leaf.shape, eng.pool_sharding, [sh[d] for d in devices])
+            for leaf, sh in zip(leaves, shards)])
+        return placed
 
 
 # --- the transport ------------------------------------------------------------------------------------
@@ -371,10 +488,10 @@ class TransferPort:
         return self.connections[address]
 
     def pull(self, address: str, uuid: int, specs: list[PieceSpec], devices, timeout_s: float) -> list[jax.Array]:
-        """Pull `uuid`'s pieces from the instance at `address`, piece i onto devices[i % len(devices)];
-        returns them landed, or raises TransferError after at most `timeout_s` seconds."""
-        avals = [jax.ShapeDtypeStruct(s.shape, np.dtype(s.dtype), sharding=SingleDeviceSharding(devices[i % len(devices)]))
-                 for i, s in enumerate(specs)]
+        """Pull `uuid`'s pieces from the instance at `address`, piece i onto devices[i]; returns them
+        landed, or raises TransferError after at most `timeout_s` seconds."""
+        avals = [jax.ShapeDtypeStruct(s.shape, np.dtype(s.dtype), sharding=SingleDeviceSharding(d))
+                 for s, d in zip(specs, devices, strict=True)]
 
         what = f"pulling the KV from the prefill instance's transfer server {address}"
         try:
