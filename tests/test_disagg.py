@@ -69,7 +69,7 @@ def test_small_decode_pool_admits_as_pages_free_and_sampling_matches():
 
 
 def test_mismatched_pairs_refuse_at_start():
-    a = dict(role="prefill", config_hash="abc", dtype="float32", kv_heads=2, head_dim=8, num_layers=2,
+    a = dict(role="prefill", protocol=2, config_hash="abc", dtype="float32", kv_heads=2, head_dim=8, num_layers=2,
              max_model_len=64)
     check_pairing(a, dict(a, role="decode"))
     for key, value, words in (("config_hash", "xyz", "model (config hash) abc"), ("dtype", "bfloat16", "KV dtype"),
@@ -81,6 +81,8 @@ def test_mismatched_pairs_refuse_at_start():
         check_pairing(dict(a, role="decode"), a)
     with pytest.raises(UserError, match="the same --max-model-len"):
         check_pairing(a, dict(a, role="decode", max_model_len=128))
+    with pytest.raises(UserError, match="speaks handoff protocol 2 but this decode instance speaks 1; run the same"):
+        check_pairing(a, dict(a, role="decode", protocol=1))
 
 
 def test_load_errors():

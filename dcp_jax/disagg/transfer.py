@@ -71,12 +71,17 @@ def config_hash(cfg) -> str:
     return hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:16]
 
 
+# The handoff's wire format (what `describe`, `Offer` and `PieceSpec` carry). Both sides of a pair must
+# speak the same one: the handshake refuses another. Raise it whenever that format changes.
+PROTOCOL = 2
+
+
 def describe(engine, role: str, address: str) -> dict:
     """What one side tells the other when they pair (JSON-able): identity, cache geometry, placement."""
     model = engine.model
     cfg = model.config
     lay = engine.layout
-    return dict(role=role, config_hash=config_hash(cfg), architecture=cfg.architecture,
+    return dict(role=role, protocol=PROTOCOL, config_hash=config_hash(cfg), architecture=cfg.architecture,
                 dtype=str(np.dtype(engine.dtype)), kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                 mla=cfg.mla is not None, num_layers=cfg.num_layers, stored_kv_heads=model.kv_heads,
                 kv_replication=model.kv_replication, tp=engine.mesh.shape[mesh_lib.TP],
@@ -91,6 +96,9 @@ def check_pairing(prefill: dict, decode: dict) -> None:
     if prefill.get("role") != "prefill":
         raise UserError(f"the instance to pair with is a {prefill.get('role') or 'non-disaggregated'} instance, "
                         "not a prefill one: start it with --role prefill")
+    if prefill.get("protocol") != decode.get("protocol"):
+        raise UserError(f"cannot pair: the prefill instance speaks handoff protocol {prefill.get('protocol')} but this "
+                        f"decode instance speaks {decode.get('protocol')}; run the same dcp_jax version on both")
     for key, what in (("config_hash", "model (config hash)"), ("dtype", "KV dtype"), ("kv_heads", "KV heads"),
                       ("head_dim", "KV head dim"), ("num_layers", "layers")):
         if prefill[key] != decode[key]:
