@@ -86,9 +86,11 @@ def pair():
             kill(p)
 
 
-def complete(base, prompt, max_tokens, timeout=60) -> dict:
+def complete(base, prompt, max_tokens, timeout=60, status=200) -> dict:
     body = dict(model=FIX.name, prompt=prompt, max_tokens=max_tokens, logprobs=1, temperature=0)
-    return httpx.post(base + "/v1/completions", json=body, timeout=timeout).json()
+    answer = httpx.post(base + "/v1/completions", json=body, timeout=timeout)
+    assert answer.status_code == status, answer.text
+    return answer.json()
 
 
 def ids(answer) -> list[int]:
@@ -144,7 +146,7 @@ def test_stalled_then_dead_prefill_fails_requests_in_bounded_time(pair):
     os.killpg(pair["prefill"].pid, signal.SIGSTOP)  # stalled: alive, answers nothing
     try:
         start = time.monotonic()
-        answer = complete(pair["dbase"], [9, 8, 7], 4, timeout=60)
+        answer = complete(pair["dbase"], [9, 8, 7], 4, timeout=60, status=503)  # the server's failure: retry
         assert time.monotonic() - start < 10 * TIMEOUT
         message = answer["error"]["message"]  # the request's one-line error, as the API reports failed requests
         assert message.startswith("the prefill instance at 127.0.0.1:") and "did not answer /disagg/prefill" in message
@@ -154,7 +156,7 @@ def test_stalled_then_dead_prefill_fails_requests_in_bounded_time(pair):
     assert ids(complete(pair["dbase"], EXP["prompts"][0], EXP["max_new_tokens"])) == EXP["greedy"][0]
     kill(pair["prefill"])  # dead: requests fail at once, the decode instance stays up
     start = time.monotonic()
-    answer = complete(pair["dbase"], [9, 8, 7], 4, timeout=60)
+    answer = complete(pair["dbase"], [9, 8, 7], 4, timeout=60, status=503)
     assert time.monotonic() - start < 10 * TIMEOUT and answer["error"]["message"].startswith("the prefill instance at")
     assert httpx.get(pair["dbase"] + "/health", timeout=10).status_code == 200
     stats = httpx.get(pair["dbase"] + "/disagg/stats", timeout=10).json()

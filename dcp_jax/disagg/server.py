@@ -190,6 +190,7 @@ class DisaggAsyncEngine(AsyncEngine):
             try:
                 ok = self.decode.admit(r, landed)
             except TransferError as e:
+                r.error_retryable = True
                 r.finish("error", error=str(e))
                 sched.finished.append(r)
                 ok = False
@@ -224,6 +225,7 @@ class DisaggAsyncEngine(AsyncEngine):
             elif kind == "failed":
                 tracked, error = arg
                 if not tracked.request.is_finished:
+                    tracked.request.error_retryable = True  # the prefill instance's failure, not the request's
                     tracked.request.finish("error", error=error)
                     sched.finished.append(tracked.request)
             elif kind == "cancel":

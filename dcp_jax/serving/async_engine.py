@@ -35,6 +35,7 @@ class Update:
     finish_reason: str | None = None
     error: str | None = None
     text: str | None = None
+    retryable: bool = False  # an error on the server's side (Request.error_retryable)
 
 
 @dataclasses.dataclass
@@ -163,7 +164,8 @@ class AsyncEngine:
                 continue
             n = len(r.output_token_ids)
             self.push(t, Update(r.output_token_ids[t.emitted:n], r.output_logprobs[t.emitted:n], now, True,
-                                r.finish_reason, r.error or (error if r.finish_reason == "abort" else None), r.text))
+                                r.finish_reason, r.error or (error if r.finish_reason == "abort" else None), r.text,
+                                r.error_retryable))
             with self.lock:
                 self.pending -= 1
             if self.on_finish is not None:

@@ -349,13 +349,16 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
             raise APIError(503, str(e), "server_overloaded", code="queue_full") from None
 
     async def first_update(request: Request, sink: asyncio.Queue):
-        """The first update; an error finish (the scheduler refused the request) becomes a 400."""
+        """The first update; an error finish becomes a 400 (the scheduler refused the request) or a 503
+        (the server failed it, e.g. its KV never arrived from a prefill instance: send it again)."""
         try:
             u = await sink.get()
         except asyncio.CancelledError:
             engine.cancel(request.request_id)
             raise
         if u.finished and u.finish_reason == "error":
+            if u.retryable:
+                raise APIError(503, u.error or "the request failed on the server", "server_error")
             raise APIError(400, u.error or "the request was refused")
         if u.finished and u.finish_reason == "abort":
             raise APIError(503, u.error or "the request was aborted", "server_error")

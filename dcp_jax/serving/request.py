@@ -48,6 +48,9 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None
+    # the error was the server's, not the request's (its prompt KV never arrived from a prefill
+    # instance): the same request may succeed when sent again
+    error_retryable: bool = False
 
     # --- owned by the scheduler ---
     state: RequestState = RequestState.WAITING
