@@ -219,8 +219,7 @@ def write_kv(
         if paged:
             table = extra[0]
             num_pages = cs[0].shape[len(lead)]
-            blocks = jnp.minimum(layout.block_of(pos), table.shape[1] - 1)
-            page = jnp.where(mine, jnp.take_along_axis(table, blocks, axis=1), num_pages)  # else dropped
+            page = layout.page_of(table, pos, mine, missing=num_pages)  # not mine, or past the table: dropped
             return tuple(c.at[(*lead, page, slice(None), layout.page_slot_of(pos))].set(x.astype(c.dtype), mode="drop")
                          for c, x in zip(cs, ns))
         slot = jnp.where(mine, layout.slot_of(pos), layout.slots_per_shard)  # out of range: dropped

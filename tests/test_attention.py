@@ -204,3 +204,19 @@ def test_lengths_beyond_the_slice():
     args[4] = jnp.asarray([3, 17], jnp.int32)
     with pytest.raises(ValueError, match=r"kv_len \[3, 17\] outside the cache's 0..16 slots"):
         dcp_attention(*args, mesh=mesh, layout=layout)
+
+
+def test_paged_write_past_the_block_table_is_dropped():
+    # Position 9 has no block in a 2-block table of 4-slot pages: it must be dropped, not folded into
+    # the last block's page on top of position 5 (same page slot).
+    from dcp_jax.attention import write_kv
+
+    mesh = make_mesh(1, 1)
+    layout = PagedLayout(1, 1, 4)
+    pool = jnp.zeros((3, 1, 4, 2), jnp.float32)  # pages 0 (null), 1, 2
+    new = jnp.asarray([5.0, 9.0], jnp.float32).reshape(1, 2, 1, 1) * jnp.ones((1, 1, 1, 2))
+    (out,) = write_kv((pool,), (new,), jnp.asarray([[5, 9]], jnp.int32), jnp.ones((1, 2), bool), mesh=mesh,
+                      layout=layout, block_table=jnp.asarray([[1, 2]], jnp.int32))
+    out = np.asarray(out)
+    assert out[2, 0, 1, 0] == 5.0  # position 5: block 1 -> page 2, slot 1
+    assert np.count_nonzero(out) == 2  # its two features; nothing else written

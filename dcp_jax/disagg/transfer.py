@@ -226,10 +226,10 @@ class Stager:
                 out = []
                 for _, table in tables:
                     pos = jnp.asarray(table)[rank]  # this source rank's tokens of its piece for that rank
-                    block = jnp.minimum(lay.block_of(pos), blocks - 1)
+                    page = lay.page_of(row, pos)  # (every slot of the staged blocks: within the row)
                     keep = (pos < length)[:, None, None, None]
                     for p in pools:
-                        vals = p[:, row[block], :, lay.page_slot_of(pos)]  # [B, L, K, D]
+                        vals = p[:, page, :, lay.page_slot_of(pos)]  # [B, L, K, D]
                         out.append(jnp.where(keep, vals, jnp.zeros((), p.dtype)))
                 return tuple(out)
 
@@ -389,7 +389,7 @@ class Receiver:
                 raise TransferError(f"a piece of {spec.shape[0]} tokens from rank {spec.rank} to rank "
                                     f"{spec.dst_rank}, where the placements give {len(pos)}")
             keep = pos < length
-            page = np.where(keep, table_row[np.minimum(lay.block_of(pos), len(table_row) - 1)], pages)
+            page = lay.page_of(table_row, pos, keep, missing=pages)
             slot = lay.page_slot_of(pos)
             for dev in self.targets(spec):  # several when this side replicates the piece's head
                 here = piece if piece.devices() == {dev} else jax.device_put(piece, SingleDeviceSharding(dev))
