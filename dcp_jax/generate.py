@@ -50,12 +50,15 @@ def positive_int(name):
     return parse
 
 
-def non_negative_float(name, upper=None):
+def non_negative_float(name, upper=None, positive=False):
+    """An argparse type: a number >= 0 (> 0 with `positive`), at most `upper` when given."""
     def parse(text):
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if positive and not value > 0:
+            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {text}")
         if not value >= 0 or (upper is not None and value > upper):
             raise argparse.ArgumentTypeError(
                 f"{name} must be in [0, {upper}], got {text}" if upper else f"{name} must be >= 0, got {text}")

@@ -21,6 +21,7 @@ from dcp_jax.generate import (
     add_speculative_args,
     byte_size,
     mesh_arg,
+    non_negative_float,
     positive_int,
     speculative_kwargs,
 )
@@ -57,8 +58,6 @@ def build_parser():
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_speculative_args(p)
     # --- prefill/decode disaggregation (dcp_jax.disagg, docs/DISAGG.md) ---------------------------------
-    from dcp_jax.disagg import cli as disagg_cli
-
     g = p.add_argument_group("prefill/decode disaggregation")
     g.add_argument("--role", choices=("single", "prefill", "decode"), default="single",
                    help="single: prefill and decode here (default); prefill: only prefill, for a decode instance; "
@@ -66,25 +65,40 @@ def build_parser():
     g.add_argument("--prefill-at", default=None, metavar="HOST:PORT", help="the prefill instance (--role decode)")
     g.add_argument("--interleave", type=positive_int("--interleave"), default=1,
                    help="KV interleave size of this role's pool (--role prefill/decode; default 1)")
-    g.add_argument("--transfer-timeout", type=disagg_cli.positive_float("--transfer-timeout"), default=60.0,
+    g.add_argument("--transfer-timeout", type=non_negative_float("--transfer-timeout", positive=True), default=60.0,
                    metavar="SECONDS",
                    help="bound on one request's prefill + KV pull (decode) / on an unpulled offer (prefill)")
     return p
 
 
-def make_app(model_dir=None, *, tp: int | None = None, dcp: int | None = None, served_model_name: str | None = None,
-             kv_cache_memory=None, max_num_seqs: int = 8, max_model_len: int | None = None,
-             page_size: int | None = None, prefill_chunk: int | None = None, max_pending: int = 256,
-             dtype: str = "float32", decode_steps: int = 8, enable_prefix_caching: bool = True,
-             speculative: str | None = None, num_speculative_tokens: int = 4, draft_model=None):
-    """Load the model, size the pool, compile, and return (FastAPI app, LLM). Raises UserError/ValueError
-    on bad sizes or checkpoints. `speculative` ("ngram" | "draft" with `draft_model`): as `LLM.load`."""
+def check_role_args(args) -> str | None:
+    """The one-line usage error of an inconsistent role, or None."""
+    if args.role == "decode" and not args.prefill_at:
+        return "--role decode needs --prefill-at HOST:PORT (the prefill instance's --host and --port)"
+    if args.prefill_at and args.role != "decode":
+        return "--prefill-at is for --role decode: give --role decode, or drop --prefill-at"
+    if args.prefill_at:
+        host, _, port = args.prefill_at.rpartition(":")
+        if not host or not port.isdigit():
+            return f"--prefill-at takes HOST:PORT, got {args.prefill_at!r}"
+    if args.role == "single" and args.interleave != 1:
+        return "--interleave applies to --role prefill and --role decode (a single instance uses 1)"
+    return None
+
+
+def load_engine(model_dir=None, *, tp: int | None = None, dcp: int | None = None, dtype: str = "float32",
+                page_size: int | None = None, max_num_seqs: int = 8, kv_cache_memory=None,
+                max_model_len: int | None = None, prefill_chunk: int | None = None, decode_steps: int = 8,
+                enable_prefix_caching: bool = True, interleave: int = 1, speculative: str | None = None,
+                num_speculative_tokens: int = 4, draft_model=None):
+    """Load the model and size the serving engine's pool once, as every server role does:
+    (LLM, ServingEngine, max_model_len, checkpoint path, embedded?). The prefill program is compiled and
+    the pool allocated; the caller compiles what else it runs. Raises UserError/ValueError on bad sizes
+    or checkpoints. `speculative` ("ngram" | "draft" with `draft_model`): as `LLM.load`."""
     import math
 
     from dcp_jax import mesh as mesh_lib
     from dcp_jax.engine import LLM, default_prefill_chunk
-    from dcp_jax.serving.async_engine import AsyncEngine
-    from dcp_jax.serving.openai import ChatTemplate, create_app
 
     embedded = model_dir is None
     path = Path(model_dir) if model_dir is not None else DEFAULT_MODEL
@@ -92,7 +106,7 @@ def make_app(model_dir=None, *, tp: int | None = None, dcp: int | None = None, s
         tp, dcp = mesh_lib.local_mesh_shape(max_tp=2)
     tp, dcp = tp or 1, dcp or 1
     llm = LLM.load(path, tp=tp, dcp=dcp, dtype=dtype, page_size=page_size, max_num_seqs=max_num_seqs,
-                   kv_cache_memory=kv_cache_memory, decode_steps=decode_steps,
+                   kv_cache_memory=kv_cache_memory, decode_steps=decode_steps, interleave=interleave,
                    enable_prefix_caching=enable_prefix_caching, speculative=speculative,
                    num_speculative_tokens=num_speculative_tokens, draft_model=draft_model)
     max_model_len = max_model_len or (DEFAULT_EMBEDDED_MAX_MODEL_LEN if embedded else DEFAULT_MAX_MODEL_LEN)
@@ -105,25 +119,68 @@ def make_app(model_dir=None, *, tp: int | None = None, dcp: int | None = None, s
     chunk = prefill_chunk or default_prefill_chunk(llm.mesh.devices.flat[0].platform)
     chunk = min(chunk, max(16, 1 << math.ceil(math.log2(max_model_len))))  # no longer than a whole context
     engine = llm.server(max_model_len, chunk, llm.num_pages(max_model_len))
-    engine.step_program()  # compile before the port opens
-    engine.prefill_program(chunk)
+    engine.prefill_program(chunk)  # compile before the port opens
     engine.allocate()
+    return llm, engine, max_model_len, path, embedded
+
+
+def openai_app(runner, llm, max_model_len: int, path: Path, embedded: bool, served_model_name: str | None = None):
+    """The OpenAI-compatible FastAPI app over `runner` (an AsyncEngine driving `llm`'s serving engine)."""
+    from dcp_jax.serving.openai import ChatTemplate, create_app
+
     template = ChatTemplate.from_tokenizer_config(path / "tokenizer_config.json") if path.is_dir() else None
     name = served_model_name or ("dcp-jax-tiny" if embedded else path.resolve().name)
-    app = create_app(AsyncEngine(engine, max_pending=max_pending), model_name=name, max_model_len=max_model_len,
-                     tokenizer=llm.tokenizer, chat_template=template, tp=tp, dcp=dcp)
-    return app, llm
+    return create_app(runner, model_name=name, max_model_len=max_model_len, tokenizer=llm.tokenizer,
+                      chat_template=template, tp=llm.mesh.shape["tp"], dcp=llm.mesh.shape["dcp"])
+
+
+def make_app(model_dir=None, *, served_model_name: str | None = None, max_pending: int = 256, **engine_kw):
+    """Load the model, size the pool, compile, and return (FastAPI app, LLM); `engine_kw` as `load_engine`.
+    Raises UserError/ValueError on bad sizes or checkpoints."""
+    from dcp_jax.serving.async_engine import AsyncEngine
+
+    llm, engine, max_model_len, path, embedded = load_engine(model_dir, **engine_kw)
+    engine.step_program()  # compile before the port opens
+    return openai_app(AsyncEngine(engine, max_pending=max_pending), llm, max_model_len, path, embedded,
+                      served_model_name), llm
+
+
+def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 60.0):
+    """Run `app` with uvicorn on a background thread of this process (notebooks, tests, benchmarks):
+    returns (base URL "http://host:port", stop()) once it listens (port 0: a free one), or raises
+    RuntimeError when it did not start within `timeout_s`."""
+    import threading
+    import time
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, name="dcp-jax-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            server.should_exit = True
+            raise RuntimeError(f"the server did not start on {host}:{port} within {timeout_s:g} s")
+        time.sleep(0.05)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(timeout_s)
+        if thread.is_alive():
+            raise RuntimeError("the server did not stop")
+
+    return f"http://{host}:{bound}", stop
 
 
 def run(argv=None) -> int:
-    from dcp_jax.disagg.cli import check_role_args
-
     try:
         args = build_parser().parse_args(argv)
         if args.mesh and (args.tp or args.dcp):
             raise UsageError("give either --mesh or --tp/--dcp, not both")
         speculative = speculative_kwargs(args)
-        if (problem := check_role_args(args)) is not None:  # dcp_jax.disagg
+        if (problem := check_role_args(args)) is not None:
             raise UsageError(problem)
         if args.role != "single" and args.speculative is not None:
             raise UsageError(f"--speculative is not supported with --role {args.role}: serve speculative decoding "

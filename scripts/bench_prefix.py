@@ -157,10 +157,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     command = shlex.join(["python", "scripts/bench_prefix.py", *(sys.argv[1:] if argv is None else argv)])
-    size = dict(QUICK if args.quick else DEFAULTS)
-    for key in ("doc", "questions", "turns", "prefill_chunk", "page_size"):
-        if getattr(args, key) is not None:
-            size[key] = getattr(args, key)
+    size = bench_serving.sizes(args, DEFAULTS, QUICK, ("doc", "questions", "turns", "prefill_chunk", "page_size"))
     tp, dcp = args.mesh
     from dcp_jax.mesh import ensure_cpu_devices
 

@@ -367,6 +367,14 @@ def table(report: dict) -> str:
     return "\n".join(out)
 
 
+def sizes(args, defaults: dict, quick: dict, keys) -> dict:
+    """The run's sizes: `quick` with --quick, else `defaults`, with each of `keys` that was given on the
+    command line (not None in `args`) overriding its entry. Shared by the benchmark scripts."""
+    size = dict(quick if args.quick else defaults)
+    size.update({k: getattr(args, k) for k in keys if getattr(args, k) is not None})
+    return size
+
+
 def parse_mesh(text: str) -> tuple[int, int]:
     try:
         tp, dcp = (int(x) for x in text.lower().split("x"))
@@ -417,30 +425,16 @@ def client_requests(base_url: str, model: str, workload: list[dict], concurrency
 
 def start_server(checkpoint: Path, size: dict, tp: int, dcp: int, max_model_len: int):
     """Our own server on a free loopback port, in this process: (base URL, stop function)."""
-    import threading
-
-    import uvicorn
-
-    from dcp_jax.serve import make_app
+    from dcp_jax.serve import make_app, serve_in_thread
 
     app, _ = make_app(checkpoint, tp=tp, dcp=dcp, served_model_name="bench", max_num_seqs=size["max_num_seqs"],
                       max_model_len=max_model_len, page_size=size["page_size"], prefill_chunk=size["prefill_chunk"],
                       decode_steps=size["decode_steps"])
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise SystemExit("error: the server did not start")
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-
-    def stop():
-        server.should_exit = True
-        thread.join(60)
-
-    return f"http://127.0.0.1:{port}/v1", stop
+    try:
+        base, stop = serve_in_thread(app, timeout_s=120)
+    except RuntimeError as e:
+        raise SystemExit(f"error: {e}") from None
+    return base + "/v1", stop
 
 
 def client_mode(args, size: dict) -> int:
@@ -538,10 +532,7 @@ def main(argv=None) -> int:
         log(f"$ {command}")
     else:
         print(f"$ {command}", flush=True)
-    size = dict(QUICK if args.quick else DEFAULTS)
-    for key in ("requests", "max_num_seqs", "prefill_chunk", "page_size", "decode_steps"):
-        if getattr(args, key) is not None:
-            size[key] = getattr(args, key)
+    size = sizes(args, DEFAULTS, QUICK, ("requests", "max_num_seqs", "prefill_chunk", "page_size", "decode_steps"))
     if args.prompt_range:
         size["prompt_min"], size["prompt_max"] = args.prompt_range
     if args.output_range:

@@ -165,10 +165,7 @@ def main(argv=None) -> int:
     p.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, help="drafts per verify step (default 4)")
     args = p.parse_args(argv)
     command = shlex.join(["python", "scripts/bench_spec.py", *(sys.argv[1:] if argv is None else argv)])
-    size = dict(QUICK if args.quick else DEFAULTS)
-    for key in ("context", "new_tokens", "k"):
-        if getattr(args, key) is not None:
-            size[key] = getattr(args, key)
+    size = bench_serving.sizes(args, DEFAULTS, QUICK, ("context", "new_tokens", "k"))
     tasks = [t for t in args.tasks.split(",") if t]
     if not set(tasks) <= {"docs", "repeat"}:
         p.error(f"--tasks takes docs and/or repeat, got {args.tasks!r}")

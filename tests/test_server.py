@@ -10,7 +10,6 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -31,7 +30,7 @@ PROMPTS = [[(7 * i + 3 * j) % 250 + 2 for j in range(9 + i % 8)] for i in range(
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from dcp_jax.serve import make_app
+    from dcp_jax.serve import make_app, serve_in_thread
 
     ckpt = tmp_path_factory.mktemp("ckpt") / "model"
     shutil.copytree(FIXTURES / "llama-tokenizer", ckpt)
@@ -44,21 +43,10 @@ def server(tmp_path_factory):
     # each prompt alone through LLM.generate, before the server's thread starts
     alone = [llm.generate([p], max_new_tokens=8, max_seq_len=MAX_MODEL_LEN).text[0] for p in PROMPTS]
 
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    port = srv.servers[0].sockets[0].getsockname()[1]
-    base = f"http://127.0.0.1:{port}"
+    base, stop = serve_in_thread(app, timeout_s=30)
     client = openai.OpenAI(base_url=base + "/v1", api_key="x", timeout=60, max_retries=0)
     yield dict(base=base, client=client, llm=llm, alone=alone, ckpt=ckpt)
-    srv.should_exit = True
-    thread.join(30)
-    assert not thread.is_alive()
+    stop()  # raises if the server thread does not end
 
 
 def metrics(base) -> dict[str, float]:

@@ -6,8 +6,6 @@ rejected drafts' slots never read; no page leak; the CLI, the server and their e
 from __future__ import annotations
 
 import functools
-import threading
-import time
 
 import jax
 import jax.numpy as jnp
@@ -334,23 +332,16 @@ def test_draft_with_another_vocabulary_is_refused():
 def test_server_with_ngram_speculation():
     openai = pytest.importorskip("openai")
     httpx = pytest.importorskip("httpx")
-    uvicorn = pytest.importorskip("uvicorn")
-    from dcp_jax.serve import make_app
+    pytest.importorskip("uvicorn")
+    from dcp_jax.serve import make_app, serve_in_thread
 
     app, llm = make_app(FIXTURES / "llama-tokenizer", tp=1, dcp=2, max_num_seqs=4, max_model_len=64, page_size=4,
                         prefill_chunk=16, speculative="ngram", num_speculative_tokens=3)
     plain_llm = LLM.load(FIXTURES / "llama-tokenizer", dcp=2, page_size=4)
     prompts = [[(5 * i + j) % 7 + 2 for j in range(12)] for i in range(4)]  # repetitive: n-grams hit
     want = [plain_llm.generate([p], max_new_tokens=10, max_seq_len=64, ignore_eos=True).text[0] for p in prompts]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
+    base, stop = serve_in_thread(app, timeout_s=30)
     try:
-        base = f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", timeout=60, max_retries=0)
         got = [client.completions.create(model=client.models.list().data[0].id, prompt=p, max_tokens=10,
                                          temperature=0, extra_body=dict(ignore_eos=True)).choices[0].text
@@ -370,5 +361,4 @@ def test_server_with_ngram_speculation():
         assert values["dcp_jax_spec_decode_drafted_tokens"] > 0
         assert values["dcp_jax_spec_decode_mean_acceptance_length"] >= 1
     finally:
-        srv.should_exit = True
-        thread.join(30)
+        stop()

@@ -16,44 +16,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import math
 import queue
 import threading
-from pathlib import Path
 
 from dcp_jax.disagg.roles import DecodeInstance, PrefillInstance
 from dcp_jax.disagg.transfer import TransferError, TransferPort
+from dcp_jax.serve import load_engine, openai_app
 from dcp_jax.serving.async_engine import AsyncEngine
 
 
 # --- the prefill side's control channel ---------------------------------------------------------------
-
-
-def load_engine(model_dir, *, tp, dcp, dtype, page_size, max_num_seqs, kv_cache_memory, max_model_len,
-                prefill_chunk, decode_steps, enable_prefix_caching, interleave=1):
-    """(LLM, ServingEngine, max_model_len, path, embedded) sized and compiled as `dcp_jax.serve` does."""
-    from dcp_jax import mesh as mesh_lib
-    from dcp_jax.engine import LLM, default_prefill_chunk
-    from dcp_jax.generate import DEFAULT_MODEL
-    from dcp_jax.serve import DEFAULT_EMBEDDED_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN
-
-    embedded = model_dir is None
-    path = Path(model_dir) if model_dir is not None else DEFAULT_MODEL
-    if tp is None and dcp is None and embedded:
-        tp, dcp = mesh_lib.local_mesh_shape(max_tp=2)
-    tp, dcp = tp or 1, dcp or 1
-    llm = LLM.load(path, tp=tp, dcp=dcp, dtype=dtype, page_size=page_size, max_num_seqs=max_num_seqs,
-                   kv_cache_memory=kv_cache_memory, decode_steps=decode_steps, interleave=interleave,
-                   enable_prefix_caching=enable_prefix_caching)
-    max_model_len = max_model_len or (DEFAULT_EMBEDDED_MAX_MODEL_LEN if embedded else DEFAULT_MAX_MODEL_LEN)
-    if max_model_len < 2:
-        raise ValueError(f"--max-model-len must be >= 2, got {max_model_len}")
-    chunk = prefill_chunk or default_prefill_chunk(llm.mesh.devices.flat[0].platform)
-    chunk = min(chunk, max(16, 1 << math.ceil(math.log2(max_model_len))))
-    engine = llm.server(max_model_len, chunk, llm.num_pages(max_model_len))
-    engine.prefill_program(chunk)  # compile before the port opens
-    engine.allocate()
-    return llm, engine, max_model_len, path, embedded
 
 
 def make_prefill_app(instance: PrefillInstance, reap_every_s: float = 0.5):
@@ -244,18 +216,12 @@ def make_decode_app(model_dir, *, prefill_at: str, timeout_s: float, tp, dcp, se
                     host: str = "127.0.0.1", **engine_kw):
     """Load, pair with the prefill instance at `prefill_at` (UserError if that fails), compile, and
     return (FastAPI app, LLM, DecodeInstance)."""
-    from dcp_jax.serving.openai import ChatTemplate, create_app
-
     llm, engine, max_model_len, path, embedded = load_engine(model_dir, tp=tp, dcp=dcp, **engine_kw)
     engine.decode_program()
     port = TransferPort(llm.mesh.devices.flat[0], host=host)
     decode = DecodeInstance(engine, HttpPrefill(prefill_at, timeout_s), port, timeout_s=timeout_s)
-    template = ChatTemplate.from_tokenizer_config(path / "tokenizer_config.json") if path.is_dir() else None
-    name = served_model_name or ("dcp-jax-tiny" if embedded else path.resolve().name)
-    tp_, dcp_ = engine.mesh.shape["tp"], engine.mesh.shape["dcp"]
     runner = DisaggAsyncEngine(engine, decode, max_pending=max_pending)
-    app = create_app(runner, model_name=name, max_model_len=max_model_len, tokenizer=llm.tokenizer,
-                     chat_template=template, tp=tp_, dcp=dcp_)
+    app = openai_app(runner, llm, max_model_len, path, embedded, served_model_name)
 
     @app.get("/disagg/stats")
     async def stats():  # the transfers so far, and the scheduler's snapshot after the last step
