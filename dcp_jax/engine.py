@@ -528,8 +528,8 @@ class LLM:
             pages = int(budget // self.page_bytes())
             if pages < 2:
                 raise UserError(f"a KV budget of {budget:,} bytes per device holds {max(pages, 0)} pages of "
-                                f"{self.page_size} slots; give more memory (one page needs "
-                                f"{budget // max(pages, 1) if pages > 0 else 'more'} bytes) or a smaller page size")
+                                f"{self.page_size} slots; give at least {2 * self.page_bytes():,} bytes (two pages of "
+                                f"{self.page_bytes():,}: one is the reserved null page) or a smaller page size")
             return pages
         blocks = self.paged_layout().blocks_for
         most = self.max_num_seqs * blocks(max_model_len)

@@ -199,7 +199,8 @@ def test_preempts_newest_and_recompute_gives_the_same_tokens():
         if plan.preempted:
             victims.append(plan.preempted[0])
             assert plan.preempted[0] == running_before[-1]  # the newest goes first
-            assert sched.waiting[0].request_id == plan.preempted[-1] or plan.preempted[-1] in running_before
+            # no admission after a preemption: the last one preempted heads the queue
+            assert sched.waiting[0].request_id == plan.preempted[-1] and set(plan.preempted) <= set(running_before)
         dev.run(plan)
         sched.check()
     assert victims and sched.stats()["preemptions"] >= len(victims)
@@ -317,8 +318,8 @@ def test_impossible_requests_fail_alone():
     drive(sched, FakeDevice(sched))
     assert ok.output_token_ids == reference(ok, 32) and fits.output_token_ids == reference(fits, 32)
     assert {r.request_id for r in sched.pop_finished()} == {"r0", "r1", "r2", "e", "v", "m", "r3"}
+    sched.add_request(req(0, 3))  # r0 finished: its id is free again
     with pytest.raises(UserError, match="already in use"):
-        sched.add_request(req(0, 3))
         sched.add_request(req(0, 3))
 
 
@@ -391,13 +392,22 @@ def test_random_workload_never_leaks(geom, pages, seqs, k, budget, specs, cancel
 
 
 def test_sampling_params_are_per_request():
-    """The engine's SamplingParams travel with each request (the device reads them by slot)."""
+    """Each request's sampling parameters and seed reach the device in its slot's row; a seed the device
+    cannot hold (uint32) is refused with the request alone."""
+    from dcp_jax.serving.engine import SamplingRows
+
     sched = make()
     a = sched.add_request(req(0, 3, sampling=SamplingParams(0.7, top_k=5), seed=11))
     b = sched.add_request(req(1, 3))
+    bad = sched.add_request(req(2, 3, seed=2**32))
+    assert bad.finish_reason == "error" and "seed must be an integer in [0, 2**32)" in bad.error
     plan = sched.schedule()
-    assert [c.request.sampling for c in plan.prefills] == [SamplingParams(0.7, top_k=5), SamplingParams()]
-    assert a.seed == 11 and b.seed == 0
+    rows = [None] * sched.config.max_num_seqs
+    for c in plan.prefills:
+        rows[c.slot] = c.request
+    sampling = SamplingRows.of(rows)
+    assert sampling.temperature[a.slot] == np.float32(0.7) and sampling.top_k[a.slot] == 5
+    assert sampling.seed[a.slot] == 11 and sampling.temperature[b.slot] == 0 and sampling.seed[b.slot] == 0
 
 
 def test_prefill_rows_are_the_chunks_back_to_back():

@@ -6,12 +6,11 @@ import jax
 import numpy as np
 import pytest
 
-from dcp_jax import LLM
+from dcp_jax import LLM, UserError
 from dcp_jax.serving.engine import run_requests
 from dcp_jax.serving.request import Request
 from dcp_jax.engine import SamplingParams
-from tests.test_donation import loop_bodies
-from tests.util import FIXTURES, expected
+from tests.util import FIXTURES, copies_in_loops, expected
 
 MESHES = [(1, 1), (2, 4), (1, 3), (4, 2)]
 
@@ -115,11 +114,7 @@ def test_pool_bytes_per_device_and_aliasing(name, tp, dcp):
     leaf = jax.tree.leaves(pool)[0]
     shape = leaf.sharding.shard_shape(leaf.shape)  # [layers, pages, K, page, D] of one stack
     shard, one_layer = ("f32[" + ",".join(map(str, dims)) + "]" for dims in (shape, shape[1:]))
-    for body in loop_bodies(prog.as_text()):
-        for line in body.splitlines():
-            if "copy(" in line or "copy-start(" in line:
-                result = line.split("=")[1].split("(")[0]
-                assert shard not in result and one_layer not in result, line
+    assert copies_in_loops(prog.as_text(), [shard, one_layer]) == []
 
 
 def test_program_size_does_not_grow_with_depth():
@@ -176,7 +171,7 @@ def test_token_budget_and_decode_timing():
     s = out.stats
     assert s["decode_s"] > 0 and s["decode_tokens_per_s"] == pytest.approx(
         (s["generated_tokens"] - len(exp["prompts"])) / s["decode_s"])
-    with pytest.raises(Exception, match="max_num_batched_tokens must be an integer >= 1"):
+    with pytest.raises(UserError, match="max_num_batched_tokens must be an integer >= 1"):
         load("llama-gqa", 1, 1, max_num_batched_tokens=-3)
 
 
@@ -208,3 +203,13 @@ def test_one_pool_at_a_time_across_generate_calls():
     assert llm.serving_engines()[-1].pools is not None and llm.serving_engines()[0].pools is None
     dropped = llm.serving_engines()[0].scheduler.stats()
     assert dropped["cached_blocks"] == 0 and dropped["pages_used"] == 0  # no prefix outlives its pool
+
+
+def test_parse_bytes():
+    from dcp_jax.serving.engine import parse_bytes
+
+    assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("2GB") == 2 * 10**9 and parse_bytes(4096) == 4096
+    assert parse_bytes("1.5 KiB") == 1536
+    for bad in ("inf", "1e400", "infb", "0.5", "0", "-3MiB", "12XB", "lots", 0, -5):
+        with pytest.raises(UserError, match="is not a positive size"):
+            parse_bytes(bad)

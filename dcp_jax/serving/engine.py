@@ -116,8 +116,11 @@ def sample_rows(logits, params: SamplingRows, positions):
 
 
 def parse_bytes(text) -> int:
-    """'512MiB', '2GB', '1.5GiB' or a plain number of bytes -> int."""
+    """'512MiB', '2GB', '1.5GiB' or a plain number of bytes -> int (at least one byte)."""
+    problem = f"memory size {text!r} is not a positive size: write e.g. 512MiB, 2GB or 1073741824"
     if isinstance(text, (int, np.integer)) and not isinstance(text, bool):
+        if text < 1:
+            raise UserError(problem)
         return int(text)
     units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -128,8 +131,8 @@ def parse_bytes(text) -> int:
         value = float(num)
     except ValueError:
         value = -1
-    if unit not in units or not value > 0:
-        raise UserError(f"memory size {text!r} is not a positive size: write e.g. 512MiB, 2GB or 1073741824")
+    if unit not in units or not (math.isfinite(value) and value * units[unit] >= 1):
+        raise UserError(problem)
     return int(value * units[unit])
 
 

@@ -237,6 +237,9 @@ class Scheduler:
         if n >= cfg.max_model_len:
             return (f"the prompt has {n} tokens but the model context (max_model_len) is {cfg.max_model_len}: "
                     f"shorten the prompt to at most {cfg.max_model_len - 1} tokens or raise max_model_len")
+        seed = request.seed
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+            return f"seed must be an integer in [0, 2**32), got {seed!r}"
         if request.max_tokens is not None and not (isinstance(request.max_tokens, int) and request.max_tokens >= 1):
             return f"max_tokens must be an integer >= 1 or None, got {request.max_tokens!r}"
         if request.stop and self.detokenize is None:
