@@ -4,6 +4,7 @@ the transformers fixtures (tests/fixtures, made by scripts/make_fixtures.py)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -82,3 +83,25 @@ def assert_lse_close(lse, ref, tol):
     if finite.any():
         err = np.max(np.abs(lse[finite] - ref[finite]) / np.maximum(1.0, np.abs(ref[finite])))
         assert err <= tol, f"lse error {err} > {tol}"
+
+
+def loop_bodies(hlo: str):
+    """The text of every computation used as a while-loop body."""
+    bodies = set(re.findall(r"while\([^)]*\)[^\n]*body=%?([\w.\-]+)", hlo))
+    comps = {}
+    for m in re.finditer(r"^(?:ENTRY )?%?([\w.\-]+) [^\n]*\{\n(.*?)^\}", hlo, re.S | re.M):
+        comps[m.group(1)] = m.group(2)
+    return [comps[b] for b in bodies]
+
+
+def copies_in_loops(hlo: str, shapes) -> list[str]:
+    """Lines of the while-loop bodies of compiled HLO text that copy a buffer of one of `shapes` (HLO type
+    strings such as "f32[2,3,1,4096,8]"; the first is the buffer itself, e.g. a cache shard, the others
+    parts of it, e.g. one layer). Asserts the module has a loop and names the first shape, so an empty
+    answer means something."""
+    bodies = loop_bodies(hlo)
+    assert bodies, "no while loop found in the program"
+    assert shapes[0] in hlo, f"{shapes[0]} appears nowhere in the program"
+    return [line for body in bodies for line in body.splitlines()
+            if re.search(r"\b(copy|copy-start)\(", line)
+            and any(shape in line.split("=")[1].split("(")[0] for shape in shapes)]
