@@ -51,19 +51,24 @@ def positive_int(name):
 
 
 def non_negative_float(name, upper=None, positive=False):
-    """An argparse type: a number >= 0 (> 0 with `positive`), at most `upper` when given."""
+    """An argparse type: a number >= 0, at most `upper` when given."""
     def parse(text):
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-        if positive and not value > 0:
+        if positive and value == 0:
             raise argparse.ArgumentTypeError(f"{name} must be > 0, got {text}")
         if not value >= 0 or (upper is not None and value > upper):
             raise argparse.ArgumentTypeError(
                 f"{name} must be in [0, {upper}], got {text}" if upper else f"{name} must be >= 0, got {text}")
         return value
     return parse
+
+
+def positive_float(name, upper=None):
+    """An argparse type: a number > 0, at most `upper` when given."""
+    return non_negative_float(name, upper, positive=True)
 
 
 def token_ids_arg(text):
@@ -159,14 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "one program per layer (--no-scan-layers: no per-step slicing of stacked weights)")
     k.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="SIZE",
                    help="KV cache bytes per device, e.g. 512MiB or 2GB (default: enough for the prompts given)")
-    k.add_argument("--gpu-memory-utilization", type=non_negative_float("--gpu-memory-utilization", 1.0),
+    k.add_argument("--gpu-memory-utilization", type=positive_float("--gpu-memory-utilization", 1.0),
                    default=None, metavar="F",
                    help="GPU only: size the KV pool to this fraction of each GPU's memory, less what is in use")
     add_speculative_args(p)
     p.add_argument("--temperature", type=non_negative_float("--temperature"), default=None,
                    help="0 = greedy (the default, but 0.7 with top-k 20 for the default run)")
     p.add_argument("--top-k", type=lambda t: 0 if t == "0" else positive_int("--top-k")(t), default=None)
-    p.add_argument("--top-p", type=non_negative_float("--top-p", 1.0), default=1.0)
+    p.add_argument("--top-p", type=positive_float("--top-p", 1.0), default=1.0)
     p.add_argument("--seed", type=lambda t: 0 if t == "0" else positive_int("--seed")(t), default=0)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
@@ -195,10 +200,6 @@ def run(argv=None) -> int:
         default_run = args.model is None
         if not args.prompt and not args.prompt_ids and not default_run and not args.save:
             raise UsageError("no prompt: give --prompt TEXT or --prompt-ids 1,2,3")
-        if args.top_p == 0:
-            raise UsageError("--top-p must be > 0")
-        if args.gpu_memory_utilization == 0:
-            raise UsageError("--gpu-memory-utilization must be > 0")
         if args.kv_cache_memory is not None and args.gpu_memory_utilization is not None:
             raise UsageError("give --kv-cache-memory or --gpu-memory-utilization, not both")
         speculative = speculative_kwargs(args)

@@ -21,7 +21,7 @@ from dcp_jax.generate import (
     add_speculative_args,
     byte_size,
     mesh_arg,
-    non_negative_float,
+    positive_float,
     positive_int,
     speculative_kwargs,
 )
@@ -65,7 +65,7 @@ def build_parser():
     g.add_argument("--prefill-at", default=None, metavar="HOST:PORT", help="the prefill instance (--role decode)")
     g.add_argument("--interleave", type=positive_int("--interleave"), default=1,
                    help="KV interleave size of this role's pool (--role prefill/decode; default 1)")
-    g.add_argument("--transfer-timeout", type=non_negative_float("--transfer-timeout", positive=True), default=60.0,
+    g.add_argument("--transfer-timeout", type=positive_float("--transfer-timeout"), default=60.0,
                    metavar="SECONDS",
                    help="bound on one request's prefill + KV pull (decode) / on an unpulled offer (prefill)")
     return p

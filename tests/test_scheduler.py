@@ -47,16 +47,15 @@ class FakeDevice:
         return seq.tolist()
 
     def run(self, plan):
-        if plan.prefills:  # through the fixed-shape ragged batch a real prefill program takes
-            rows = plan.prefill_rows(self.sched.config.max_num_batched_tokens)
-            owner = {c.slot: c.request for c in plan.prefills}
-            for tok, pos, slot in zip(*(rows[k][rows["valid"]] for k in ("tokens", "positions", "slots"))):
-                if not owner[slot].is_finished:  # cancelled in flight: a real device would still write
-                    self.write(owner[slot], plan.block_table[slot], pos, tok)  # into its freed pages
+        if plan.prefills:  # chunk by chunk, as ServingEngine.step runs them
+            for c in plan.prefills:
+                if not c.request.is_finished:  # cancelled in flight: a real device would still write
+                    for pos, tok in zip(range(c.start, c.end), c.token_ids):  # into its freed pages
+                        self.write(c.request, plan.block_table[c.slot], pos, tok)
             sampled = []
-            for c, last in zip(plan.prefills, rows["last_rows"]):
+            for c in plan.prefills:
                 if c.is_last and not c.request.is_finished:
-                    seq = self.read(plan.block_table[c.slot], rows["positions"][last] + 1)
+                    seq = self.read(plan.block_table[c.slot], c.end)
                     sampled.append(self.sample(c.request, seq))
                 else:
                     sampled.append(None)
@@ -410,17 +409,11 @@ def test_sampling_params_are_per_request():
     assert sampling.seed[a.slot] == 11 and sampling.temperature[b.slot] == 0 and sampling.seed[b.slot] == 0
 
 
-def test_prefill_rows_are_the_chunks_back_to_back():
+def test_prefill_chunks_share_the_token_budget():
     sched = make(max_num_batched_tokens=12)
     a, b = sched.add_request(req(0, 7)), sched.add_request(req(1, 9))
     plan = sched.schedule()
-    rows = plan.prefill_rows(16)
-    assert rows["valid"].sum() == 12 == plan.num_prefill_tokens
-    np.testing.assert_array_equal(rows["tokens"][:12], a.prompt_token_ids + b.prompt_token_ids[:5])
-    np.testing.assert_array_equal(rows["positions"][:12], list(range(7)) + list(range(5)))
-    np.testing.assert_array_equal(rows["slots"][:12], [a.slot] * 7 + [b.slot] * 5)
-    np.testing.assert_array_equal(rows["last_rows"], [6, 11])
-    assert [c.is_last for c in plan.prefills] == [True, False]
-    assert not rows["valid"][12:].any() and (rows["positions"][12:] == 0).all()
-    with pytest.raises(ValueError, match="do not fit"):
-        plan.prefill_rows(11)
+    assert plan.num_prefill_tokens == 12
+    assert [(c.request, c.slot, c.start, c.end, c.is_last) for c in plan.prefills] == [
+        (a, a.slot, 0, 7, True), (b, b.slot, 0, 5, False)]
+    assert [c.token_ids for c in plan.prefills] == [a.prompt_token_ids, b.prompt_token_ids[:5]]

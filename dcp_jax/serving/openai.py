@@ -147,6 +147,27 @@ class ChatTemplate:
 
 
 # --- metrics --------------------------------------------------------------------------------------------
+# (engine stat, metric name after "dcp_jax_", help)
+STAT_GAUGES = (
+    ("running", "num_requests_running", "Requests holding a decode slot"),
+    ("waiting", "num_requests_waiting", "Requests queued in the scheduler"),
+    ("preemptions", "num_preemptions", "Preemptions since the start (cumulative)"),
+    ("pages_used", "kv_pages_used", "KV pages in use (per context rank)"),
+    ("pages_total", "kv_pages_total", "Usable KV pages (per context rank)"),
+    ("kv_capacity_tokens", "kv_capacity_tokens", "Tokens the whole KV pool holds"),
+    ("prefix_query_tokens", "prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache (cumulative)"),
+    ("prefix_hit_tokens", "prefix_cache_hit_tokens", "Prompt tokens found cached (cumulative)"),
+    ("prefix_hit_rate", "prefix_cache_hit_rate", "prefix_cache_hit_tokens / query tokens"),
+    ("cached_blocks", "prefix_cache_blocks", "Blocks in the prefix table"),
+    ("evictions", "prefix_cache_evictions", "Cached blocks evicted (cumulative)"),
+    ("spec_drafted_tokens", "spec_decode_drafted_tokens",
+     "Draft tokens proposed (cumulative; 0 without speculative decoding)"),
+    ("spec_accepted_tokens", "spec_decode_accepted_tokens", "Draft tokens accepted (cumulative)"),
+    ("mean_acceptance_length", "spec_decode_mean_acceptance_length",
+     "Tokens a sequence gains per verify step: 1 + accepted / steps (cumulative)"),
+)
+
+
 class Metrics:
     """Prometheus metrics in a registry of this app's own."""
 
@@ -162,42 +183,15 @@ class Metrics:
                                 "went away)", ["reason"], registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
-        self.running = Gauge(p + "num_requests_running", "Requests holding a decode slot", registry=r)
-        self.waiting = Gauge(p + "num_requests_waiting", "Requests queued in the scheduler", registry=r)
-        self.preemptions = Gauge(p + "num_preemptions", "Preemptions since the start (cumulative)", registry=r)
-        self.pages_used = Gauge(p + "kv_pages_used", "KV pages in use (per context rank)", registry=r)
-        self.pages_total = Gauge(p + "kv_pages_total", "Usable KV pages (per context rank)", registry=r)
-        self.capacity = Gauge(p + "kv_capacity_tokens", "Tokens the whole KV pool holds", registry=r)
-        self.prefix_query = Gauge(p + "prefix_cache_query_tokens", "Prompt tokens looked up in the prefix "
-                                  "cache (cumulative)", registry=r)
-        self.prefix_hit = Gauge(p + "prefix_cache_hit_tokens", "Prompt tokens found cached (cumulative)", registry=r)
-        self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "prefix_cache_hit_tokens / query tokens", registry=r)
-        self.cached_blocks = Gauge(p + "prefix_cache_blocks", "Blocks in the prefix table", registry=r)
-        self.evictions = Gauge(p + "prefix_cache_evictions", "Cached blocks evicted (cumulative)", registry=r)
-        self.spec_drafted = Gauge(p + "spec_decode_drafted_tokens", "Draft tokens proposed (cumulative; "
-                                  "0 without speculative decoding)", registry=r)
-        self.spec_accepted = Gauge(p + "spec_decode_accepted_tokens", "Draft tokens accepted (cumulative)", registry=r)
-        self.spec_length = Gauge(p + "spec_decode_mean_acceptance_length", "Tokens a sequence gains per verify "
-                                 "step: 1 + accepted / steps (cumulative)", registry=r)
+        # one gauge per engine stat, set from `engine.stats()` (the cumulative ones are running totals)
+        self.gauges = [(key, Gauge(p + name, help_, registry=r)) for key, name, help_ in STAT_GAUGES]
         Gauge(p + "tp", "Tensor-parallel size", registry=r).set(tp)
         Gauge(p + "dcp", "Decode-context-parallel size", registry=r).set(dcp)
 
     def update(self, stats: dict) -> None:
-        self.running.set(stats["running"])
-        self.waiting.set(stats["waiting"])
-        self.preemptions.set(stats["preemptions"])
-        self.pages_used.set(stats["pages_used"])
-        self.pages_total.set(stats["pages_total"])
-        self.capacity.set(stats["kv_capacity_tokens"])
-        self.prefix_query.set(stats["prefix_query_tokens"])
-        self.prefix_hit.set(stats["prefix_hit_tokens"])
-        self.prefix_hit_rate.set(stats["prefix_hit_rate"])
-        self.cached_blocks.set(stats["cached_blocks"])
-        self.evictions.set(stats["evictions"])
-        if "spec_drafted_tokens" in stats:
-            self.spec_drafted.set(stats["spec_drafted_tokens"])
-            self.spec_accepted.set(stats["spec_accepted_tokens"])
-            self.spec_length.set(stats["mean_acceptance_length"])
+        for key, gauge in self.gauges:
+            if key in stats:  # (speculation's only when it is on: 0 otherwise)
+                gauge.set(stats[key])
 
 
 # --- text deltas ----------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 vLLM-v1 style, plain Python over integers and NumPy (testable without devices). Each iteration:
 
     plan = scheduler.schedule()          # chunks to prefill, slots to decode K steps, the block table
-    ... the device runs plan.prefills (one ragged batch) and K decode steps over plan.decode_slots ...
+    ... the device runs plan.prefills (chunk by chunk) and K decode steps over plan.decode_slots ...
     scheduler.update_prefill(plan, sampled)           # if plan.prefills
     scheduler.update_decode(plan, tokens, logprobs)   # if plan.decode_slots; tokens [max_num_seqs, K]
 
@@ -48,8 +48,8 @@ class SchedulerConfig:
     """Sizes that fix the device programs' shapes, and the scheduling knobs.
 
     num_pages counts the whole pool, the reserved null page included (so num_pages - 1 are usable).
-    max_num_batched_tokens bounds the prefill tokens of one iteration (the prefill program's rows);
-    decode runs in its own [max_num_seqs, decode_steps] program and is not charged to it.
+    max_num_batched_tokens bounds the prefill tokens of one iteration (summed over every request's
+    chunk); decode runs in its own [max_num_seqs, decode_steps] program and is not charged to it.
     """
 
     layout: PagedLayout
@@ -142,31 +142,6 @@ class SchedulePlan:
     @property
     def is_empty(self) -> bool:
         return not self.prefills and not self.decode_slots
-
-    def prefill_rows(self, num_rows: int) -> dict[str, np.ndarray]:
-        """The prefill chunks as one fixed-shape ragged batch of `num_rows` (>= num_prefill_tokens,
-        normally max_num_batched_tokens) rows, chunk after chunk:
-
-            tokens int32 [T], positions int32 [T], slots int32 [T] (block-table row), valid bool [T],
-            last_rows int32 [len(prefills)]: the row of each chunk's last token (sample there if is_last).
-
-        Padding rows have valid False, slot 0 and position 0: the device must send their KV writes to
-        NULL_PAGE (e.g. page = where(valid, table[slot, block], NULL_PAGE)), since slot 0 may be live.
-        A row attends to the slots of its own sequence with position <= its position.
-        """
-        if num_rows < self.num_prefill_tokens:
-            raise ValueError(f"{self.num_prefill_tokens} prefill tokens do not fit {num_rows} rows")
-        tokens, positions = np.zeros(num_rows, np.int32), np.zeros(num_rows, np.int32)
-        slots, valid = np.zeros(num_rows, np.int32), np.zeros(num_rows, bool)
-        last_rows, row = np.zeros(len(self.prefills), np.int32), 0
-        for i, c in enumerate(self.prefills):
-            n = len(c.token_ids)
-            tokens[row:row + n] = c.token_ids
-            positions[row:row + n] = np.arange(c.start, c.end)
-            slots[row:row + n], valid[row:row + n] = c.slot, True
-            row += n
-            last_rows[i] = row - 1
-        return dict(tokens=tokens, positions=positions, slots=slots, valid=valid, last_rows=last_rows)
 
     @property
     def applied(self) -> bool:
