@@ -13,6 +13,7 @@ with continuous batching.
 
 from __future__ import annotations
 
+import collections
 import time
 
 import jax
@@ -114,19 +115,15 @@ class DisaggregatedLLM:
             r.arrival_time = time.monotonic()
         landed = dec.fetch_many(requests)
         prefill_s = time.perf_counter() - t0
-        backlog, first = [], {}
+        backlog, first = collections.deque(), {}
         for r, got in zip(requests, landed):
             if isinstance(got, TransferError):
+                r.error_retryable = True
                 r.finish("error", error=str(got))
             else:
                 backlog.append((r, got))
         while backlog or sched.has_unfinished():
-            while backlog:
-                r, got = backlog[0]
-                ok = dec.admit(r, got)
-                if ok is None:
-                    break
-                backlog.pop(0)
+            for r in dec.admit_ready(backlog):
                 first[r.request_id] = time.perf_counter() - t0
             if sched.has_unfinished():
                 eng.step()

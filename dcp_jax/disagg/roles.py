@@ -239,3 +239,26 @@ class DecodeInstance:
             self.stats["write_s"] += time.perf_counter() - t0
             landed.pieces = []  # the staged copies can go
         return ok
+
+    def admit_ready(self, backlog) -> list[Request]:
+        """Admit landed requests from the front of `backlog` (a deque of (Request, Landed), in landing
+        order) while slots and pages allow, between engine steps; returns those admitted. A request
+        cancelled meanwhile is dropped; one whose KV cannot be written fails alone (finish_reason
+        "error", retryable: the prefill side's fault) and is collected with the scheduler's finished."""
+        sched, admitted = self.engine.scheduler, []
+        while backlog:
+            request, landed = backlog[0]
+            if not request.is_finished:
+                try:
+                    ok = self.admit(request, landed)
+                except TransferError as e:
+                    request.error_retryable = True
+                    request.finish("error", error=str(e))
+                    sched.finished.append(request)
+                    ok = False
+                if ok is None:
+                    break
+                if ok:
+                    admitted.append(request)
+            backlog.popleft()
+        return admitted

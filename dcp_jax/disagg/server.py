@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import queue
 import threading
 
 from dcp_jax.disagg.roles import DecodeInstance, PrefillInstance
@@ -140,7 +139,7 @@ class DisaggAsyncEngine(AsyncEngine):
     def __init__(self, engine, decode: DecodeInstance, **kw):
         super().__init__(engine, **kw)
         self.decode = decode
-        self.backlog: collections.deque = collections.deque()  # (tracked, Landed), in landing order
+        self.backlog: collections.deque = collections.deque()  # (Request, Landed), in landing order
 
     def fetch(self, tracked) -> None:
         try:
@@ -151,65 +150,28 @@ class DisaggAsyncEngine(AsyncEngine):
         except Exception as e:  # noqa: BLE001 - one request fails, the server goes on
             self.commands.put(("failed", (tracked, f"the KV transfer failed: {type(e).__name__}: {e}")))
 
-    def admit_backlog(self) -> None:
-        sched = self.engine.scheduler
-        while self.backlog:
-            tracked, landed = self.backlog[0]
-            r = tracked.request
-            if r.is_finished:  # cancelled while its KV was on the way
-                self.backlog.popleft()
-                continue
-            try:
-                ok = self.decode.admit(r, landed)
-            except TransferError as e:
-                r.error_retryable = True
-                r.finish("error", error=str(e))
-                sched.finished.append(r)
-                ok = False
-            if ok is None:
-                return
-            self.backlog.popleft()
-
     def drain(self, block: bool) -> None:
+        self.decode.admit_ready(self.backlog)  # landed earlier, waiting for pages
+        super().drain(block)
+
+    def handle(self, kind: str, arg) -> None:
         sched = self.engine.scheduler
-        self.admit_backlog()
-        while True:
-            try:
-                kind, arg = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
-            except queue.Empty:
-                if block:
-                    continue
-                return
-            block = False
-            if kind == "add":
-                self.tracked[arg.request.request_id] = arg
-                if arg.request.arrival_time is None:
-                    arg.request.arrival_time = sched.clock()
-                problem = sched.validate(arg.request)
-                if problem is not None:  # never sent to the prefill instance
-                    arg.request.finish("error", error=problem)
-                    sched.finished.append(arg.request)
-                else:
-                    threading.Thread(target=self.fetch, args=(arg,), name="dcp-jax-fetch", daemon=True).start()
-            elif kind == "landed":
-                self.backlog.append(arg)
-                self.admit_backlog()
-            elif kind == "failed":
-                tracked, error = arg
-                if not tracked.request.is_finished:
-                    tracked.request.error_retryable = True  # the prefill instance's failure, not the request's
-                    tracked.request.finish("error", error=error)
-                    sched.finished.append(tracked.request)
-            elif kind == "cancel":
-                t = self.tracked.get(arg)
-                if sched.get(arg) is not None:
-                    sched.cancel(arg)
-                elif t is not None and not t.request.is_finished:  # its KV is still on the way
-                    t.request.finish("abort")
-                    sched.finished.append(t.request)
-            elif kind == "wake":
-                return
-            self.publish()
+        if kind == "add":
+            self.tracked[arg.request.request_id] = arg
+            if not sched.refuse(arg.request):  # a refused one is never sent to the prefill instance
+                threading.Thread(target=self.fetch, args=(arg,), name="dcp-jax-fetch", daemon=True).start()
+        elif kind == "landed":
+            tracked, landed = arg
+            self.backlog.append((tracked.request, landed))
+            self.decode.admit_ready(self.backlog)
+        elif kind == "failed":
+            tracked, error = arg
+            if not tracked.request.is_finished:
+                tracked.request.error_retryable = True  # the prefill instance's failure, not the request's
+                tracked.request.finish("error", error=error)
+                sched.finished.append(tracked.request)
+        else:
+            super().handle(kind, arg)  # cancel: in the scheduler, or still fetching / in the backlog
 
 
 def make_decode_app(model_dir, *, prefill_at: str, timeout_s: float, tp, dcp, served_model_name, max_pending,

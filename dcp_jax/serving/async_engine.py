@@ -125,13 +125,11 @@ class AsyncEngine:
                 with self.lock:
                     self.pending -= 1
         for t in list(self.tracked.values()):
-            if not t.request.is_finished:
-                sched.cancel(t.request.request_id)
+            self.abort(t.request.request_id, reason)
         self.publish(error=reason)
 
     def drain(self, block: bool) -> None:
         """Apply queued commands; wait for one first when there is no work."""
-        sched = self.engine.scheduler
         while True:
             try:
                 kind, arg = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
@@ -140,14 +138,28 @@ class AsyncEngine:
                     continue  # idle: keep waiting (the loop re-checks `stopping`)
                 return
             block = False
-            if kind == "add":
-                self.tracked[arg.request.request_id] = arg
-                sched.add_request(arg.request)  # a request that can never run finishes at once ("error")
-            elif kind == "cancel":
-                sched.cancel(arg)
-            elif kind == "wake":
+            if kind == "wake":
                 return
+            self.handle(kind, arg)
             self.publish()
+
+    def handle(self, kind: str, arg) -> None:
+        """Apply one queued command (on the engine thread): "add" a tracked request, "cancel" an id."""
+        if kind == "add":
+            self.tracked[arg.request.request_id] = arg
+            self.engine.scheduler.add_request(arg.request)  # one that can never run finishes at once ("error")
+        elif kind == "cancel":
+            self.abort(arg)
+
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        """Finish a tracked request now (finish_reason "abort"), in the scheduler or, when a subclass holds
+        it outside (e.g. while its KV is on the way from a prefill instance), here; the next `publish`
+        sends its final update."""
+        sched, t = self.engine.scheduler, self.tracked.get(request_id)
+        if sched.cancel(request_id) or t is None or t.request.is_finished:
+            return
+        t.request.finish("abort", error=error)
+        sched.finished.append(t.request)
 
     def publish(self, error: str | None = None) -> None:
         """Push each tracked request's new tokens, and finished requests' final updates."""
