@@ -63,10 +63,10 @@ def filter_logits(x, top_k, top_p):
     (top_k [R] int, 0 = off) and outside its top-p nucleus (top_p [R], 1 = off: the smallest set of the
     most likely tokens whose mass reaches top_p) set to -inf. The one top-k/top-p rule of both engines."""
     v = x.shape[-1]
-    desc = -jnp.sort(-x, axis=-1)
+    desc = -jnp.sort(-x, axis=-1)  # one sort: masking below the k-th value keeps the order
     kth = jnp.take_along_axis(desc, jnp.clip(top_k - 1, 0, v - 1)[:, None], axis=-1)
     x = jnp.where((top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
-    desc = -jnp.sort(-x, axis=-1)
+    desc = jnp.where((top_k[:, None] > 0) & (desc < kth), -jnp.inf, desc)
     probs = jax.nn.softmax(desc, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
     cutoff = jnp.min(jnp.where(before < top_p[:, None], desc, jnp.inf), axis=-1)
