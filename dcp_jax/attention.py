@@ -104,7 +104,7 @@ def dcp_attention(
     n_heads_shards = mesh_lib.axis_size(mesh, head_axes)
     n_ctx = mesh_lib.axis_size(mesh, context_axes)
     h, kh = q.shape[2], k1.shape[1]
-    s = block_table.shape[1] * layout.tokens_per_block if paged else k1.shape[2]
+    s = layout.capacity_tokens(block_table.shape[1]) if paged else k1.shape[2]
     if h % n_heads_shards:
         raise ValueError(f"query heads ({h}) must divide by the {n_heads_shards} shards of {head_axes}")
     if kh % n_heads_shards:
@@ -210,6 +210,8 @@ def write_kv(
     b, t = positions.shape
     n = len(caches)
     paged, stacked = block_table is not None, layer is not None
+    if paged != isinstance(layout, PagedLayout):
+        raise ValueError("a paged pool takes a PagedLayout and its block_table; a dense cache a KVLayout")
 
     def body(*args):
         cs, ns, (pos, ok, *extra) = args[:n], args[n:2 * n], args[2 * n:]

@@ -372,7 +372,7 @@ class Engine:
         return Generation(out_tokens, out_lp, stats)
 
 
-def check_draft(model: CausalLM, draft: CausalLM, mesh: Mesh) -> None:
+def check_draft(model: CausalLM, draft: CausalLM) -> None:
     """Refuse a draft model whose tokens the target cannot read (another vocabulary)."""
     if draft.config.vocab_size != model.config.vocab_size:
         raise UserError(f"the draft model's vocabulary ({draft.config.vocab_size} ids) differs from the "
@@ -449,7 +449,7 @@ class LLM:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.speculative = speculative
         if speculative is not None and speculative.draft is not None:
-            check_draft(model, speculative.draft, mesh)
+            check_draft(model, speculative.draft)
         self._servers = {}  # PoolConfig -> ServingEngine (its compiled programs)
 
     @classmethod

@@ -59,13 +59,11 @@ def stacked_source(get: WeightSource, indices, mesh: Mesh) -> WeightSource:
     """A WeightSource for layers `indices` scanned together: a name holding `{layer}` is read once per
     layer and the tensors are stacked on a new leading axis (not sharded; the rest keeps its spec).
     Abstract sources (ShapeDtypeStructs) stay abstract."""
-    from jax.sharding import PartitionSpec
-
     indices = tuple(indices)
 
     def stacked(name, shape, spec, kv_rep=1):
         parts = [get(name.format(layer=i), shape, spec, kv_rep=kv_rep) for i in indices]
-        sharding = mesh_lib.named(mesh, PartitionSpec(None, *spec))
+        sharding = mesh_lib.named(mesh, mesh_lib.stacked_spec(spec))
         if isinstance(parts[0], jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct((len(parts), *parts[0].shape), parts[0].dtype, sharding=sharding)
         return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*parts)

@@ -188,10 +188,16 @@ def token_split_spec() -> P:
     return P(None, DCP, None)
 
 
+def stacked_spec(spec: P) -> P:
+    """`spec` with a new leading, unsharded axis: the stack of scanned layers' weights or caches."""
+    return P(None, *spec)
+
+
 def kv_cache_spec(head_axes: AxisNames = (TP,), context_axes: AxisNames = (DCP,), stacked: bool = False) -> P:
     """KV cache [B, K, S, D]: kv heads over `head_axes`, sequence slots over `context_axes`. `stacked`:
     the caches of scanned layers, [L, B, K, S, D] (layers not sharded)."""
-    return P(*((None,) if stacked else ()), None, _group(head_axes), _group(context_axes), None)
+    spec = P(None, _group(head_axes), _group(context_axes), None)
+    return stacked_spec(spec) if stacked else spec
 
 
 def kv_pool_spec(head_axes: AxisNames = (TP,), context_axes: AxisNames = (DCP,), stacked: bool = False) -> P:
@@ -199,7 +205,8 @@ def kv_pool_spec(head_axes: AxisNames = (TP,), context_axes: AxisNames = (DCP,),
     axis over `context_axes`), kv heads over `head_axes`. One block-table entry names the same page
     index on every context rank: each holds its share of that block there. `stacked`: the pools of
     scanned layers, [L, N·pages, K, page, D]."""
-    return P(*((None,) if stacked else ()), _group(context_axes), _group(head_axes), None, None)
+    spec = P(_group(context_axes), _group(head_axes), None, None)
+    return stacked_spec(spec) if stacked else spec
 
 
 def kv_tokens_spec(head_axes: AxisNames = (TP,), context_axes: AxisNames = (DCP,)) -> P:

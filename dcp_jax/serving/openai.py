@@ -320,8 +320,6 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
         seed = body.seed if body.seed is not None else random.getrandbits(31)
         if not 0 <= seed < 2**32:
             raise APIError(400, f"seed must be in [0, 2**32), got {seed}", param="seed")
-        if body.top_k < 0:
-            raise APIError(400, f"top_k must be >= 0, got {body.top_k}", param="top_k")
         try:
             sampling = SamplingParams(float(body.temperature), int(body.top_k), float(body.top_p))
         except UserError as e:  # SamplingParams owns these ranges; its message starts with the field
