@@ -418,58 +418,48 @@ class ServingEngine:
             self.timing["prefill_s"] += time.perf_counter() - t0
             self.timing["prefill_tokens"] += plan.num_prefill_tokens
             sched.update_prefill(plan, sampled, logprobs)
-        if plan.decode_slots and self.speculative is not None:
-            self.verify_step(plan, pools)
-        elif plan.decode_slots:
-            t0 = time.perf_counter()
-            before = sum(len(r.output_token_ids) for r in plan.decode_requests)
-            rows = [None] * self.config.max_num_seqs
-            for r, slot in zip(plan.decode_requests, plan.decode_slots):
-                rows[slot] = r
-            inputs = StepInputs(plan.decode_tokens[:, None], plan.decode_positions[:, None],
-                                plan.decode_mask[:, None], np.where(plan.decode_mask, plan.decode_positions + 1, 0),
-                                plan.block_table, SamplingRows.of(rows))
-            pools, out, out_lp = self.decode_program()(self.params, pools, inputs, np.int32(plan.decode_steps))
-            self.pools = pools
-            k = plan.decode_steps
-            tokens, logprobs = host(out)[:, :k], host(out_lp)[:, :k]
-            self.timing["decode_s"] += time.perf_counter() - t0
-            self.timing["decode_steps"] += k
-            sched.update_decode(plan, tokens, logprobs)
-            self.timing["decode_tokens"] += sum(len(r.output_token_ids) for r in plan.decode_requests) - before
+        if plan.decode_slots:
+            self.decode_iteration(plan, pools)
         return plan
 
-    def verify_step(self, plan: SchedulePlan, caches) -> None:
-        """Run and apply a plan's decode iteration as one speculative step (drafts from the proposer)."""
+    def decode_iteration(self, plan: SchedulePlan, caches) -> None:
+        """Run and apply a plan's decode iteration: up to K steps of the decode loop, or, with
+        speculation, one verify step of each slot's last token and its drafts (from the host proposer,
+        or drafted on the device by the draft model)."""
         t0 = time.perf_counter()
         before = sum(len(r.output_token_ids) for r in plan.decode_requests)
-        s, k = self.config.max_num_seqs, self.speculative.num_tokens
-        tokens, valid = np.zeros((s, k + 1), np.int32), np.zeros((s, k + 1), bool)
+        s = self.config.max_num_seqs
+        width = 1 if self.speculative is None else self.speculative.num_tokens + 1
+        tokens, valid = np.zeros((s, width), np.int32), np.zeros((s, width), bool)
         tokens[:, 0], valid[:, 0] = plan.decode_tokens, plan.decode_mask
         rows = [None] * s
         for r, slot in zip(plan.decode_requests, plan.decode_slots):
             rows[slot] = r
-            most = int(plan.decode_budget[slot]) - 1  # the verify step emits at most drafts + 1 tokens
+            most = int(plan.decode_budget[slot]) - 1  # a verify step emits at most drafts + 1 tokens
             if self.proposer is not None:
                 drafts = self.proposer.propose(r, most)
                 tokens[slot, 1:1 + len(drafts)] = drafts
                 valid[slot, 1:1 + len(drafts)] = True
-            else:
+            elif self.draft is not None:
                 valid[slot, 1:1 + most] = True
-        positions = plan.decode_positions[:, None] + np.arange(k + 1, dtype=np.int32)[None]
+        positions = plan.decode_positions[:, None] + np.arange(width, dtype=np.int32)[None]
         kv_len = np.where(plan.decode_mask, plan.decode_positions + valid.sum(axis=1), 0).astype(np.int32)
         inputs = StepInputs(tokens, positions, valid, kv_len, plan.block_table, SamplingRows.of(rows))
-        caches, out, counts, out_lp = self.verify_program()(self.all_params(), caches, inputs)
+        if self.speculative is None:
+            caches, out, out_lp = self.decode_program()(self.params, caches, inputs, np.int32(plan.decode_steps))
+            counts, steps = None, plan.decode_steps
+        else:
+            caches, out, counts, out_lp = self.verify_program()(self.all_params(), caches, inputs)
+            counts, steps = host(counts), 1
+            self.spec_counts["spec_drafted_tokens"] += int(valid[plan.decode_slots, 1:].sum())
+            self.spec_counts["spec_accepted_tokens"] += int((counts[plan.decode_slots] - 1).sum())
+            self.spec_counts["spec_verify_steps"] += len(plan.decode_slots)
         self.set_caches(caches)
-        counts = host(counts)
+        k = plan.decode_steps
+        out, out_lp = host(out)[:, :k], host(out_lp)[:, :k]
         self.timing["decode_s"] += time.perf_counter() - t0
-        self.timing["decode_steps"] += 1
-        drafted = int(valid[plan.decode_slots, 1:].sum())
-        accepted = int((counts[plan.decode_slots] - 1).sum())
-        self.spec_counts["spec_drafted_tokens"] += drafted
-        self.spec_counts["spec_accepted_tokens"] += accepted
-        self.spec_counts["spec_verify_steps"] += len(plan.decode_slots)
-        self.scheduler.update_decode(plan, host(out), host(out_lp), counts)
+        self.timing["decode_steps"] += steps
+        self.scheduler.update_decode(plan, out, out_lp, counts)
         self.timing["decode_tokens"] += sum(len(r.output_token_ids) for r in plan.decode_requests) - before
 
     def stats(self) -> dict:
