@@ -228,6 +228,12 @@ class ModelConfig:
         """Width of the rotary part of q and k."""
         return self.mla.qk_rope_head_dim if self.mla else self.head_dim
 
+    def check_context(self, length: int, flag: str = "max_model_len") -> None:
+        """UserError when a context of `length` tokens needs the sliding window dcp_jax does not implement."""
+        if self.sliding_window and length > self.sliding_window:
+            raise UserError(f"the model uses a {self.sliding_window}-token sliding window, which dcp_jax does not "
+                            f"implement; keep {flag} <= {self.sliding_window}")
+
     @property
     def softmax_scale(self) -> float:
         """1/sqrt(q·k width); for MLA with DeepSeek's mscale correction under scaled RoPE (the Llama family

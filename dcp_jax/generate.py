@@ -17,9 +17,23 @@ import subprocess
 import sys
 from pathlib import Path
 
-USAGE_ERROR, RUN_ERROR = 2, 1
-ASSETS = Path(__file__).resolve().parent / "assets"
-DEFAULT_MODEL = ASSETS / "tiny"
+from dcp_jax.cli import (
+    ASSETS,
+    DEFAULT_MODEL,
+    RUN_ERROR,
+    USAGE_ERROR,
+    CliParser,
+    UsageError,
+    add_engine_args,
+    engine_kwargs,
+    interleave_arg,
+    mesh_shape,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    token_ids_arg,
+)
+
 DEFAULT_PROMPT = ASSETS / "default_prompt.txt"
 # The embedded model was trained on 256-byte windows: its prompt + new tokens stay within them, sampled
 # (greedy decoding of a byte-level model soon repeats itself); the cache is reserved for 16K tokens.
@@ -28,115 +42,12 @@ DEFAULT_MAX_SEQ_LEN = 16384
 DEFAULT_SAMPLING = dict(temperature=0.7, top_k=20)
 
 
-# The argument helpers below are shared by the two entry points (this CLI and `python -m dcp_jax.serve`).
-class CliParser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        raise UsageError(f"{message} (see --help)")
-
-
-class UsageError(Exception):
-    pass
-
-
-def positive_int(name):
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
-        return value
-    return parse
-
-
-def non_negative_float(name, upper=None, positive=False):
-    """An argparse type: a number >= 0, at most `upper` when given."""
-    def parse(text):
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-        if positive and value == 0:
-            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {text}")
-        if not value >= 0 or (upper is not None and value > upper):
-            raise argparse.ArgumentTypeError(
-                f"{name} must be in [0, {upper}], got {text}" if upper else f"{name} must be >= 0, got {text}")
-        return value
-    return parse
-
-
-def positive_float(name, upper=None):
-    """An argparse type: a number > 0, at most `upper` when given."""
-    return non_negative_float(name, upper, positive=True)
-
-
-def token_ids_arg(text):
-    try:
-        ids = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise argparse.ArgumentTypeError("--prompt-ids is empty")
-    return ids
-
-
-def byte_size(text):
-    from dcp_jax.errors import UserError
-    from dcp_jax.serving.engine import parse_bytes
-
-    try:
-        return parse_bytes(text)
-    except UserError as e:
-        raise argparse.ArgumentTypeError(f"--kv-cache-memory: {e}") from None
-
-
-def interleave_arg(text):
-    return "contiguous" if text == "contiguous" else positive_int("--interleave")(text)
-
-
-def mesh_arg(text):
-    try:
-        parts = dict(p.split("=", 1) for p in text.split(","))
-        if set(parts) != {"tp", "dcp"}:
-            raise ValueError
-        return int(parts["tp"]), int(parts["dcp"])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--mesh takes tp=N,dcp=M, got {text!r}") from None
-
-
-def add_speculative_args(p: argparse.ArgumentParser) -> None:
-    s = p.add_argument_group("speculative decoding")
-    s.add_argument("--speculative", choices=("ngram", "draft"), default=None,
-                   help="propose drafts by n-gram lookup in the context, or with a draft model (--draft-model); "
-                        "the target verifies them in one forward (greedy output unchanged)")
-    s.add_argument("--num-speculative-tokens", type=positive_int("--num-speculative-tokens"), default=None,
-                   metavar="K", help="drafts per verify step (default 4)")
-    s.add_argument("--draft-model", default=None, metavar="DIR",
-                   help="--speculative draft: a smaller checkpoint with the target's vocabulary")
-
-
-def speculative_kwargs(args) -> dict:
-    """LLM.load's speculative keywords from the flags, or UsageError for a combination that cannot run."""
-    if args.draft_model is not None and args.speculative != "draft":
-        raise UsageError("--draft-model needs --speculative draft")
-    if args.speculative == "draft" and args.draft_model is None:
-        raise UsageError("--speculative draft needs --draft-model DIR (a checkpoint with the same vocabulary)")
-    if args.num_speculative_tokens is not None and args.speculative is None:
-        raise UsageError("--num-speculative-tokens needs --speculative ngram|draft")
-    return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens or 4,
-                draft_model=args.draft_model)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = CliParser(prog="python -m dcp_jax.generate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None,
-                   help="Hugging Face checkpoint directory or orbax checkpoint (default: the embedded tiny model)")
+    add_engine_args(p, context_alias="--max-seq-len",
+                    max_num_seqs_help="requests decoding at once (default: the number of prompts, at most 8)")
     p.add_argument("--save", default=None, metavar="DIR",
                    help="save the loaded model as an orbax checkpoint in DIR (atomically)")
-    p.add_argument("--tp", type=positive_int("--tp"), default=None, help="tensor-parallel size (default 1)")
-    p.add_argument("--dcp", type=positive_int("--dcp"), default=None, help="decode-context-parallel size (default 1)")
-    p.add_argument("--mesh", type=mesh_arg, default=None, help="both at once: tp=2,dcp=4")
     p.add_argument("--interleave", type=interleave_arg, default=1,
                    help="KV placement interleave size, or 'contiguous' (default 1: round-robin)")
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
@@ -144,37 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt token ids, e.g. 1,2,3 (repeat for a batch)")
     p.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=None,
                    help=f"default 32 ({DEFAULT_NEW_TOKENS} for the default run)")
-    p.add_argument("--max-seq-len", type=positive_int("--max-seq-len"), default=None,
-                   help="the model context: the most tokens (prompt + generated) a request may reach "
-                        "(default: longest prompt + max new tokens)")
-    p.add_argument("--prefill-chunk", type=positive_int("--prefill-chunk"), default=None,
-                   help="prompt tokens per prefill step (default 256 on CPU, 2048 on GPU)")
-    k = p.add_argument_group("paged KV cache and continuous batching")
-    k.add_argument("--page-size", type=positive_int("--page-size"), default=None,
-                   help="slots per page; one block-table entry covers page-size x dcp tokens (default 64)")
-    k.add_argument("--max-num-seqs", type=positive_int("--max-num-seqs"), default=8,
-                   help="requests decoding at once (default 8)")
-    k.add_argument("--max-num-batched-tokens", type=positive_int("--max-num-batched-tokens"), default=None,
-                   metavar="N", help="prompt tokens prefilled per scheduler iteration (default: one chunk)")
-    k.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV of cached full blocks (page-size x dcp tokens) of a prompt's prefix; the "
-                        "tokens are the same either way (default on)")
-    k.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
-                   help="run consecutive layers as one lax.scan (compile time flat in depth; default) or "
-                        "one program per layer (--no-scan-layers: no per-step slicing of stacked weights)")
-    k.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="SIZE",
-                   help="KV cache bytes per device, e.g. 512MiB or 2GB (default: enough for the prompts given)")
-    k.add_argument("--gpu-memory-utilization", type=positive_float("--gpu-memory-utilization", 1.0),
-                   default=None, metavar="F",
-                   help="GPU only: size the KV pool to this fraction of each GPU's memory, less what is in use")
-    add_speculative_args(p)
     p.add_argument("--temperature", type=non_negative_float("--temperature"), default=None,
                    help="0 = greedy (the default, but 0.7 with top-k 20 for the default run)")
     p.add_argument("--top-k", type=lambda t: 0 if t == "0" else positive_int("--top-k")(t), default=None)
     p.add_argument("--top-p", type=positive_float("--top-p", 1.0), default=1.0)
     p.add_argument("--seed", type=lambda t: 0 if t == "0" else positive_int("--seed")(t), default=0)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--impl", choices=("reference", "pallas", "pallas_interpret"), default=None,
                    help="attention kernel (default: Pallas on GPU, jnp reference on CPU)")
     p.add_argument("--logprobs", action="store_true", help="report the log-probability of each token")
@@ -195,14 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
 def run(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        if args.mesh and (args.tp or args.dcp):
-            raise UsageError("give either --mesh or --tp/--dcp, not both")
+        given_mesh = mesh_shape(args)
         default_run = args.model is None
         if not args.prompt and not args.prompt_ids and not default_run and not args.save:
             raise UsageError("no prompt: give --prompt TEXT or --prompt-ids 1,2,3")
-        if args.kv_cache_memory is not None and args.gpu_memory_utilization is not None:
-            raise UsageError("give --kv-cache-memory or --gpu-memory-utilization, not both")
-        speculative = speculative_kwargs(args)
+        engine_kw = engine_kwargs(args)
         explicit = (args.coordinator, args.num_processes, args.process_id)
         if any(x is not None for x in explicit) and any(x is None for x in explicit):
             raise UsageError("multi-process runs need all of --coordinator HOST:PORT, --num-processes N, --process-id I")
@@ -228,16 +111,16 @@ def run(argv=None) -> int:
         import jax
 
         from dcp_jax import mesh as mesh_lib
-        from dcp_jax.engine import LLM
+        from dcp_jax.llm import LLM
 
         if multi:
-            given = args.mesh or ((args.tp or 1, args.dcp or 1) if (args.tp or args.dcp) else None)
-            per_process = math.ceil((given[0] * given[1] if given else 8) / (args.num_processes or 1))
+            given = given_mesh if any(given_mesh) else None
+            per_process = math.ceil(((given[0] or 1) * (given[1] or 1) if given else 8) / (args.num_processes or 1))
             mesh_lib.init_distributed(args.coordinator, args.num_processes, args.process_id,
                                       local_cpu_devices=per_process, timeout_s=args.dist_timeout)
         model_dir = Path(args.model) if args.model else DEFAULT_MODEL
-        if args.mesh or args.tp or args.dcp:
-            tp, dcp = args.mesh or (args.tp or 1, args.dcp or 1)
+        if any(given_mesh):
+            tp, dcp = given_mesh[0] or 1, given_mesh[1] or 1
         elif default_run:
             tp, dcp = mesh_lib.local_mesh_shape(max_tp=2)
             note = mesh_lib.local_mesh_note(tp, dcp, jax.local_devices()[0].platform)
@@ -245,22 +128,21 @@ def run(argv=None) -> int:
                 print(note, file=sys.stderr)
         else:
             tp, dcp = 1, 1
-        llm = LLM.load(model_dir, tp=tp, dcp=dcp, interleave=args.interleave, dtype=args.dtype, impl=args.impl,
-                       page_size=args.page_size, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens, scan_layers=args.scan_layers,
-                       kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-                       enable_prefix_caching=args.enable_prefix_caching, **speculative)
-        if default_run and args.kv_cache_memory is None and args.gpu_memory_utilization is None:
-            # the default run reserves a whole 16K-token sequence, which is what its KV report measures
-            llm.reserve_tokens(args.max_seq_len or DEFAULT_MAX_SEQ_LEN)
+        prompts = list(args.prompt) + list(args.prompt_ids)
+        if default_run and not prompts and not args.save:
+            prompts = [DEFAULT_PROMPT.read_text()]
+        if default_run and engine_kw["max_model_len"] is None:
+            # the default run reserves a whole 16K-token context, which is what its KV report measures
+            engine_kw["max_model_len"] = DEFAULT_MAX_SEQ_LEN
+        # no more decode slots than prompts: an idle slot still costs its rows in every decode step
+        max_num_seqs = args.max_num_seqs or max(1, min(8, len(prompts)))
+        llm = LLM.load(model_dir, tp=tp, dcp=dcp, interleave=args.interleave, impl=args.impl,
+                       max_num_seqs=max_num_seqs, **engine_kw)
         if args.save:
             step = llm.save(args.save)
             print(f"loaded {llm.source}; saved orbax checkpoint {args.save} (step {step})")
-        prompts = list(args.prompt) + list(args.prompt_ids)
-        if not prompts and not default_run:
-            return 0
         if not prompts:
-            prompts = [DEFAULT_PROMPT.read_text()]
+            return 0
         new_tokens = args.max_new_tokens or (DEFAULT_NEW_TOKENS if default_run else 32)
         leader = not multi or jax.process_index() == 0  # only process 0 reports
         show = _Display(llm, quiet=args.json or args.quiet or not leader,
@@ -268,12 +150,10 @@ def run(argv=None) -> int:
         if show.stream and default_run and not args.prompt:
             print(f"prompt ({len(prompts[0]):,} bytes of Python's documentation, held out from training):\n"
                   f"{prompts[0]}", end="", flush=True)
-        max_seq_len = args.max_seq_len or (DEFAULT_MAX_SEQ_LEN if default_run else None)
         sampled = default_run and args.temperature is None and args.top_k is None
         temperature = DEFAULT_SAMPLING["temperature"] if sampled else (args.temperature or 0.0)
         top_k = DEFAULT_SAMPLING["top_k"] if sampled else (args.top_k or 0)
-        out = llm.generate(prompts, max_new_tokens=new_tokens, max_seq_len=max_seq_len,
-                           prefill_chunk=args.prefill_chunk, temperature=temperature, top_k=top_k,
+        out = llm.generate(prompts, max_new_tokens=new_tokens, temperature=temperature, top_k=top_k,
                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
                            on_chunk=show.prefill, on_token=show.token)
         show.close()

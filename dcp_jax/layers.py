@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -128,3 +129,15 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         return linear(jax.nn.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj)
+
+
+def expand_kv_rows(x, rep: int, head_dim: int):
+    """Repeat each kv head's rows `rep` times along axis 0 (KV heads replicated over tp ranks).
+
+    NumPy arrays stay NumPy (host-side loading); JAX arrays stay on device (restoring onto a mesh).
+    """
+    if rep == 1:
+        return x
+    xp = jnp if isinstance(x, jax.Array) else np
+    heads = x.reshape((-1, head_dim) + x.shape[1:])
+    return xp.repeat(heads, rep, axis=0).reshape((-1,) + x.shape[1:])

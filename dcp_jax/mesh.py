@@ -4,7 +4,7 @@ This module is the one place that names mesh axes. Everything else imports `TP`,
 spec helpers below.
 
 Axis types: the mesh is made with `AxisType.Auto` on purpose. Models carry sharding annotations on
-their weights and let XLA's sharding propagation insert the reductions of the matmuls (DESIGN.md §4);
+their weights and let XLA's sharding propagation insert the reductions of the matmuls;
 attention is the single `shard_map` island and states its own in/out specs. Explicit sharding-in-types
 would force every model einsum to spell out its output sharding for no gain here.
 """
@@ -244,3 +244,21 @@ def stacked_lse_spec(head_axes: AxisNames, context_axes: AxisNames) -> P:
 
 def named(mesh: Mesh, spec: P) -> NamedSharding:
     return NamedSharding(mesh, spec)
+
+
+def host(x) -> np.ndarray:
+    """A replicated result as NumPy; in a multi-process run each process reads its local copy."""
+    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
+
+
+def kv_bytes(cache, replication: int = 1) -> dict:
+    """KV bytes one device really holds (its shards), and the whole cache's bytes counted once (KV heads
+    replicated `replication` times over tp ranks are not counted again)."""
+    per_device = {}
+    stored = 0
+    for arr in jax.tree.leaves(cache):
+        stored += arr.nbytes
+        for shard in arr.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return dict(kv_bytes_per_device=max(per_device.values()), kv_bytes_total=stored // replication,
+                kv_replication=replication)

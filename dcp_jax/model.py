@@ -27,8 +27,8 @@ from dcp_jax import mesh as mesh_lib
 from dcp_jax import mla
 from dcp_jax.config import ModelConfig
 from dcp_jax.errors import UserError
-from dcp_jax.layers import (LAYER, MLP, AttentionContext, WeightSource, linear, norm, param, rope, stack_names,
-                            stacked_source)
+from dcp_jax.layers import (LAYER, MLP, AttentionContext, WeightSource, expand_kv_rows, linear, norm, param, rope,
+                            stack_names, stacked_source)
 from dcp_jax.layout import KVLayout
 from dcp_jax.mesh import AXES, DCP, TP
 from pallas_kernels.attention import SlotPositions
@@ -314,8 +314,6 @@ def init_cache(model: CausalLM, batch: int, layout: KVLayout, mesh: Mesh, dtype)
 
 def random_source(cfg: ModelConfig, mesh: Mesh, seed: int = 0, dtype=jnp.float32, scale: float = 0.5):
     """A WeightSource of random weights (norms = 1), for tests and benchmarks."""
-    from dcp_jax.weights import expand_kv_rows
-
     def one(name, shape, kv_rep):
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         if name.endswith("norm.weight"):

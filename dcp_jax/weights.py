@@ -20,21 +20,9 @@ from safetensors import safe_open
 from dcp_jax import mesh as mesh_lib
 from dcp_jax.config import ModelConfig
 from dcp_jax.errors import UserError
-from dcp_jax.layers import stack_names
+from dcp_jax.layers import expand_kv_rows, stack_names
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-def expand_kv_rows(x, rep: int, head_dim: int):
-    """Repeat each kv head's rows `rep` times along axis 0 (KV heads replicated over tp ranks).
-
-    NumPy arrays stay NumPy (host-side loading); JAX arrays stay on device (restoring onto a mesh).
-    """
-    if rep == 1:
-        return x
-    xp = jnp if isinstance(x, jax.Array) else np
-    heads = x.reshape((-1, head_dim) + x.shape[1:])
-    return xp.repeat(heads, rep, axis=0).reshape((-1,) + x.shape[1:])
 
 
 def _kv_source_rows(rows: slice, n_rows: int, rep: int, head_dim: int) -> np.ndarray:

@@ -135,7 +135,7 @@ VARIANTS = ("scatter", "psum", "all_to_all", "scatter+q_gather")
 def step_hlo(model_name: str, layers: int, tp: int, dcp: int, context: int, variant: str, batch: int) -> str:
     from dcp_jax import make_mesh
     from dcp_jax.config import ModelConfig
-    from dcp_jax.engine import Engine
+    from dcp_jax.dense import Engine
     from dcp_jax.mesh import named
     from dcp_jax.model import CausalLM
 

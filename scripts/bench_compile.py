@@ -30,7 +30,7 @@ def measure(width: str, layers: int, tp: int, dcp: int, repeats: int) -> dict:
 
     from dcp_jax import make_mesh
     from dcp_jax.config import ModelConfig
-    from dcp_jax.engine import LLM
+    from dcp_jax.llm import LLM
     from dcp_jax.mesh import named
     from dcp_jax.model import CausalLM
 
@@ -43,8 +43,9 @@ def measure(width: str, layers: int, tp: int, dcp: int, repeats: int) -> dict:
     row = dict(width=width, layers=layers, tp=tp, dcp=dcp)
     best = {}
     for _ in range(repeats):
-        server = LLM(CausalLM(cfg, abstract, mesh), mesh, page_size=64).server(4096, 256, 65)
-        for name, build in (("decode", server.decode_program), ("prefill", lambda: server.prefill_program(256))):
+        runner = LLM(CausalLM(cfg, abstract, mesh), mesh, page_size=64, max_model_len=4096, prefill_chunk=256,
+                     num_pages=65).engine.runner
+        for name, build in (("decode", runner.decode_program), ("prefill", runner.prefill_program)):
             t = time.perf_counter()
             prog = build()
             best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
@@ -61,7 +62,8 @@ def decode_speed(context: int, new_tokens: int, repeats: int) -> list[dict]:
 
     from dcp_jax import make_mesh
     from dcp_jax.config import ModelConfig
-    from dcp_jax.engine import LLM, Engine
+    from dcp_jax.dense import Engine
+    from dcp_jax.llm import LLM
     from dcp_jax.model import CausalLM, random_source
 
     cfg = ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=4096, hidden_size=512,
@@ -72,7 +74,9 @@ def decode_speed(context: int, new_tokens: int, repeats: int) -> list[dict]:
     runs = {}
     for scan in (True, False):
         model = CausalLM(cfg, random_source(cfg, mesh), mesh, scan_layers=scan)
-        llm, dense = LLM(model, mesh), Engine(model, mesh)
+        # one request: a one-slot pool for its whole context (as generate sized it per call before)
+        llm = LLM(model, mesh, max_model_len=context + new_tokens, max_num_seqs=1)
+        dense = Engine(model, mesh)
         runs[("paged", scan)] = lambda llm=llm: llm.generate([prompt], max_new_tokens=new_tokens, ignore_eos=True)
         runs[("dense", scan)] = lambda dense=dense: dense.generate([prompt], max_new_tokens=new_tokens,
                                                                      ignore_eos=True)

@@ -186,7 +186,7 @@ class Ours:
     """One checkpoint on one mesh: the engine's donated loop and the naive per-token loop."""
 
     def __init__(self, checkpoint: Path, tp: int, dcp: int):
-        from dcp_jax.engine import Engine
+        from dcp_jax.dense import Engine
         from dcp_jax.mesh import make_mesh
         from dcp_jax.weights import load_hf
 
@@ -195,7 +195,7 @@ class Ours:
         self.engine = Engine(model, self.mesh)
 
     def donated(self, prompt: list[int], new_tokens: int, prefill_chunk: int) -> tuple[list[int], dict]:
-        from dcp_jax.engine import SamplingParams
+        from dcp_jax.sampling import SamplingParams
 
         out = self.engine.generate([prompt], max_new_tokens=new_tokens, max_seq_len=len(prompt) + new_tokens,
                                    prefill_chunk=prefill_chunk, sampling=SamplingParams(), ignore_eos=True)

@@ -85,7 +85,7 @@ def analyse(name: str, layers: int, tp: int, dcp: int, context: int, batch: int,
     """
     from dcp_jax import make_mesh
     from dcp_jax.config import ModelConfig
-    from dcp_jax.engine import Engine
+    from dcp_jax.dense import Engine
     from dcp_jax.mesh import AXES, named
     from dcp_jax.model import CausalLM
 

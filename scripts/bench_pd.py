@@ -78,7 +78,12 @@ def main(argv=None) -> int:
     ckpt = bench_serving.ensure_checkpoint(args.checkpoint or Path(tmp.name) / cfg["model"], cfg["model"])
     vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
     ps = cfg["page_size"]
-    side = dict(page_size=ps, enable_prefix_caching=False)
+    lo, hi = cfg["prompt_range"]
+    out_n = cfg["output"]
+    # one context length and prefill chunk for every call: the longest handoff prompt + 2, or the
+    # longest serving prompt + its output
+    max_len = max(max(cfg["lengths"]) + 2, hi + out_n)
+    side = dict(page_size=ps, enable_prefix_caching=False, max_model_len=max_len, prefill_chunk=cfg["prefill_chunk"])
     pair = DisaggregatedLLM.load(ckpt, prefill=dict(args.prefill, **side),
                                  decode=dict(args.decode, interleave=args.decode_interleave, **side))
     devices = jax.devices()
@@ -88,14 +93,14 @@ def main(argv=None) -> int:
     per_token = model_cfg.num_layers * 2 * model_cfg.num_kv_heads * model_cfg.head_dim * 4
     per_device = args.decode["dcp"] * min(args.decode["tp"], model_cfg.num_kv_heads)  # devices sharing the KV
     rng = np.random.default_rng(0)
-    kw = dict(ignore_eos=True, prefill_chunk=cfg["prefill_chunk"])
+    kw = dict(ignore_eos=True)
 
     # --- handoff per prompt length -----------------------------------------------------------------
     handoff = []
     for n in cfg["lengths"]:
         prompt = [int(t) for t in rng.integers(3, vocab, n)]
-        pair.generate([prompt], max_new_tokens=2, max_seq_len=n + 2, **kw)  # compile this shape
-        s = pair.generate([prompt], max_new_tokens=2, max_seq_len=n + 2, **kw).stats
+        pair.generate([prompt], max_new_tokens=2, **kw)  # compile this shape
+        s = pair.generate([prompt], max_new_tokens=2, **kw).stats
         kv = n * per_token
         row = dict(prompt_tokens=n, stage_ms=s["stage_s"] * 1e3, transfer_ms=s["transfer_s"] * 1e3,
                    write_ms=s["write_s"] * 1e3, handoff_ms=(s["stage_s"] + s["transfer_s"] + s["write_s"]) * 1e3,
@@ -107,15 +112,13 @@ def main(argv=None) -> int:
         log(f"handoff {n}: {row['handoff_ms']:.1f} ms, {row['transfer_bytes']} B")
 
     # --- the pair against one instance ---------------------------------------------------------------
-    lo, hi = cfg["prompt_range"]
     lens = bench_serving.log_uniform(rng, lo, hi, cfg["requests"])
     prompts = [[int(t) for t in rng.integers(3, vocab, n)] for n in lens]
-    out_n, max_len = cfg["output"], hi + cfg["output"]
     runs, tokens = [], {}
     for name, gen in (("one instance", one.generate), ("pair", pair.generate)):
-        gen(prompts, max_new_tokens=out_n, max_seq_len=max_len, **kw)  # warm-up: compile every program
+        gen(prompts, max_new_tokens=out_n, **kw)  # warm-up: compile every program
         t0 = time.perf_counter()
-        g = gen(prompts, max_new_tokens=out_n, max_seq_len=max_len, **kw)
+        g = gen(prompts, max_new_tokens=out_n, **kw)
         wall = time.perf_counter() - t0
         s = g.stats
         ttft = [r["ttft_s"] for r in s["requests"]]

@@ -5,9 +5,9 @@ Two measurements on one random-weight float32 Llama checkpoint:
   serving   N requests with mixed prompt lengths (log-uniform, default 64 to 16K) and output lengths
             (log-uniform, default 8 to 128), random ids, greedy, ignore_eos (each request produces
             exactly its max_tokens). Three runs on one mesh, in one interpreter, on the same model:
-              continuous, all at once   `LLM.server(...)` + `run_requests`: paged pool, S slots, chunked
+              continuous, all at once   `LLM.engine` + `run_requests`: paged pool, S slots, chunked
                                         prefill, K-step decode; every request arrives at t=0
-              continuous, Poisson       the same server, requests arriving at a Poisson rate near its
+              continuous, Poisson       the same engine, requests arriving at a Poisson rate near its
                                         measured request throughput (`--load` times it), seeded
               static, all at once       the old dense `Engine.generate`: the same requests in arrival
                                         order in fixed batches of S, each padded to its longest prompt
@@ -119,7 +119,7 @@ def load_llm(spec: dict, **kw):
     from dcp_jax.mesh import ensure_cpu_devices
 
     ensure_cpu_devices(spec["tp"] * spec["dcp"])
-    from dcp_jax.engine import LLM
+    from dcp_jax.llm import LLM
 
     # Prefix caching off by default: the runs share one pool and the same prompts, and the comparison is
     # continuous batching against static batches (scripts/bench_prefix.py measures the cache);
@@ -210,20 +210,22 @@ def static_run(engine, workload: list[dict], batch: int, prefill_chunk: int) -> 
 
 def serving_worker(spec: dict) -> dict:
     s = spec["max_num_seqs"]
+    workload = spec["workload"]
+    max_model_len = max(len(w["prompt"]) + w["max_tokens"] for w in workload)
+    budget = spec.get("kv_cache_memory")
     llm = load_llm(spec, max_num_seqs=s, page_size=spec["page_size"], decode_steps=spec["decode_steps"],
-                   kv_cache_memory=spec.get("kv_cache_memory"))
+                   kv_cache_memory=budget, max_model_len=max_model_len, prefill_chunk=spec["prefill_chunk"])
     import jax
 
+    from dcp_jax.dense import Engine
     from dcp_jax.serving.engine import run_requests
     from dcp_jax.serving.request import Request
 
-    workload = spec["workload"]
-    max_model_len = max(len(w["prompt"]) + w["max_tokens"] for w in workload)
-    server = llm.server(max_model_len, spec["prefill_chunk"], llm.num_pages(max_model_len))
+    # the pool: the KV budget when one is given, else max_num_seqs sequences of the longest request
+    pages = 1 + s * llm.paged_layout().blocks_for(max_model_len)
+    server = llm.engine if budget is not None or llm.config.num_pages == pages else llm.engine_with(num_pages=pages)
     tc = time.perf_counter()
-    server.decode_program()
-    server.prefill_program(spec["prefill_chunk"])
-    server.allocate()
+    server.runner.compile_all()  # the prefill and decode programs, and the pool
     compile_s = time.perf_counter() - tc
     # warm-up (not timed): both programs run once, two prefill pieces and two decode calls
     warm = [Request("warm", [3] * (spec["prefill_chunk"] + 1), max_tokens=2 * spec["decode_steps"] + 1,
@@ -240,7 +242,8 @@ def serving_worker(spec: dict) -> dict:
     poisson = continuous_run(server, workload, arrivals)
     poisson["rate_rps"] = rate
     log(f"  continuous, Poisson {rate:.2f} req/s: {poisson['wall_s']:.2f} s")
-    static = static_run(llm.engine, workload, s, spec["prefill_chunk"])
+    dense = Engine(llm.model, llm.mesh, interleave=llm.interleave, impl=llm.impl)  # the static baseline
+    static = static_run(dense, workload, s, spec["prefill_chunk"])
     log(f"  static: {static['wall_s']:.2f} s")
     return dict(devices=len(jax.devices()), compile_s=compile_s, max_model_len=max_model_len,
                 burst=burst, poisson=poisson, static=static)
@@ -249,18 +252,19 @@ def serving_worker(spec: dict) -> dict:
 def capacity_worker(spec: dict) -> dict:
     """Decode steps K = 1, so a request decodes one token per scheduler step while the next ones prefill:
     its output length then keeps it resident long enough for the pool to fill up."""
-    llm = load_llm(spec, max_num_seqs=spec["max_num_seqs"], page_size=spec["page_size"], decode_steps=1,
-                   kv_cache_memory=spec["kv_cache_memory"])
-    import jax
-
-    from dcp_jax.serving.engine import page_bytes_per_device, run_requests
-    from dcp_jax.serving.request import Request
-
     workload = spec["workload"]
     max_model_len = max(len(w["prompt"]) + w["max_tokens"] for w in workload)
-    server = llm.server(max_model_len, spec["prefill_chunk"], llm.num_pages(max_model_len))
-    server.decode_program()
-    server.prefill_program(spec["prefill_chunk"])
+    llm = load_llm(spec, max_num_seqs=spec["max_num_seqs"], page_size=spec["page_size"], decode_steps=1,
+                   kv_cache_memory=spec["kv_cache_memory"], max_model_len=max_model_len,
+                   prefill_chunk=spec["prefill_chunk"])
+    import jax
+
+    from dcp_jax.serving.engine import run_requests
+    from dcp_jax.serving.request import Request
+    from dcp_jax.serving.runner import page_bytes_per_device
+
+    server = llm.engine
+    server.runner.compile_all()
     peak = dict(decoding=0, running=0)
     reqs = [Request(w["id"], w["prompt"], max_tokens=w["max_tokens"], ignore_eos=True) for w in workload]
 
@@ -272,7 +276,7 @@ def capacity_worker(spec: dict) -> dict:
     errors = [r.error for r in reqs if r.error is not None]
     if errors:
         raise SystemExit(f"error: capacity run tp={spec['tp']} dcp={spec['dcp']}: {errors[0]}")
-    page_bytes = page_bytes_per_device(llm.model, llm.mesh, spec["page_size"], server.dtype)
+    page_bytes = page_bytes_per_device(llm.model, llm.mesh, spec["page_size"], server.runner.dtype)
     return dict(tp=spec["tp"], dcp=spec["dcp"], devices=len(jax.devices()), budget_bytes=spec["kv_cache_memory"],
                 page_bytes_per_device=page_bytes, pages_total=result["pages_total"],
                 kv_capacity_tokens=result["kv_capacity_tokens"], peak_decoding=peak["decoding"],
@@ -425,7 +429,7 @@ def client_requests(base_url: str, model: str, workload: list[dict], concurrency
 
 def start_server(checkpoint: Path, size: dict, tp: int, dcp: int, max_model_len: int):
     """Our own server on a free loopback port, in this process: (base URL, stop function)."""
-    from dcp_jax.serve import make_app, serve_in_thread
+    from dcp_jax.launch import make_app, serve_in_thread
 
     app, _ = make_app(checkpoint, tp=tp, dcp=dcp, served_model_name="bench", max_num_seqs=size["max_num_seqs"],
                       max_model_len=max_model_len, page_size=size["page_size"], prefill_chunk=size["prefill_chunk"],

@@ -59,10 +59,10 @@ def doc_prompts(n: int, size: int) -> list[str]:
     return [tail[i * step:i * step + size] for i in range(n)]
 
 
-def measure(llm, prompts, new_tokens: int, prefill_chunk: int) -> dict:
+def measure(llm, prompts, new_tokens: int) -> dict:
     """One greedy generate; the figures of its decode phase."""
-    out = llm.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True, prefill_chunk=prefill_chunk)
-    server = llm.serving_engines()[-1]
+    out = llm.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)
+    server = llm.engine
     s = out.stats
     steps = max(s["decode_steps"], 1)  # decode steps of the batch, or verify steps
     row = dict(decode_tokens_per_s=s["decode_tokens_per_s"], decode_s=s["decode_s"],
@@ -76,13 +76,15 @@ def measure(llm, prompts, new_tokens: int, prefill_chunk: int) -> dict:
 
 
 def docs_task(size: dict, tp: int, dcp: int, tmp: Path) -> dict:
-    from dcp_jax.engine import LLM
     from dcp_jax.generate import DEFAULT_MODEL
+    from dcp_jax.llm import LLM
     from dcp_jax.spec import layer_skip_draft
 
-    common = dict(tp=tp, dcp=dcp, page_size=size["page_size"], max_num_seqs=size["docs"],
-                  decode_steps=size["decode_steps"])
     prompts = doc_prompts(size["docs"], size["doc_bytes"])
+    # the context: the longest snippet (one token per byte) and its continuation
+    common = dict(tp=tp, dcp=dcp, page_size=size["page_size"], max_num_seqs=size["docs"],
+                  decode_steps=size["decode_steps"], prefill_chunk=size["prefill_chunk"],
+                  max_model_len=max(len(p.encode()) for p in prompts) + size["doc_new"])
     plain = LLM.load(DEFAULT_MODEL, **common)
     draft_dir = tmp / "tiny-draft"
     LLM(layer_skip_draft(plain.model, plain.mesh, 2), plain.mesh, plain.tokenizer).save(draft_dir)
@@ -90,7 +92,7 @@ def docs_task(size: dict, tp: int, dcp: int, tmp: Path) -> dict:
     for name, kw in (("plain", {}), ("ngram", dict(speculative="ngram", num_speculative_tokens=size["k"])),
                      ("draft", dict(speculative="draft", num_speculative_tokens=size["k"], draft_model=draft_dir))):
         llm = plain if name == "plain" else LLM.load(DEFAULT_MODEL, **common, **kw)
-        runs[name] = measure(llm, prompts, size["doc_new"], size["prefill_chunk"])
+        runs[name] = measure(llm, prompts, size["doc_new"])
         log(f"  docs {name}: {runs[name]['decode_tokens_per_s']:.1f} tok/s")
     return dict(prompts=len(prompts), prompt_bytes=size["doc_bytes"], new_tokens=size["doc_new"], runs=runs)
 
@@ -106,12 +108,13 @@ def repeat_task(size: dict, tp: int, dcp: int) -> dict:
     model = CausalLM(cfg, random_source(cfg, mesh, seed=0, scale=size["scale"]), mesh)
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(3, cfg.vocab_size, size["context"] - size["new_tokens"])]
-    common = dict(page_size=size["page_size"], max_num_seqs=1, decode_steps=size["decode_steps"])
+    common = dict(page_size=size["page_size"], max_num_seqs=1, decode_steps=size["decode_steps"],
+                  max_model_len=size["context"], prefill_chunk=size["prefill_chunk"])
     runs = {}
     draft = SpeculativeConfig("draft", size["k"], draft=layer_skip_draft(model, mesh, 1))
     for name, spec in (("plain", None), ("ngram", SpeculativeConfig("ngram", size["k"])), ("draft", draft)):
         llm = LLM(model, mesh, **common, speculative=spec)
-        runs[name] = measure(llm, [prompt], size["new_tokens"], size["prefill_chunk"])
+        runs[name] = measure(llm, [prompt], size["new_tokens"])
         log(f"  repeat {name}: {runs[name]['decode_tokens_per_s']:.1f} tok/s")
     return dict(context=size["context"], prompt_tokens=len(prompt), new_tokens=size["new_tokens"],
                 scale=size["scale"], runs=runs)

@@ -49,7 +49,7 @@ LLAMA_1B = dict(
 # --- targets (printed next to the figures) -----------------------------------------------------------
 TARGET_COPY_FRACTION = 0.85  # of the device copy ceiling, at 32K and 128K keys
 TARGET_COPY_FRACTION_FROM = 32768
-PREFILL_ANCHOR_CUDNN_MS = 0.96  # DESIGN.md §4b: cuDNN causal T=S=8192, 32/8 heads, d=128, bf16 on an H200
+PREFILL_ANCHOR_CUDNN_MS = 0.96  # the H200 prefill anchor (docs/ARCHITECTURE.md, Kernels): cuDNN causal T=S=8192, 32/8 heads, d=128, bf16 on an H200
 # A copy faster than this (bytes read + written per second) was elided or is mis-measured: an H200's HBM
 # peaks at 4.8 TB/s.
 PLAUSIBLE_MAX_COPY_GBS = 6000.0
@@ -661,6 +661,14 @@ def _e2e_row(stats: dict, b: int, prompt_len: int, n: int, chunk: int, copy_gbs:
     return row
 
 
+def batch_pages(batch: int, tokens: int) -> int:
+    """Pages per context rank (the null page included) for `batch` sequences of `tokens` each on a 1 x 1
+    mesh with the default page size: a pool for one batch, not for the GPU's free memory."""
+    from dcp_jax.serving.config import DEFAULT_PAGE_SIZE
+
+    return 1 + batch * -(-tokens // DEFAULT_PAGE_SIZE)
+
+
 class E2E:
     """The dcp_jax side of the end-to-end stages: one loaded model, prompts shared with transformers."""
 
@@ -672,8 +680,10 @@ class E2E:
         t = time.perf_counter()
         # every request decodes at once (max_num_seqs = the batch), and one scheduler iteration may
         # prefill the whole batch, so decode runs at the full batch as transformers' generate does
+        n = prompt_len + new_tokens
         self.llm = LLM.load(str(ckpt), dtype="bfloat16", max_num_seqs=max_batch, decode_steps=16,
-                            max_num_batched_tokens=max_batch * prompt_len)
+                            max_num_batched_tokens=max_batch * prompt_len, max_model_len=n,
+                            num_pages=batch_pages(max_batch, n))
         self.load_s = time.perf_counter() - t
         rng = np.random.default_rng(0)
         vocab = self.llm.model.config.vocab_size
@@ -682,11 +692,30 @@ class E2E:
         np.save(self.ids_path, self.ids)
         self.prompt_len, self.new_tokens = prompt_len, new_tokens
         self.tokens = {}  # batch -> greedy tokens of the last run
+        self.sized = (None, None)  # ((batch, chunk), the LLM for them)
+
+    def llm_for(self, b: int, chunk: int):
+        """An LLM over the loaded weights with `b` slots and prefill chunk `chunk`, its pool holding the
+        `b` requests' whole contexts; the last one is kept (a second run of the same sizes compiles
+        nothing), an earlier one and its pool dropped first."""
+        import gc
+
+        from dcp_jax import LLM
+
+        if self.sized[0] != (b, chunk):
+            self.sized = (None, None)
+            gc.collect()  # the previous pool goes before the next is allocated
+            base, n = self.llm, self.prompt_len + self.new_tokens
+            self.sized = ((b, chunk), LLM(
+                base.model, base.mesh, base.tokenizer, max_num_seqs=b, decode_steps=base.decode_steps,
+                max_num_batched_tokens=base.max_num_batched_tokens, max_model_len=n, prefill_chunk=chunk,
+                num_pages=batch_pages(b, n)))
+        return self.sized[1]
 
     def run(self, b: int, chunk: int, copy_gbs: float | None) -> dict:
         t = time.perf_counter()
-        out = self.llm.generate([row.tolist() for row in self.ids[:b]], max_new_tokens=self.new_tokens,
-                                ignore_eos=True, prefill_chunk=chunk)
+        out = self.llm_for(b, chunk).generate([row.tolist() for row in self.ids[:b]],
+                                              max_new_tokens=self.new_tokens, ignore_eos=True)
         row = _e2e_row(out.stats, b, self.prompt_len, self.new_tokens, chunk, copy_gbs)
         row["wall_s"] = time.perf_counter() - t
         self.tokens[b] = out.tokens
@@ -792,7 +821,8 @@ def stage_scan_cost(rec: dict, budget_s: float, save, ckpt: Path, batch: int = 1
             break
         t = time.perf_counter()
         llm = LLM.load(str(ckpt), dtype="bfloat16", max_num_seqs=batch, decode_steps=16,
-                       max_num_batched_tokens=batch * prompt_len, scan_layers=scan)
+                       max_num_batched_tokens=batch * prompt_len, scan_layers=scan,
+                       max_model_len=prompt_len + new_tokens, num_pages=batch_pages(batch, prompt_len + new_tokens))
         load_s = time.perf_counter() - t
         if ids is None:
             vocab = llm.model.config.vocab_size

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dcp_jax import DisaggregatedLLM, UserError
-from dcp_jax.disagg.transfer import check_pairing
+from dcp_jax.disagg.handoff import check_pairing
 from tests.util import FIXTURES, expected
 
 PAIRS = [  # name, prefill side, decode side
@@ -30,8 +30,8 @@ def token_bytes(cfg) -> int:
 @pytest.mark.parametrize("name,prefill,decode", PAIRS)
 def test_pair_matches_one_instance(name, prefill, decode):
     exp = expected(name)
-    pair = DisaggregatedLLM.load(FIXTURES / name, prefill=prefill, decode=decode)
-    out = pair.generate(exp["prompts"], max_new_tokens=exp["max_new_tokens"], ignore_eos=True, prefill_chunk=4)
+    pair = DisaggregatedLLM.load(FIXTURES / name, prefill=prefill, decode=decode, prefill_chunk=4)
+    out = pair.generate(exp["prompts"], max_new_tokens=exp["max_new_tokens"], ignore_eos=True)
     assert out.tokens == exp["greedy"]
     np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(exp["greedy_logprobs"]), atol=2e-3)
     s = out.stats
@@ -44,12 +44,11 @@ def test_pair_matches_one_instance(name, prefill, decode):
     slack = len(exp["prompts"]) * src.num_shards * src.page_size * per_token
     assert prompt <= s["transfer_bytes"] < prompt + slack, (s["transfer_bytes"], prompt, slack)
     assert s["transfers"] == len(exp["prompts"]) and s["transfer_s"] > 0
-    engine = pair.decode_llm.serving_engines()[-1]
+    engine = pair.decode_llm.engine
     engine.scheduler.check()
     assert engine.scheduler.stats()["pages_used"] == 0
     # a second call reuses the compiled programs and the pairing
-    again = pair.generate(exp["prompts"][:1], max_new_tokens=exp["max_new_tokens"], ignore_eos=True,
-                          prefill_chunk=4)
+    again = pair.generate(exp["prompts"][:1], max_new_tokens=exp["max_new_tokens"], ignore_eos=True)
     assert again.tokens == exp["greedy"][:1]
 
 
@@ -59,9 +58,9 @@ def test_small_decode_pool_admits_as_pages_free_and_sampling_matches():
     from dcp_jax import LLM
 
     prompts = [[3, 7, 11, 2, 9], [5, 1, 4, 1, 5, 9, 2, 6], [8, 8, 8]]
-    kw = dict(max_new_tokens=6, ignore_eos=True, temperature=1.1, top_k=40, seed=5, prefill_chunk=4)
+    kw = dict(max_new_tokens=6, ignore_eos=True, temperature=1.1, top_k=40, seed=5)
     pair = DisaggregatedLLM.load(FIXTURES / "llama-gqa", prefill=dict(tp=1, dcp=1, page_size=2),
-                                 decode=dict(tp=1, dcp=2, page_size=2, max_num_seqs=1))
+                                 decode=dict(tp=1, dcp=2, page_size=2, max_num_seqs=1), prefill_chunk=4)
     out = pair.generate(prompts, **kw)
     one = LLM.load(FIXTURES / "llama-gqa", tp=1, dcp=2, page_size=2).generate(prompts, **kw)
     assert out.tokens == one.tokens
@@ -119,10 +118,10 @@ def test_stalled_transfer_fails_that_request_only_and_the_offer_is_dropped():
 
     exp = expected("llama-gqa")
     pair = DisaggregatedLLM.load(FIXTURES / "llama-gqa", prefill=dict(tp=1, dcp=1, page_size=2),
-                                 decode=dict(tp=1, dcp=2, page_size=2), timeout_s=1.0)
-    kw = dict(max_new_tokens=exp["max_new_tokens"], ignore_eos=True, prefill_chunk=4)
+                                 decode=dict(tp=1, dcp=2, page_size=2), timeout_s=1.0, prefill_chunk=4)
+    kw = dict(max_new_tokens=exp["max_new_tokens"], ignore_eos=True)
     assert pair.generate(exp["prompts"], **kw).tokens == exp["greedy"]
-    pre, dec = pair.instances()[-1]
+    pre, dec = pair.prefill, pair.decode_instance
     dec.prefill = Stalling(dec.prefill, exp["prompts"][1])
     start = time.monotonic()
     out = pair.generate(exp["prompts"], **kw)
@@ -157,13 +156,13 @@ def test_handoff_holds_each_decode_device_to_its_share(name, prefill, decode):
 
     n = 160
     prompt = [int(t) for t in np.random.default_rng(1).integers(3, 250, n)]
-    pair = DisaggregatedLLM.load(FIXTURES / name, prefill=prefill, decode=decode)
-    out = pair.generate([prompt], max_new_tokens=3, ignore_eos=True, prefill_chunk=32)
-    assert out.tokens == pair.decode_llm.generate([prompt], max_new_tokens=3, ignore_eos=True, prefill_chunk=32).tokens
-    pre, dec = pair.instances()[-1]
+    pair = DisaggregatedLLM.load(FIXTURES / name, prefill=prefill, decode=decode, prefill_chunk=32)
+    out = pair.generate([prompt], max_new_tokens=3, ignore_eos=True)
+    assert out.tokens == pair.decode_llm.generate([prompt], max_new_tokens=3, ignore_eos=True).tokens
+    pre, dec = pair.prefill, pair.decode_instance
     cfg = pair.decode_llm.model.config
     kv = n * token_bytes(cfg)
-    share = dec.engine.mesh.shape["dcp"] * min(decode["tp"], cfg.num_kv_heads)  # MLA: one latent "head"
+    share = dec.engine.runner.mesh.shape["dcp"] * min(decode["tp"], cfg.num_kv_heads)  # MLA: one latent "head"
     src = pair.prefill_llm.paged_layout()
     bound = kv / share + src.num_shards * src.page_size * token_bytes(cfg) / min(decode["tp"], cfg.num_kv_heads)
     assert 0 < out.stats["max_device_bytes"] <= bound < kv
@@ -178,7 +177,7 @@ def test_handoff_holds_each_decode_device_to_its_share(name, prefill, decode):
     landed = dec.fetch(r)
     assert dec.admit(r, landed)
     placed = landed.device_bytes
-    assert sorted(placed) == sorted(d.id for d in dec.engine.mesh.devices.flat)
+    assert sorted(placed) == sorted(d.id for d in dec.engine.runner.mesh.devices.flat)
     assert all(0 < b <= bound for b in placed.values()), (placed, bound, kv)
     assert sum(placed.values()) >= kv  # every device's share is there: the whole prompt over the mesh
     # the compiled write programs (XLA's memory analysis, per device): besides the donated pool shard

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from dcp_jax import make_mesh
-from dcp_jax.engine import Engine, SamplingParams
+from dcp_jax.dense import Engine
+from dcp_jax.sampling import SamplingParams
 from dcp_jax.model import init_cache
 from dcp_jax.weights import load_hf
 from tests.util import copies_in_loops

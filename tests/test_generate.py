@@ -6,7 +6,8 @@ import pytest
 
 from dcp_jax import LLM, make_mesh
 from dcp_jax.config import ModelConfig
-from dcp_jax.engine import Engine, SamplingParams, sample
+from dcp_jax.dense import Engine
+from dcp_jax.sampling import SamplingParams, sample
 from dcp_jax.weights import load_hf
 from tests.util import FIXTURES, expected
 from tests.util import run_fixture as run

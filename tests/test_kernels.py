@@ -279,7 +279,7 @@ def test_layer_of_stacked_caches_is_read_in_place(impl, paged):
     check_against_oracle(o, lse, x, 1e-5)
 
 
-# --- lowering for CUDA without a GPU (DESIGN.md §5) -------------------------------------------------
+# --- lowering for CUDA without a GPU (the lowering convention in docs/ARCHITECTURE.md) -------------------------------------------------
 
 def lower_for_cuda(b, t, h, kh, s, dk, dv, dtype, shared_v=False, page=0, layers=0, **opts):
     """The kernel exported for CUDA; with `page`, over a pool of s // page pages of `page` slots per

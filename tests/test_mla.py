@@ -9,7 +9,7 @@ import pytest
 
 from dcp_jax import LLM, make_mesh
 from dcp_jax.config import ModelConfig
-from dcp_jax.engine import Engine
+from dcp_jax.dense import Engine
 from dcp_jax.mla import route
 from dcp_jax.weights import load_hf
 from tests.util import FIXTURES, expected

@@ -100,7 +100,7 @@ class GuardedDevice(FakeDevice):
 
     def write(self, request, row, pos, tok):
         page = row[self.sched.layout.block_of(pos)]
-        assert not self.sched.pool.is_shared_or_cached(page), f"write into shared/cached page {page}"
+        assert not self.sched.kv.pool.is_shared_or_cached(page), f"write into shared/cached page {page}"
         super().write(request, row, pos, tok)
 
 
@@ -170,7 +170,7 @@ def test_caching_off_never_hits():
     serve(sched, dev, [list(range(1, 13))])
     s = sched.stats()
     assert s["prefix_hit_tokens"] == 0 and s["prefix_hit_rate"] == 0 and s["cached_blocks"] == 0
-    assert sched.allocator.num_used == 0
+    assert sched.kv.allocator.num_used == 0
 
 
 @settings(max_examples=60, deadline=None)
@@ -196,7 +196,7 @@ def test_random_shared_prefix_workload_is_exact_and_leaks_nothing(geom, pages, s
         if r.finish_reason != "error":
             assert r.output_token_ids == reference(r, 32)
     assert sched.stats()["pages_used"] == 0
-    sched.pool.check(owners=[])
+    sched.kv.pool.check(owners=[])
 
 
 # --- the real engine: caching on gives the tokens caching off gives ----------------------------------
@@ -222,7 +222,7 @@ def test_greedy_tokens_equal_with_caching_on_and_off(name, tp, dcp):
     for caching in (False, True):
         llm = LLM.load(FIXTURES / name, tp=tp, dcp=dcp, page_size=2, max_num_seqs=3, decode_steps=3,
                        enable_prefix_caching=caching)
-        server = llm.server(64, 8, pages)
+        server = llm.engine_with(max_model_len=64, prefill_chunk=8, num_pages=pages)
         got = []
         for w, prompts in enumerate(waves):
             if w == 4:  # multi-turn: the transcript of wave 0 plus a new message
@@ -261,6 +261,13 @@ def test_bench_prefix_quick_json():
     for phase in ("questions", "batch", "conversation"):
         assert report["off"][phase]["hit_rate"] == 0 and report["on"][phase]["hit_rate"] > 0, phase
     assert report["on"]["stats"]["prefix_hit_tokens"] > 0 and report["off"]["stats"]["cached_blocks"] == 0
+    # two LLM.generate calls sharing a 3,000-token document: the second hits its full blocks and compiles
+    # nothing (the LLM's one engine); with caching off nothing is hit
+    on, off = report["on"]["two_calls"], report["off"]["two_calls"]
+    block = report["size"]["page_size"]  # tp=1, dcp=1: a block is one page
+    assert on["hit_tokens"] == [0, (report["size"]["call_doc"] // block) * block] and off["hit_tokens"] == [0, 0]
+    assert on["new_compilations"] == off["new_compilations"] == [0, 0]
+    assert report["second_call_speedup"] > 0
 
 
 def test_flag_on_by_default_everywhere():
@@ -270,13 +277,11 @@ def test_flag_on_by_default_everywhere():
     from dcp_jax.errors import UserError
     from dcp_jax.generate import build_parser as generate_parser
     from dcp_jax.serve import build_parser as serve_parser
-    from dcp_jax.serve import load_engine
 
     for parser in (generate_parser(), serve_parser()):
         assert parser.parse_args([]).enable_prefix_caching is True
         assert parser.parse_args(["--no-enable-prefix-caching"]).enable_prefix_caching is False
-    assert inspect.signature(LLM.load).parameters["enable_prefix_caching"].default is True
-    assert inspect.signature(load_engine).parameters["enable_prefix_caching"].default is True
+    assert inspect.signature(LLM).parameters["enable_prefix_caching"].default is True  # LLM.load passes it on
     from tests.util import FIXTURES
 
     with pytest.raises(UserError, match="enable_prefix_caching"):

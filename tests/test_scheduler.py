@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_jax.engine import SamplingParams
+from dcp_jax.sampling import SamplingParams
 from dcp_jax.errors import UserError
 from dcp_jax.layout import PagedLayout
 from dcp_jax.serving import NULL_PAGE, Request, RequestState, Scheduler, SchedulerConfig
@@ -128,7 +128,7 @@ def test_fcfs_admission_and_slots():
         c.request.request_id for c in p.prefills if c.start == 0 and c.request.request_id not in admitted))
     assert admitted == ["r0", "r1", "r2", "r3"]  # first come, first served
     assert all(r.finish_reason == "length" and len(r.output_token_ids) == r.max_tokens for r in reqs)
-    assert sched.allocator.num_used == 0 and sched.stats()["running"] == 0
+    assert sched.kv.allocator.num_used == 0 and sched.stats()["running"] == 0
 
 
 def test_token_budget_and_contiguous_chunks():
@@ -207,7 +207,7 @@ def test_preempts_newest_and_recompute_gives_the_same_tokens():
     for r in reqs:
         assert r.output_token_ids == reference(r, 64), r.request_id
         assert len(r.output_logprobs) == len(r.output_token_ids)
-    assert sched.allocator.num_used == 0
+    assert sched.kv.allocator.num_used == 0
 
 
 def test_preempted_request_resumes_from_prompt_plus_output():
@@ -219,7 +219,7 @@ def test_preempted_request_resumes_from_prompt_plus_output():
     produced = list(a.output_token_ids)
     assert len(produced) == 3
     assert sched.preempt(a) == "r0" and a.state is RequestState.WAITING and not a.pages
-    assert sched.allocator.num_used == 0
+    assert sched.kv.allocator.num_used == 0
     plan = sched.schedule()
     (c,) = plan.prefills
     assert c.start == 0 and c.token_ids == a.prompt_token_ids + produced and c.is_last
@@ -235,14 +235,14 @@ def test_cancel_in_every_state_frees_pages_at_once():
     dev = FakeDevice(sched)
     dev.run(sched.schedule())  # a prefilling, b waiting for budget
     assert a.state is RequestState.PREFILLING and a.pages
-    used = sched.allocator.num_used
+    used = sched.kv.allocator.num_used
     assert sched.cancel("r0") and a.finish_reason == "abort" and not a.pages
-    assert sched.allocator.num_used < used and "r0" not in sched.requests
+    assert sched.kv.allocator.num_used < used and "r0" not in sched.requests
     assert sched.cancel("r2") and c.finish_reason == "abort"  # waiting
     while b.state is not RequestState.DECODING:
         dev.run(sched.schedule())
     plan = sched.schedule()  # b decoding, results in flight
-    assert sched.cancel("r1") and sched.allocator.num_used == 0
+    assert sched.cancel("r1") and sched.kv.allocator.num_used == 0
     dev.run(plan)  # the late results are ignored
     assert b.finish_reason == "abort" and len(b.output_token_ids) == 1
     assert not sched.cancel("r1") and not sched.cancel("nope")
@@ -288,7 +288,7 @@ def test_stops():
     assert out["len"] == ([8] * 5, "length", "yyyyy")
     assert out["first"] == ([7], "stop", "<eos>")
     assert all(len(r.output_logprobs) == len(r.output_token_ids) for r in reqs.values())
-    assert sched.allocator.num_used == 0
+    assert sched.kv.allocator.num_used == 0
 
 
 def test_stop_string_without_tokenizer_is_refused():
@@ -377,9 +377,9 @@ def test_random_workload_never_leaks(geom, pages, seqs, k, budget, specs, cancel
             sched.check()
 
     drive(sched, dev, on_step=maybe_cancel)
-    assert sched.allocator.num_used == 0 and not sched.running and not sched.waiting
-    sched.allocator.check(owners=[])
-    assert (sched.block_table == NULL_PAGE).all()
+    assert sched.kv.allocator.num_used == 0 and not sched.running and not sched.waiting
+    sched.kv.allocator.check(owners=[])
+    assert (sched.kv.block_table == NULL_PAGE).all()
     for r in reqs:
         assert r.is_finished
         if r.finish_reason in ("stop", "length"):

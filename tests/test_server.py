@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from dcp_jax import LLM, UserError
 from tests.util import FIXTURES
 
 openai = pytest.importorskip("openai")
@@ -30,7 +31,7 @@ PROMPTS = [[(7 * i + 3 * j) % 250 + 2 for j in range(9 + i % 8)] for i in range(
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from dcp_jax.serve import make_app, serve_in_thread
+    from dcp_jax.launch import make_app, serve_in_thread
 
     ckpt = tmp_path_factory.mktemp("ckpt") / "model"
     shutil.copytree(FIXTURES / "llama-tokenizer", ckpt)
@@ -38,14 +39,17 @@ def server(tmp_path_factory):
     cfg = json.loads(cfg_path.read_text())
     cfg["chat_template"] = TEMPLATE
     cfg_path.write_text(json.dumps(cfg))
-    app, llm = make_app(ckpt, tp=1, dcp=2, served_model_name=MODEL, max_num_seqs=8, max_model_len=MAX_MODEL_LEN,
-                        page_size=8, prefill_chunk=32, decode_steps=2)  # 2: streams arrive in several chunks
-    # each prompt alone through LLM.generate, before the server's thread starts
-    alone = [llm.generate([p], max_new_tokens=8, max_seq_len=MAX_MODEL_LEN).text[0] for p in PROMPTS]
+    sizes = dict(max_num_seqs=8, max_model_len=MAX_MODEL_LEN, page_size=8, prefill_chunk=32, decode_steps=2)
+    app, served = make_app(ckpt, tp=1, dcp=2, served_model_name=MODEL, **sizes)  # 2: streams come in several chunks
+    # the references: each prompt alone through LLM.generate, on a second LLM over the same model (the
+    # served one's engine belongs to the server's thread)
+    llm = LLM(served.model, served.mesh, served.tokenizer, **sizes)
+    alone = [llm.generate([p], max_new_tokens=8).text[0] for p in PROMPTS]
 
     base, stop = serve_in_thread(app, timeout_s=30)
     client = openai.OpenAI(base_url=base + "/v1", api_key="x", timeout=60, max_retries=0)
-    yield dict(base=base, client=client, llm=llm, alone=alone, ckpt=ckpt)
+    yield dict(base=base, client=client, llm=llm, served=served, alone=alone, ckpt=ckpt,
+               alone_text=lambda prompt: llm.generate([prompt], max_new_tokens=8).text[0])
     stop()  # raises if the server thread does not end
 
 
@@ -62,6 +66,52 @@ def metrics(base) -> dict[str, float]:
 def test_models_and_health(server):
     assert [m.id for m in server["client"].models.list().data] == [MODEL]
     assert httpx.get(server["base"] + "/health").json() == {"status": "ok"}
+    with pytest.raises(UserError, match="engine is in use"):  # the server's thread drives it
+        server["served"].generate([[1, 2, 3]], max_new_tokens=2)
+
+
+def test_out_of_range_values_are_refused_and_the_server_goes_on(server):
+    # top_k past int32 used to overflow inside the engine thread and stop the server for good.
+    c = server["client"]
+    for extra, param in (('"top_k": 1000000000000', "top_k"), ('"top_k": 2147483648, "temperature": 0', "top_k"),
+                         ('"top_k": -1', "top_k"), ('"temperature": Infinity', "temperature"),
+                         ('"seed": 4294967296', "seed")):
+        body = '{"model": "%s", "prompt": "Hello", "max_tokens": 2, %s}' % (MODEL, extra)
+        r = httpx.post(server["base"] + "/v1/completions", content=body, headers={"content-type": "application/json"},
+                       timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    r = c.completions.create(model=MODEL, prompt="Hello world", max_tokens=8, temperature=0)
+    assert r.choices[0].text == server["alone_text"]("Hello world")
+    assert httpx.get(server["base"] + "/health").status_code == 200
+
+
+def test_a_step_that_raises_fails_its_request_and_the_server_goes_on(server):
+    # A failure inside the engine thread (here: the decode program raising after it took the pools)
+    # fails that step's request with a retryable 503; the pool is rebuilt and the next request is served.
+    engine = server["served"].engine
+    real = engine.runner.step_program
+    calls = []
+
+    def failing():
+        program = real()
+
+        def run(*args):
+            calls.append(1)
+            engine.runner.step_program = real  # once
+            program(*args)  # donates (deletes) the pools...
+            raise RuntimeError("injected device failure")  # ...then fails
+        return run
+
+    engine.runner.step_program = failing
+    with pytest.raises(openai.APIStatusError) as e:
+        server["client"].completions.create(model=MODEL, prompt="Hello world", max_tokens=8, temperature=0)
+    assert e.value.status_code == 503 and "injected device failure" in e.value.message and calls == [1]
+    r = server["client"].completions.create(model=MODEL, prompt="Hello world", max_tokens=8, temperature=0)
+    assert r.choices[0].text == server["alone_text"]("Hello world")
+    assert httpx.get(server["base"] + "/health").status_code == 200
+    m = metrics(server["base"])
+    assert m["dcp_jax_kv_pages_used"] == 0 and m["dcp_jax_num_requests_running"] == 0
+    assert engine.stats()["pool_resets"] >= 1
 
 
 def test_completion_usage_logprobs_and_stream(server):
@@ -75,7 +125,7 @@ def test_completion_usage_logprobs_and_stream(server):
     assert choice.finish_reason in ("stop", "length") and (n == 8) == (choice.finish_reason == "length")
     assert all(lp <= 0 for lp in choice.logprobs.token_logprobs) and len(choice.logprobs.token_logprobs) == n
     # greedy is what LLM.generate gives
-    assert choice.text == llm.generate([prompt], max_new_tokens=8, max_seq_len=MAX_MODEL_LEN).text[0]
+    assert choice.text == llm.generate([prompt], max_new_tokens=8).text[0]
 
     chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True,
                                        stream_options={"include_usage": True}))
@@ -108,8 +158,7 @@ def test_chat(server):
     ids = llm.tokenizer.encode(rendered, add_special_tokens=False).ids
     assert r.usage.prompt_tokens == len(ids)
     msg = r.choices[0].message
-    assert msg.role == "assistant" and msg.content == llm.generate([ids], max_new_tokens=6,
-                                                                   max_seq_len=MAX_MODEL_LEN).text[0]
+    assert msg.role == "assistant" and msg.content == llm.generate([ids], max_new_tokens=6).text[0]
     assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens
     chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
@@ -195,11 +244,12 @@ def test_no_chat_template_and_full_queue(server):
     from fastapi.testclient import TestClient
 
     from dcp_jax.serving.async_engine import AsyncEngine
-    from dcp_jax.serving.openai import ChatTemplate, create_app
+    from dcp_jax.serving.openai import create_app
+    from dcp_jax.serving.protocol import ChatTemplate
 
     assert ChatTemplate.from_tokenizer_config(FIXTURES / "llama-tokenizer" / "tokenizer_config.json") is None
     llm = server["llm"]
-    engine = llm.server(MAX_MODEL_LEN, 16, llm.num_pages(MAX_MODEL_LEN), max_num_seqs=2)
+    engine = llm.engine_with(prefill_chunk=16, max_num_seqs=2)
     app = create_app(AsyncEngine(engine, max_pending=0), model_name=MODEL, max_model_len=MAX_MODEL_LEN,
                      tokenizer=llm.tokenizer)
     with TestClient(app) as tc:

@@ -9,7 +9,7 @@ import pytest
 from dcp_jax import LLM, UserError
 from dcp_jax.serving.engine import run_requests
 from dcp_jax.serving.request import Request
-from dcp_jax.engine import SamplingParams
+from dcp_jax.sampling import SamplingParams
 from tests.util import FIXTURES, copies_in_loops, expected
 
 MESHES = [(1, 1), (2, 4), (1, 3), (4, 2)]
@@ -25,8 +25,8 @@ def test_matches_transformers_with_fewer_slots_than_requests(name, tp, dcp):
     # Two slots for three prompts: the third waits and is admitted when one finishes; pages of 2 slots
     # make every sequence span several blocks.
     exp = expected(name)
-    llm = load(name, tp, dcp, page_size=2, max_num_seqs=2, decode_steps=3)
-    out = llm.generate(exp["prompts"], max_new_tokens=exp["max_new_tokens"], ignore_eos=True, prefill_chunk=4)
+    llm = load(name, tp, dcp, page_size=2, max_num_seqs=2, decode_steps=3, prefill_chunk=4)
+    out = llm.generate(exp["prompts"], max_new_tokens=exp["max_new_tokens"], ignore_eos=True)
     assert out.tokens == exp["greedy"]
     np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(exp["greedy_logprobs"]), atol=2e-3)
     assert out.finish_reasons == ["length"] * 3
@@ -44,10 +44,11 @@ def test_preemption_and_arrivals_keep_every_request_exact(tp, dcp, interleave):
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, 256, size=n)) for n in (23, 5, 17, 30, 9, 12)]
     lengths = [12, 20, 7, 16, 11, 9]
-    llm = load("llama-gqa", tp, dcp, page_size=2, max_num_seqs=4, decode_steps=4, interleave=interleave)
-    solo = [alone(llm, p, n, max_seq_len=64) for p, n in zip(prompts, lengths)]
+    llm = load("llama-gqa", tp, dcp, page_size=2, max_num_seqs=4, decode_steps=4, interleave=interleave,
+               max_model_len=64)
+    solo = [alone(llm, p, n) for p, n in zip(prompts, lengths)]
     pages = 1 + (30 + 16) // llm.paged_layout().tokens_per_block + 4  # the longest fits, not four slots' worth
-    server = llm.server(64, 8, pages)
+    server = llm.engine_with(max_model_len=64, prefill_chunk=8, num_pages=pages)
     reqs = [Request(f"q{i}", p, max_tokens=n, ignore_eos=True) for i, (p, n) in enumerate(zip(prompts, lengths))]
     result = run_requests(server, reqs, arrivals=[0, 0, 0, 0.05, 0.1, 0.1])
     assert result["preemptions"] > 0
@@ -68,11 +69,11 @@ def test_sampling_is_per_request_and_survives_preemption():
         return [Request(f"s{i}", p, sampling=sampling, seed=100 + i, max_tokens=10, ignore_eos=True)
                 for i, p in enumerate(prompts)]
 
-    big = llm.server(32, 4, 64)
+    big = llm.engine_with(max_model_len=32, prefill_chunk=4, num_pages=64)
     roomy = make()
     run_requests(big, roomy)
     tight = make()
-    result = run_requests(llm.server(32, 4, 1 + 8), tight)
+    result = run_requests(llm.engine_with(max_model_len=32, prefill_chunk=4, num_pages=1 + 8), tight)
     assert result["preemptions"] > 0
     assert [r.output_token_ids for r in tight] == [r.output_token_ids for r in roomy]
     solo = make()[1:2]
@@ -85,13 +86,13 @@ def test_sampling_is_per_request_and_survives_preemption():
 
 def test_fifty_requests_compile_each_program_once():
     llm = load("llama-gqa", 1, 2, page_size=4, max_num_seqs=4, decode_steps=4)
-    server = llm.server(48, 8, 20)
+    server = llm.engine_with(max_model_len=48, prefill_chunk=8, num_pages=20)
     rng = np.random.default_rng(1)
     reqs = [Request(f"n{i}", list(rng.integers(0, 256, size=int(rng.integers(1, 30)))),
                     max_tokens=int(rng.integers(1, 12)), ignore_eos=True) for i in range(50)]
     result = run_requests(server, reqs, arrivals=list(np.linspace(0, 0.5, 50)))
     assert all(r.finish_reason == "length" for r in reqs)
-    assert sorted(k[0] for k in server.compiled) == ["decode", "prefill"]
+    assert sorted(k[0] for k in server.runner.compiled) == ["decode", "prefill"]
     assert result["pages_used"] == 0
 
 
@@ -101,14 +102,14 @@ def test_pool_bytes_per_device_and_aliasing(name, tp, dcp):
     # Per-device KV bytes = pool bytes / (min(tp, kv heads) · dcp) (MLA: / (tp · dcp)); the decode
     # program aliases the whole pool shard and its loop copies no pool-shaped buffer.
     llm = load(name, tp, dcp, page_size=4)
-    server = llm.server(64, 8, 9)
-    pool = server.allocate()
+    server = llm.engine_with(max_model_len=64, prefill_chunk=8, num_pages=9)
+    pool = server.runner.pools
     cfg = llm.model.config
     logical = sum(a.nbytes for a in jax.tree.leaves(pool)) // llm.model.kv_replication
     split = tp * dcp if cfg.mla else min(tp, cfg.num_kv_heads) * dcp
     kv = server.kv_bytes()
     assert kv["kv_bytes_total"] == logical and kv["kv_bytes_per_device"] * split == logical
-    prog = server.decode_program()
+    prog = server.runner.decode_program()
     shard_bytes = sum(np.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(pool))
     assert prog.memory_analysis().alias_size_in_bytes >= shard_bytes
     leaf = jax.tree.leaves(pool)[0]
@@ -131,19 +132,21 @@ def test_program_size_does_not_grow_with_depth():
     sizes = {}
     for layers in (4, 32):
         cfg = ModelConfig.from_dict(dict(base, num_hidden_layers=layers))
-        server = LLM(CausalLM(cfg, random_source(cfg, mesh), mesh), mesh, page_size=4).server(64, 8, 9)
+        llm = LLM(CausalLM(cfg, random_source(cfg, mesh), mesh), mesh, page_size=4)
+        runner = llm.engine_with(max_model_len=64, prefill_chunk=8, num_pages=9).runner
         sizes[layers] = [sum(1 for line in prog.as_text().splitlines() if " = " in line)
-                         for prog in (server.decode_program(), server.prefill_program(8))]
+                         for prog in (runner.decode_program(), runner.prefill_program())]
     assert sizes[4] == sizes[32], sizes
 
 
 def test_bad_requests_fail_alone():
-    llm = load("llama-gqa", 1, 2, page_size=2, max_num_seqs=2)
-    out = llm.generate([[1, 2, 3], list(range(40)), [4, 5]], max_new_tokens=3, max_seq_len=16, ignore_eos=True)
+    llm = load("llama-gqa", 1, 2, page_size=2, max_num_seqs=2, max_model_len=16)
+    out = llm.generate([[1, 2, 3], list(range(40)), [4, 5]], max_new_tokens=3, ignore_eos=True)
     assert out.errors[0] is None and out.errors[2] is None
     assert out.errors[1].startswith("the prompt has 40 tokens but the model context (max_model_len) is 16")
     assert [len(t) for t in out.tokens] == [3, 0, 3] and out.finish_reasons == ["length", "error", "length"]
-    server = llm.server(64, 8, 4)  # 3 usable pages of 2 x 2 tokens: a request needing more never fits
+    # 3 usable pages of 2 x 2 tokens: a request needing more never fits
+    server = llm.engine_with(max_model_len=64, prefill_chunk=8, num_pages=4)
     big = Request("big", list(range(20)), max_tokens=8)
     ok = Request("ok", [1, 2], max_tokens=2, ignore_eos=True)
     run_requests(server, [big, ok])
@@ -156,8 +159,8 @@ def test_pallas_kernel_over_pages_end_to_end(name):
     # The GPU kernel (in Pallas' interpreter) reads the paged pool through the block table inside the
     # DCP island, prefill chunks and decode alike: the same tokens as transformers.
     exp = expected(name)
-    llm = load(name, 1, 2, page_size=4, impl="pallas_interpret")
-    out = llm.generate(exp["prompts"], max_new_tokens=exp["max_new_tokens"], ignore_eos=True, prefill_chunk=8)
+    llm = load(name, 1, 2, page_size=4, impl="pallas_interpret", prefill_chunk=8)
+    out = llm.generate(exp["prompts"], max_new_tokens=exp["max_new_tokens"], ignore_eos=True)
     assert out.tokens == exp["greedy"]
 
 
@@ -165,8 +168,8 @@ def test_token_budget_and_decode_timing():
     # A budget of several chunks prefills more requests per iteration: same tokens. The decode speed
     # counts only the decode program's tokens and time.
     exp = expected("llama-gqa")
-    llm = load("llama-gqa", 2, 4, page_size=2, max_num_seqs=3, max_num_batched_tokens=64)
-    out = llm.generate(exp["prompts"], max_new_tokens=exp["max_new_tokens"], ignore_eos=True, prefill_chunk=4)
+    llm = load("llama-gqa", 2, 4, page_size=2, max_num_seqs=3, max_num_batched_tokens=64, prefill_chunk=4)
+    out = llm.generate(exp["prompts"], max_new_tokens=exp["max_new_tokens"], ignore_eos=True)
     assert out.tokens == exp["greedy"]
     s = out.stats
     assert s["decode_s"] > 0 and s["decode_tokens_per_s"] == pytest.approx(
@@ -187,29 +190,92 @@ def test_one_stack_per_layer_gives_the_same_tokens_without_weight_slices():
     assert out.tokens == exp["greedy"]
     q = llm.model.stacks[0].block.self_attn.q_proj[...]
     shard = "f32[" + ",".join(map(str, q.sharding.shard_shape(q.shape)[1:])) + "]"
-    hlo = llm.server(64, 8, 9).decode_program().as_text()
+    hlo = llm.engine_with(max_model_len=64, prefill_chunk=8, num_pages=9).runner.decode_program().as_text()
     assert not [line for line in hlo.splitlines() if re.search(r"slice\S* = " + re.escape(shard), line)]
 
 
-def test_one_pool_at_a_time_across_generate_calls():
-    # Calls with other sizes build other configurations; only the newest keeps its pool allocated.
+def test_one_engine_for_the_life_of_an_llm():
+    # Calls with prompts of other lengths go to the same engine: its pool (and prefix cache) and its
+    # programs stay; a second call about the same document hits its cached blocks and compiles nothing
+    # (counted by XLA's own compile events, not only the runner's table).
+    import jax.monitoring
+
+    llm = load("llama-gqa", 1, 2, page_size=2, max_model_len=128)
+    engine = llm.engine
+    rng = np.random.default_rng(3)
+    doc = [int(t) for t in rng.integers(0, 256, size=60)]
+    first = llm.generate([doc + [1, 2, 3]], max_new_tokens=4, ignore_eos=True)
+    assert first.stats["prefix_hit_tokens"] == 0 and first.stats["new_compilations"] == 2
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+    second = llm.generate([doc + [9, 8, 7, 6, 5, 4, 3, 2, 1]], max_new_tokens=6, ignore_eos=True)
+    assert llm.engine is engine and compiles == [] and second.stats["new_compilations"] == 0
+    tpb = llm.paged_layout().tokens_per_block
+    assert second.stats["prefix_hit_tokens"] == (len(doc) // tpb) * tpb  # the document's full blocks
+    # the same tokens as with caching off
+    cold = load("llama-gqa", 1, 2, page_size=2, max_model_len=128, enable_prefix_caching=False)
+    assert cold.generate([doc + [9, 8, 7, 6, 5, 4, 3, 2, 1]], max_new_tokens=6, ignore_eos=True).tokens == second.tokens
+    assert llm.reset_prefix_cache() > 0
+    third = llm.generate([doc + [5]], max_new_tokens=2, ignore_eos=True)
+    assert third.stats["prefix_hit_tokens"] == 0 and engine.scheduler.stats()["pages_used"] == 0
+
+
+def test_pool_and_context_are_sized_once():
+    # max_model_len defaults to the checkpoint's (256 for the fixture), lowered with one note when the
+    # pool cannot hold it; an explicit one that does not fit is refused with the fix.
+    import contextlib
+    import io
+
     llm = load("llama-gqa", 1, 2, page_size=2)
-    a = llm.generate([[1, 2, 3]], max_new_tokens=2, ignore_eos=True)
-    b = llm.generate([[1, 2, 3, 4, 5, 6]], max_new_tokens=3, ignore_eos=True)
-    engines = llm.serving_engines()
-    assert len(engines) == 2 and engines[0].pools is None and engines[1].pools is not None
-    again = llm.generate([[1, 2, 3]], max_new_tokens=2, ignore_eos=True)  # the first configuration, reused
-    assert again.tokens == a.tokens and len(llm.serving_engines()) == 2 and b.tokens
-    assert llm.serving_engines()[-1].pools is not None and llm.serving_engines()[0].pools is None
-    dropped = llm.serving_engines()[0].scheduler.stats()
-    assert dropped["cached_blocks"] == 0 and dropped["pages_used"] == 0  # no prefix outlives its pool
+    assert llm.config.max_model_len == 256 and llm.engine.config is llm.config
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        small = load("llama-gqa", 1, 2, page_size=2, kv_cache_memory=llm.page_bytes() * 9)
+    assert small.config.max_model_len == 8 * 4 + 1
+    assert err.getvalue().count("\n") == 1 and err.getvalue().startswith("note: max_model_len lowered")
+    with pytest.raises(UserError, match="does not fit the KV pool"):
+        load("llama-gqa", 1, 2, page_size=2, kv_cache_memory=llm.page_bytes() * 9, max_model_len=200)
 
 
 def test_parse_bytes():
-    from dcp_jax.serving.engine import parse_bytes
+    from dcp_jax.serving.config import parse_bytes
 
     assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("2GB") == 2 * 10**9 and parse_bytes(4096) == 4096
     assert parse_bytes("1.5 KiB") == 1536
     for bad in ("inf", "1e400", "infb", "0.5", "0", "-3MiB", "12XB", "lots", 0, -5):
         with pytest.raises(UserError, match="is not a positive size"):
             parse_bytes(bad)
+
+
+@pytest.mark.parametrize("after_donation", [True, False])
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(after_donation):
+    # A step that raises fails the requests in it (retryable) and the engine goes on. Raised after the
+    # program took (donated) the pools: the pool is rebuilt, the prefix cache dropped, and a request
+    # that was waiting runs exactly as it would have. Raised before: nothing else is lost.
+    llm = load("llama-gqa", 1, 2, page_size=2, max_num_seqs=1, max_model_len=64)
+    engine, runner = llm.engine, llm.engine.runner
+    prompts = [[3, 7, 11, 2, 9, 4, 4, 1, 8], [5, 1, 4, 1, 5, 9, 2, 6]]
+    want = [alone(llm, p, 6) for p in prompts]
+    real = runner.step_program
+
+    def failing():
+        program = real()
+
+        def run(*args):
+            runner.step_program = real  # fails once
+            if after_donation:
+                program(*args)
+            raise RuntimeError("injected device failure")
+        return run
+
+    runner.step_program = failing
+    reqs = [Request(f"f{i}", p, max_tokens=6, ignore_eos=True) for i, p in enumerate(prompts)]
+    run_requests(engine, reqs)
+    first, second = reqs
+    assert first.finish_reason == "error" and first.error_retryable and "injected device failure" in first.error
+    assert second.finish_reason == "length" and second.output_token_ids == want[1]
+    stats = engine.stats()
+    assert stats["failed_steps"] == 1 and stats["pool_resets"] == int(after_donation) and stats["pages_used"] == 0
+    engine.scheduler.check()
+    assert alone(llm, prompts[0], 6) == want[0]  # and it serves the failed one normally afterwards

@@ -5,6 +5,7 @@ rejected drafts' slots never read; no page leak; the CLI, the server and their e
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -14,8 +15,9 @@ import pytest
 from scipy import stats as scipy_stats
 
 from dcp_jax import LLM, SpeculativeConfig, make_mesh
-from dcp_jax.engine import SamplingParams
-from dcp_jax.serving.engine import SamplingRows, run_requests
+from dcp_jax.sampling import SamplingParams
+from dcp_jax.sampling import SamplingRows
+from dcp_jax.serving.engine import run_requests
 from dcp_jax.serving.request import Request
 from dcp_jax.spec import layer_skip_draft, propose_ngram
 from dcp_jax.spec import verify as spec_verify
@@ -32,8 +34,8 @@ def load(name, tp, dcp, **kw):
 @functools.cache
 def plain(name, tp, dcp):
     """Greedy tokens without speculation (the fixtures' prompts: 5, 11 and 17 tokens)."""
-    llm = load(name, tp, dcp, decode_steps=3)
-    return llm.generate(expected(name)["prompts"], max_new_tokens=NEW, ignore_eos=True, prefill_chunk=4).tokens
+    llm = load(name, tp, dcp, decode_steps=3, prefill_chunk=4)
+    return llm.generate(expected(name)["prompts"], max_new_tokens=NEW, ignore_eos=True).tokens
 
 
 class Oracle:
@@ -65,7 +67,8 @@ def speculative_llm(name, tp, dcp, proposer):
 
 
 def serve(llm, prompts, proposer=None, outputs=None, arrivals=None, on_step=None, pages=None):
-    server = llm.server(48, 4, pages or 1 + 3 * llm.paged_layout().blocks_for(48))
+    pages = pages or 1 + 3 * llm.paged_layout().blocks_for(48)
+    server = llm.engine_with(max_model_len=48, prefill_chunk=4, num_pages=pages)
     if proposer == "oracle":
         server.proposer = Oracle(prompts, outputs)
     reqs = [Request(f"r{i}", p, max_tokens=NEW, ignore_eos=True) for i, p in enumerate(prompts)]
@@ -96,7 +99,7 @@ def test_greedy_speculation_equals_plain_decoding(name, tp, dcp, proposer):
     assert result["spec_drafted_tokens"] > 0 and result["pages_used"] == 0
     if proposer == "oracle":  # every acceptance length occurred
         assert 0 < result["spec_accepted_tokens"] < result["spec_drafted_tokens"]
-    assert sorted(k[0] for k in server.compiled) == ["prefill", "verify"]
+    assert sorted(k[0] for k in server.runner.compiled) == ["prefill", "verify"]
 
 
 @pytest.mark.parametrize("proposer", ["oracle", "layer-skip"])
@@ -143,7 +146,7 @@ def plant(server, positions_of, value):
     `positions_of(request)` of each running request (only where it holds the page)."""
     lay, sched = server.layout, server.scheduler
     pages = server.config.num_pages
-    pools = jax.tree.map(np.array, server.pools)
+    pools = jax.tree.map(np.array, server.runner.pools)
     for r in sched.running:
         for t in positions_of(r):
             block = lay.block_of(t)
@@ -152,7 +155,9 @@ def plant(server, positions_of, value):
             row = int(lay.rank_of(t)) * pages + r.pages[block]  # the page's row on its rank's shard
             for leaf in jax.tree.leaves(pools):
                 leaf[:, row, :, int(lay.page_slot_of(t))] = value
-    server.pools = jax.tree.map(lambda x, old: jax.device_put(x, old.sharding), pools, server.pools)
+    runner = server.runner
+    target = jax.tree.map(lambda x, old: jax.device_put(x, old.sharding), pools, runner.pools)
+    runner.caches = dataclasses.replace(runner.caches, target=target)
 
 
 def test_rejected_drafts_never_leak_into_attention():
@@ -271,7 +276,7 @@ def test_sampled_tokens_follow_the_target_end_to_end(speculative):
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # n-gram lookup proposes [3, 1] after it
     llm = small_vocab_llm(speculative, draft_layers=1)
     n = 1500
-    server = llm.server(16, 8, 1 + n)
+    server = llm.engine_with(max_model_len=16, prefill_chunk=8, num_pages=1 + n)
     reqs = [Request(f"s{i}", prompt, sampling=SamplingParams(temperature=1.0), seed=i, max_tokens=3, ignore_eos=True)
             for i in range(n)]
     result = run_requests(server, reqs)
@@ -333,13 +338,13 @@ def test_server_with_ngram_speculation():
     openai = pytest.importorskip("openai")
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
-    from dcp_jax.serve import make_app, serve_in_thread
+    from dcp_jax.launch import make_app, serve_in_thread
 
     app, llm = make_app(FIXTURES / "llama-tokenizer", tp=1, dcp=2, max_num_seqs=4, max_model_len=64, page_size=4,
                         prefill_chunk=16, speculative="ngram", num_speculative_tokens=3)
     plain_llm = LLM.load(FIXTURES / "llama-tokenizer", dcp=2, page_size=4)
     prompts = [[(5 * i + j) % 7 + 2 for j in range(12)] for i in range(4)]  # repetitive: n-grams hit
-    want = [plain_llm.generate([p], max_new_tokens=10, max_seq_len=64, ignore_eos=True).text[0] for p in prompts]
+    want = [plain_llm.generate([p], max_new_tokens=10, ignore_eos=True).text[0] for p in prompts]
     base, stop = serve_in_thread(app, timeout_s=30)
     try:
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", timeout=60, max_retries=0)

@@ -25,7 +25,7 @@ def run_fixture(name, tp, dcp, **kw):
     Keywords: q_gather, interleave, combine (model/engine options); the rest go to Engine.generate.
     """
     from dcp_jax import make_mesh
-    from dcp_jax.engine import Engine
+    from dcp_jax.dense import Engine
     from dcp_jax.weights import load_hf
 
     mesh = make_mesh(tp, dcp)

@@ -6,9 +6,9 @@
 
 The KV moves through `jax.experimental.transfer` exactly as between two processes (each side has its
 own TransferServer; the decode side connects to the prefill side's address), so this is the two-process
-pair minus HTTP. `generate` prefills every prompt on the prefill side (one batch), pulls each one's KV,
-admits the requests into the decode side's pool as their KV lands and pages allow, and decodes them
-with continuous batching.
+pair minus HTTP. Each side is an `LLM` with its one engine, paired once; `generate` prefills every
+prompt on the prefill side (one batch), pulls each one's KV, admits the requests into the decode side's
+pool as their KV lands and pages allow, and decodes them with continuous batching.
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ import jax
 from dcp_jax import mesh as mesh_lib
 from dcp_jax.disagg.roles import DecodeInstance, LocalPrefill, PrefillInstance
 from dcp_jax.disagg.transfer import TransferError, TransferPort
-from dcp_jax.engine import LLM, Generation
 from dcp_jax.errors import UserError
-from dcp_jax.serving.request import Request
+from dcp_jax.llm import LLM
+from dcp_jax.outputs import Generation, generation, request_stats
 
 SIDE_KEYS = ("tp", "dcp", "interleave", "page_size", "max_num_seqs", "kv_cache_memory", "decode_steps",
-             "max_num_batched_tokens", "enable_prefix_caching", "impl", "scan_layers")
+             "max_num_batched_tokens", "enable_prefix_caching", "impl", "scan_layers", "max_model_len",
+             "prefill_chunk")
 
 
 def _side(name: str, kw: dict | None) -> dict:
@@ -48,14 +49,18 @@ class DisaggregatedLLM:
         self.tokenizer = decode.tokenizer
         self.prefill_port = TransferPort(prefill.mesh.devices.flat[0], offer_timeout_s=timeout_s)
         self.decode_port = TransferPort(decode.mesh.devices.flat[0])
-        self._pairs: dict = {}  # (prefill engine, decode engine) -> (PrefillInstance, DecodeInstance)
+        self.prefill = PrefillInstance(prefill.engine, self.prefill_port)
+        self.decode_instance = DecodeInstance(decode.engine, LocalPrefill(self.prefill), self.decode_port,
+                                              timeout_s=timeout_s)
 
     @classmethod
     def load(cls, model_dir, *, prefill: dict | None = None, decode: dict | None = None, dtype: str = "float32",
-             devices=None, timeout_s: float = 60.0) -> "DisaggregatedLLM":
+             devices=None, timeout_s: float = 60.0, **both) -> "DisaggregatedLLM":
         """Load the model twice: on the first tp·dcp devices for the prefill side (`prefill` = LLM.load's
-        tp, dcp, interleave, page_size, ...), and on the next ones for the decode side (`decode`)."""
-        p, d = _side("prefill", prefill), _side("decode", decode)
+        tp, dcp, interleave, page_size, ...), and on the next ones for the decode side (`decode`);
+        `both`: keywords for both sides (e.g. max_model_len, prefill_chunk)."""
+        shared = _side("both sides'", both)
+        p, d = {**shared, **_side("prefill", prefill)}, {**shared, **_side("decode", decode)}
         n_p, n_d = p.get("tp", 1) * p.get("dcp", 1), d.get("tp", 1) * d.get("dcp", 1)
         if devices is None:
             mesh_lib.ensure_cpu_devices(n_p + n_d)
@@ -70,45 +75,23 @@ class DisaggregatedLLM:
     def decode(self, ids) -> str | None:
         return self.decode_llm.decode(ids)
 
-    def pair(self, max_model_len: int, chunk: int, prefill_lengths, peaks, num_seqs: int):
-        """The paired instances for these sizes (kept: their programs compile once per configuration)."""
-        p_llm, d_llm = self.prefill_llm, self.decode_llm
-        p_eng = p_llm.server(max_model_len, chunk, p_llm.num_pages(max_model_len, prefill_lengths),
-                             max_num_seqs=min(p_llm.max_num_seqs, num_seqs))
-        d_eng = d_llm.server(max_model_len, chunk, d_llm.num_pages(max_model_len, peaks),
-                             max_num_seqs=min(d_llm.max_num_seqs, num_seqs))
-        key = (p_eng, d_eng)
-        if key not in self._pairs:
-            pre = PrefillInstance(p_eng, self.prefill_port)
-            self._pairs[key] = (pre, DecodeInstance(d_eng, LocalPrefill(pre), self.decode_port,
-                                                    timeout_s=self.timeout_s))
-        return self._pairs[key]
-
-    def instances(self) -> list:
-        """The (PrefillInstance, DecodeInstance) pairs `generate` has built, oldest first, for inspection."""
-        return list(self._pairs.values())
-
-    def generate(self, prompts, *, max_new_tokens: int = 32, max_seq_len: int | None = None,
-                 prefill_chunk: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 seed: int = 0, ignore_eos: bool = False) -> Generation:
+    def generate(self, prompts, *, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False) -> Generation:
         """As `LLM.generate`; `stats` adds transfer_bytes (what the transfers delivered), transfer_s (time
         in the pulls), stage_s (gathering the KV pieces on the prefill side), write_s (writing the KV
         into the decode pool), max_device_bytes (the most KV bytes one decode device held for one
         request's handoff) and both sides' meshes; ttft_s counts until a request's KV is in the
         decode pool (its first token is then emitted)."""
-        ids, sampling, max_model_len, chunk, peaks = self.prefill_llm.generation_args(
-            prompts, max_new_tokens=max_new_tokens, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
-            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        pre, dec = self.pair(max_model_len, chunk, [len(p) + 1 for p in ids], peaks, len(ids))
+        requests = self.decode_llm.requests(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                            top_k=top_k, top_p=top_p, seed=seed, ignore_eos=ignore_eos)
+        pre, dec = self.prefill, self.decode_instance
         eng, sched = dec.engine, dec.engine.scheduler
         tc = time.perf_counter()
-        pre.engine.prefill_program(chunk)
-        eng.decode_program()
-        eng.allocate()
+        pre.engine.runner.prefill_program()
+        eng.runner.decode_program()
+        eng.runner.allocate()
         compile_s = time.perf_counter() - tc
 
-        requests = [Request(f"r{i}", p, sampling=sampling, seed=seed, max_tokens=max_new_tokens, ignore_eos=ignore_eos)
-                    for i, p in enumerate(ids)]
         stats0, timing0, stage0 = dict(dec.stats), dict(eng.timing), pre.stats["stage_s"]
         t0 = time.perf_counter()
         for r in requests:
@@ -118,8 +101,8 @@ class DisaggregatedLLM:
         backlog, first = collections.deque(), {}
         for r, got in zip(requests, landed):
             if isinstance(got, TransferError):
-                r.error_retryable = True
-                r.finish("error", error=str(got))
+                sched.fail(r, str(got), retryable=True)
+                sched.pop_finished()
             else:
                 backlog.append((r, got))
         while backlog or sched.has_unfinished():
@@ -131,32 +114,19 @@ class DisaggregatedLLM:
                 raise RuntimeError("a landed request fits no empty pool")  # validate() refuses those first
             sched.pop_finished()
         wall = time.perf_counter() - t0
-        errors = [r.error for r in requests]
-        if all(e is not None for e in errors):
-            raise UserError(errors[0])
         stats = {k: dec.stats[k] - stats0[k] for k in ("transfer_bytes", "transfer_s", "write_s", "transfers")}
         timing = {k: eng.timing[k] - timing0[k] for k in timing0}
         stats["stage_s"] = pre.stats["stage_s"] - stage0  # gathering the pieces on the prefill side
         # the most KV one decode device held for one request's handoff (pulled pieces and their copies)
         stats["max_device_bytes"] = max((max(g.device_bytes.values(), default=0) for g in landed
                                          if not isinstance(g, TransferError)), default=0)
-        decode_s = timing["decode_s"]
-        p_mesh, d_mesh = pre.engine.mesh, eng.mesh
+        p_mesh, d_mesh = pre.engine.runner.mesh, eng.runner.mesh
         stats.update(
             prefill=dict(tp=p_mesh.shape[mesh_lib.TP], dcp=p_mesh.shape[mesh_lib.DCP],
                          interleave=pre.engine.layout.interleave, page_size=pre.engine.layout.page_size),
             decode=dict(tp=d_mesh.shape[mesh_lib.TP], dcp=d_mesh.shape[mesh_lib.DCP],
                         interleave=eng.layout.interleave, page_size=eng.layout.page_size),
-            batch=len(ids), max_seq_len=max_model_len, prompt_tokens=sum(map(len, ids)),
-            generated_tokens=sum(len(r.output_token_ids) for r in requests), compile_s=compile_s,
-            prefill_s=prefill_s, ttft_s=max(first.values(), default=0.0), decode_s=decode_s,
-            decode_steps=timing["decode_steps"],
-            decode_tokens_per_s=timing["decode_tokens"] / decode_s if decode_s > 0 else 0.0, wall_s=wall,
-            requests=[dict(ttft_s=first.get(r.request_id), prompt_tokens=r.num_prompt_tokens,
-                           generated_tokens=len(r.output_token_ids), finish_reason=r.finish_reason)
-                      for r in requests],
-            **eng.kv_bytes())
-        out = Generation([list(r.output_token_ids) for r in requests], [list(r.output_logprobs) for r in requests],
-                         stats, finish_reasons=[r.finish_reason for r in requests], errors=errors)
-        out.text = None if self.tokenizer is None else [self.decode(r.output_token_ids) for r in requests]
-        return out
+            max_seq_len=eng.config.max_model_len, compile_s=compile_s, wall_s=wall,
+            **request_stats(requests, first, timing), **eng.kv_bytes())
+        stats["prefill_s"] = prefill_s  # the prefill side's batch, with the pulls (not the decode side's)
+        return generation(requests, stats, None if self.tokenizer is None else self.decode)

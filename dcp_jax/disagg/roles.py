@@ -31,20 +31,9 @@ import dataclasses
 import threading
 import time
 
-from dcp_jax.disagg.transfer import (
-    Offer,
-    Receiver,
-    Stager,
-    TransferError,
-    TransferPort,
-    check_pairing,
-    describe,
-    new_uuid,
-    head_ranges,
-    placement,
-    src_layout,
-)
-from dcp_jax.engine import SamplingParams
+from dcp_jax.disagg.handoff import Offer, check_pairing, describe, head_ranges, new_uuid, placement, src_layout
+from dcp_jax.disagg.transfer import Receiver, Stager, TransferError, TransferPort
+from dcp_jax.sampling import SamplingParams
 from dcp_jax.serving.request import Request
 
 
@@ -62,12 +51,12 @@ class PrefillInstance:
 
     def __init__(self, engine, port: TransferPort):
         self.engine, self.port = engine, port
-        self.stager = Stager(engine)
+        self.stager = Stager(engine.runner)
         self.lock = threading.Lock()
         self.stats = dict(requests=0, prompt_tokens=0, prefill_s=0.0, stage_s=0.0, offered_bytes=0)
 
     def info(self) -> dict:
-        return describe(self.engine, "prefill", self.port.address)
+        return describe(self.engine.runner, "prefill", self.port.address)
 
     def prefill(self, items: list[dict]) -> list[dict]:
         """Prefill every item (request_item's fields); per item, an Offer's JSON or {"request_id", "error"}.
@@ -75,14 +64,14 @@ class PrefillInstance:
         none); an unusable placement refuses that item."""
         with self.lock:
             eng, sched = self.engine, self.engine.scheduler
-            eng.allocate()
+            eng.runner.allocate()
             reqs, results, dests = [], {}, {}  # reqs: (request_id, Request or the reason it was refused)
             own = self.info()
             for it in items:
                 try:
                     dest = placement(it.get("decode") or own)  # none named: cut for a side laid out as this one
                     src_layout(dest)
-                    if max(hi for _, hi in head_ranges(dest)) > eng.model.config.num_kv_heads:
+                    if max(hi for _, hi in head_ranges(dest)) > eng.runner.model.config.num_kv_heads:
                         raise ValueError("more kv heads than the model's")
                 except (KeyError, TypeError, ValueError) as e:
                     reqs.append((it["request_id"], f"the request names no usable decode placement: {e!r}"))
@@ -168,12 +157,12 @@ class DecodeInstance:
         self.engine, self.prefill, self.port, self.timeout_s = engine, prefill, port, timeout_s
         self.source = prefill.handshake()
         check_pairing(self.source, self.info())
-        self.receiver = Receiver(engine, self.source)
+        self.receiver = Receiver(engine.runner, self.source)
         self.placement = placement(self.info())
         self.stats = dict(transfer_bytes=0, transfer_s=0.0, write_s=0.0, transfers=0, failed=0)
 
     def info(self) -> dict:
-        return describe(self.engine, "decode", self.port.address)
+        return describe(self.engine.runner, "decode", self.port.address)
 
     def fetch_many(self, requests: list[Request]) -> list[Landed | TransferError]:
         """Prefill `requests` on the prefill instance (one batch) and pull each one's KV. Blocking, every
@@ -244,17 +233,18 @@ class DecodeInstance:
         """Admit landed requests from the front of `backlog` (a deque of (Request, Landed), in landing
         order) while slots and pages allow, between engine steps; returns those admitted. A request
         cancelled meanwhile is dropped; one whose KV cannot be written fails alone (finish_reason
-        "error", retryable: the prefill side's fault) and is collected with the scheduler's finished."""
+        "error", retryable) and is collected with the scheduler's finished; if the write lost the pool,
+        the engine rebuilds it (`ServingEngine.recover_pools`)."""
         sched, admitted = self.engine.scheduler, []
         while backlog:
             request, landed = backlog[0]
             if not request.is_finished:
                 try:
                     ok = self.admit(request, landed)
-                except TransferError as e:
-                    request.error_retryable = True
-                    request.finish("error", error=str(e))
-                    sched.finished.append(request)
+                except Exception as e:  # noqa: BLE001 - this request fails alone; its slot and pages come back
+                    why = str(e) if isinstance(e, TransferError) else f"writing its KV failed: {type(e).__name__}: {e}"
+                    sched.fail(request, why, retryable=True)
+                    self.engine.recover_pools()  # a write that died after donating the pool shards
                     ok = False
                 if ok is None:
                     break

@@ -20,7 +20,7 @@ import threading
 
 from dcp_jax.disagg.roles import DecodeInstance, PrefillInstance
 from dcp_jax.disagg.transfer import TransferError, TransferPort
-from dcp_jax.serve import load_engine, openai_app
+from dcp_jax.launch import load_llm, openai_app, serve_forever
 from dcp_jax.serving.async_engine import AsyncEngine
 
 
@@ -166,24 +166,23 @@ class DisaggAsyncEngine(AsyncEngine):
             self.decode.admit_ready(self.backlog)
         elif kind == "failed":
             tracked, error = arg
-            if not tracked.request.is_finished:
-                tracked.request.error_retryable = True  # the prefill instance's failure, not the request's
-                tracked.request.finish("error", error=error)
-                sched.finished.append(tracked.request)
+            sched.fail(tracked.request, error, retryable=True)  # the prefill instance's failure, not the request's
         else:
             super().handle(kind, arg)  # cancel: in the scheduler, or still fetching / in the backlog
 
 
-def make_decode_app(model_dir, *, prefill_at: str, timeout_s: float, tp, dcp, served_model_name, max_pending,
-                    host: str = "127.0.0.1", **engine_kw):
+def make_decode_app(model_dir, *, prefill_at: str, timeout_s: float, served_model_name, max_pending,
+                    host: str = "127.0.0.1", **llm_kw):
     """Load, pair with the prefill instance at `prefill_at` (UserError if that fails), compile, and
-    return (FastAPI app, LLM, DecodeInstance)."""
-    llm, engine, max_model_len, path, embedded = load_engine(model_dir, tp=tp, dcp=dcp, **engine_kw)
-    engine.decode_program()
+    return (FastAPI app, LLM, DecodeInstance). `llm_kw`: as `dcp_jax.launch.load_llm`."""
+    llm, path, embedded = load_llm(model_dir, **llm_kw)
+    engine = llm.engine
+    engine.runner.decode_program()
+    engine.runner.allocate()
     port = TransferPort(llm.mesh.devices.flat[0], host=host)
     decode = DecodeInstance(engine, HttpPrefill(prefill_at, timeout_s), port, timeout_s=timeout_s)
     runner = DisaggAsyncEngine(engine, decode, max_pending=max_pending)
-    app = openai_app(runner, llm, max_model_len, path, embedded, served_model_name)
+    app = openai_app(runner, llm, path, embedded, served_model_name)
 
     @app.get("/disagg/stats")
     async def stats():  # the transfers so far, and the scheduler's snapshot after the last step
@@ -192,35 +191,33 @@ def make_decode_app(model_dir, *, prefill_at: str, timeout_s: float, tp, dcp, se
     return app, llm, decode
 
 
-def make_prefill(model_dir, *, timeout_s: float, tp, dcp, host: str = "127.0.0.1", **engine_kw):
+def make_prefill(model_dir, *, timeout_s: float, host: str = "127.0.0.1", **llm_kw):
     """Load and compile the prefill role: (FastAPI app, LLM, PrefillInstance)."""
-    llm, engine, _, _, _ = load_engine(model_dir, tp=tp, dcp=dcp, **engine_kw)
+    llm, _, _ = load_llm(model_dir, **llm_kw)
+    engine = llm.engine
+    engine.runner.prefill_program()
+    engine.runner.allocate()
     port = TransferPort(llm.mesh.devices.flat[0], host=host, offer_timeout_s=timeout_s)
     instance = PrefillInstance(engine, port)
     return make_prefill_app(instance), llm, instance
 
 
-def run_role(args, tp, dcp) -> int:
-    """`python -m dcp_jax.serve --role prefill|decode ...` after the arguments were checked."""
+def run_role(args, llm_kw: dict) -> int:
+    """`python -m dcp_jax.serve --role prefill|decode ...` after the arguments were checked; `llm_kw`:
+    `load_llm`'s keywords from the shared flags."""
     import sys
 
-    import uvicorn
+    from dcp_jax.cli import RUN_ERROR
 
-    from dcp_jax.generate import RUN_ERROR
-
-    engine_kw = dict(dtype=args.dtype, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
-                     kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
-                     prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps,
-                     enable_prefix_caching=args.enable_prefix_caching, interleave=args.interleave)
+    llm_kw = dict(llm_kw, interleave=args.interleave)
     try:
         if args.role == "prefill":
-            app, llm, inst = make_prefill(args.model, timeout_s=args.transfer_timeout, tp=tp, dcp=dcp,
-                                          host=args.host, **engine_kw)
+            app, llm, inst = make_prefill(args.model, timeout_s=args.transfer_timeout, host=args.host, **llm_kw)
             what = f"prefill instance (KV transfer server {inst.port.address})"
         else:
             app, llm, inst = make_decode_app(args.model, prefill_at=args.prefill_at, timeout_s=args.transfer_timeout,
-                                             tp=tp, dcp=dcp, served_model_name=args.served_model_name,
-                                             max_pending=args.max_pending, host=args.host, **engine_kw)
+                                             served_model_name=args.served_model_name,
+                                             max_pending=args.max_pending, host=args.host, **llm_kw)
             src = inst.source
             what = (f"decode instance paired with the prefill instance at {args.prefill_at} "
                     f"(tp={src['tp']} x dcp={src['dcp']}, interleave {src['interleave']}, page {src['page_size']})")
@@ -231,9 +228,4 @@ def run_role(args, tp, dcp) -> int:
     print(f"serving {llm.source} as the {what} on http://{args.host}:{args.port} (tp={llm.mesh.shape['tp']} x "
           f"dcp={llm.mesh.shape['dcp']}, interleave {lay.interleave}, page {lay.page_size})", file=sys.stderr,
           flush=True)
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    except (OSError, SystemExit) as e:
-        print(f"error: could not serve on {args.host}:{args.port}: {e}", file=sys.stderr)
-        return RUN_ERROR
-    return 0
+    return serve_forever(app, args.host, args.port, args.log_level)

@@ -41,8 +41,6 @@ Placement math comes from `dcp_jax.layout` (`reshard_plan`, `kv_head_ranges`); p
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import threading
 import time
 
@@ -54,134 +52,12 @@ from jax.experimental import transfer as jax_transfer
 from jax.sharding import SingleDeviceSharding
 
 from dcp_jax import mesh as mesh_lib
-from dcp_jax.errors import UserError
-from dcp_jax.layout import PagedLayout, kv_head_ranges, kv_head_sources, reshard_plan
+from dcp_jax.disagg.handoff import PieceSpec, head_ranges, src_layout
+from dcp_jax.layout import PagedLayout, kv_head_sources, reshard_plan
 
 
 class TransferError(RuntimeError):
     """A request's KV did not arrive (the prefill instance died, stalled or refused): fail that request."""
-
-
-# --- identity and the pairing handshake ------------------------------------------------------------
-
-
-def config_hash(cfg) -> str:
-    """A short hash of a model's architecture and sizes (`ModelConfig` without the raw HF dict)."""
-    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "hf_config"}
-    return hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:16]
-
-
-# The handoff's wire format (what `describe`, `Offer` and `PieceSpec` carry). Both sides of a pair must
-# speak the same one: the handshake refuses another. Raise it whenever that format changes.
-PROTOCOL = 2
-
-
-def describe(engine, role: str, address: str) -> dict:
-    """What one side tells the other when they pair (JSON-able): identity, cache geometry, placement."""
-    model = engine.model
-    cfg = model.config
-    lay = engine.layout
-    return dict(role=role, protocol=PROTOCOL, config_hash=config_hash(cfg), architecture=cfg.architecture,
-                dtype=str(np.dtype(engine.dtype)), kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                mla=cfg.mla is not None, num_layers=cfg.num_layers, stored_kv_heads=model.kv_heads,
-                kv_replication=model.kv_replication, tp=engine.mesh.shape[mesh_lib.TP],
-                dcp=engine.mesh.shape[mesh_lib.DCP], num_shards=lay.num_shards, interleave=lay.interleave,
-                page_size=lay.page_size, head_shards=mesh_lib.axis_size(engine.mesh, model.head_axes),
-                max_model_len=engine.config.max_model_len,
-                transfer_address=address)
-
-
-def check_pairing(prefill: dict, decode: dict) -> None:
-    """Refuse a pair that could not exchange KV, with one line naming both sides' values."""
-    if prefill.get("role") != "prefill":
-        raise UserError(f"the instance to pair with is a {prefill.get('role') or 'non-disaggregated'} instance, "
-                        "not a prefill one: start it with --role prefill")
-    if prefill.get("protocol") != decode.get("protocol"):
-        raise UserError(f"cannot pair: the prefill instance speaks handoff protocol {prefill.get('protocol')} but this "
-                        f"decode instance speaks {decode.get('protocol')}; run the same dcp_jax version on both")
-    for key, what in (("config_hash", "model (config hash)"), ("dtype", "KV dtype"), ("kv_heads", "KV heads"),
-                      ("head_dim", "KV head dim"), ("num_layers", "layers")):
-        if prefill[key] != decode[key]:
-            raise UserError(f"cannot pair: the prefill instance has {what} {prefill[key]} but this decode instance "
-                            f"has {decode[key]}; start both with the same model and --dtype")
-    if prefill["max_model_len"] < decode["max_model_len"] - 1:
-        raise UserError(f"cannot pair: the prefill instance takes prompts up to {prefill['max_model_len'] - 1} "
-                        f"tokens but this decode instance admits up to {decode['max_model_len'] - 1}; give both the "
-                        "same --max-model-len")
-
-
-def src_layout(info: dict) -> PagedLayout:
-    """The paged placement a `describe` dict names (either side's)."""
-    return PagedLayout(info["num_shards"], info["interleave"], info["page_size"])
-
-
-PLACEMENT_KEYS = ("num_shards", "interleave", "page_size", "tp", "stored_kv_heads", "kv_replication", "head_shards")
-
-
-def placement(info: dict) -> dict:
-    """What the decode side tells the prefill side with every request (JSON-able, from its `describe`):
-    its paged placement and how its cache heads split, so the source cuts the pieces it wants."""
-    return {k: int(info[k]) for k in PLACEMENT_KEYS}
-
-
-def head_ranges(info: dict) -> list[tuple[int, int]]:
-    """The model's kv heads [lo, hi) of each head shard of the side `info` describes."""
-    return kv_head_ranges(info["stored_kv_heads"], info["kv_replication"], info["head_shards"])
-
-
-# --- the pieces of one request's staged KV ----------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class PieceSpec:
-    """One single-device piece [T, L, heads, D] of a request's KV: layer stack `stack`, array `kind`
-    (0 = k, 1 = v; MLA: 0 = latent), the T tokens that source context rank `rank` holds and destination
-    context rank `dst_rank` owns (`ReshardPlan.piece_positions()[rank][dst_rank]`, in that order), the
-    model's kv heads [head0, head0 + shape[2]) (those one destination head shard keeps)."""
-
-    stack: int
-    kind: int
-    rank: int
-    dst_rank: int
-    head0: int
-    shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> "PieceSpec":
-        return cls(int(d["stack"]), int(d["kind"]), int(d["rank"]), int(d["dst_rank"]), int(d["head0"]),
-                   tuple(int(x) for x in d["shape"]), str(d["dtype"]))
-
-
-@dataclasses.dataclass
-class Offer:
-    """What the prefill side answers for one request: its first sampled token and where its KV waits."""
-
-    request_id: str
-    uuid: int
-    length: int  # prompt tokens whose KV is offered
-    first_token: int
-    first_logprob: float
-    pieces: list[PieceSpec]
-    prefill_s: float = 0.0
-
-    def to_json(self) -> dict:
-        return dict(request_id=self.request_id, uuid=self.uuid, length=self.length, first_token=self.first_token,
-                    first_logprob=self.first_logprob, pieces=[p.to_json() for p in self.pieces],
-                    prefill_s=self.prefill_s)
-
-    @classmethod
-    def from_json(cls, d: dict) -> "Offer":
-        return cls(str(d["request_id"]), int(d["uuid"]), int(d["length"]), int(d["first_token"]),
-                   float(d["first_logprob"]), [PieceSpec.from_json(p) for p in d["pieces"]],
-                   float(d.get("prefill_s", 0.0)))
 
 
 class Stager:
@@ -190,8 +66,8 @@ class Stager:
 
     One compiled gather per (number of blocks, destination placement)."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, runner):
+        self.engine = runner  # a ModelRunner: its pools, layout and mesh
         self.compiled: dict = {}
 
     def gather_program(self, blocks: int, dst: PagedLayout):
@@ -208,7 +84,7 @@ class Stager:
             spec = mesh_lib.kv_pool_spec(model.head_axes, model.context_axes, stacked=True)
             out_spec = mesh_lib.kv_tokens_spec(model.head_axes, model.context_axes)
             ctx_axes = model.context_axes
-            leaves, tree = jax.tree.flatten(eng.pool_spec())
+            leaves, tree = jax.tree.flatten(eng.pool_spec().target)
             plan = reshard_plan(lay, dst, blocks * lay.tokens_per_block)
             positions, end = plan.piece_positions(), plan.staged_tokens
             tables = []  # (dst rank, [N_src, B] positions, padded with `end`: never < length)
@@ -261,8 +137,8 @@ class Stager:
         program, dst_ranks, sizes = self.gather_program(blocks, dst)
         staged = program(eng.pools, row, np.int32(length))
         heads_of = kv_head_sources(model.kv_heads, model.kv_replication)
-        flat = jax.tree.leaves(eng.pool_spec())
-        groups = [(s, k) for s, stack in enumerate(eng.pool_spec()) for k in range(len(stack))]
+        flat = jax.tree.leaves(eng.pool_spec().target)
+        groups = [(s, k) for s, stack in enumerate(eng.pool_spec().target) for k in range(len(stack))]
         arrays, specs = [], []
         for i, r in enumerate(dst_ranks):
             for g, (s, k) in enumerate(groups):
@@ -302,17 +178,17 @@ class Receiver:
     program over the mesh could only take padded to the largest, so the programs are per device:
     one compiled per (device, the shapes of its pieces), i.e. per number of source blocks."""
 
-    def __init__(self, engine, source: dict):
-        self.engine, self.source = engine, source
+    def __init__(self, runner, source: dict):
+        self.engine, self.source = runner, source  # a ModelRunner: its pools, layout and mesh
         self.src = src_layout(source)
         self.compiled: dict = {}
-        model = engine.model
-        pages = engine.config.num_pages
+        model = runner.model
+        pages = runner.config.num_pages
         heads_of = kv_head_sources(model.kv_heads, model.kv_replication)
-        shape = jax.tree.leaves(engine.pool_spec())[0].shape
-        where = engine.pool_sharding.devices_indices_map(shape)
+        shape = jax.tree.leaves(runner.pool_spec().target)[0].shape
+        where = runner.pool_sharding.devices_indices_map(shape)
         self.devices = []  # (device, context rank, the model heads of its stored heads), in mesh order
-        for dev in engine.mesh.devices.flat:
+        for dev in runner.mesh.devices.flat:
             idx = where[dev]
             h = range(model.kv_heads)[idx[2]]
             self.devices.append((dev, (idx[1].start or 0) // pages, heads_of[h.start:h.stop]))
@@ -338,7 +214,7 @@ class Receiver:
         key = (device.id, meta)
         if key not in self.compiled:
             eng = self.engine
-            leaves = jax.tree.leaves(eng.pool_spec())
+            leaves = jax.tree.leaves(eng.pool_spec().target)
             sharding = SingleDeviceSharding(device)
             mine = next(m for d, _, m in self.devices if d == device)
 
@@ -381,7 +257,7 @@ class Receiver:
         lay, pages = eng.layout, eng.config.num_pages
         positions = reshard_plan(self.src, lay, length).piece_positions()
         table_row = np.asarray(table_row)
-        groups = [(s, k) for s, stack in enumerate(eng.pool_spec()) for k in range(len(stack))]
+        groups = [(s, k) for s, stack in enumerate(eng.pool_spec().target) for k in range(len(stack))]
         held: dict = {d: [] for d, _, _ in self.devices}  # device -> [(spec, array, page, slot)]
         for piece, spec in zip(pieces, specs):
             pos = positions[spec.rank][spec.dst_rank] if spec.rank < len(positions) else []
@@ -396,22 +272,17 @@ class Receiver:
                 held[dev].append((spec, here, page.astype(np.int32), slot.astype(np.int32)))
         placed = {d.id: sum(sh.data.nbytes for _, a, _, _ in held[d] for sh in a.addressable_shards if sh.device == d)
                   for d in held}
-        leaves = jax.tree.leaves(eng.allocate())
-        shards = [{sh.device: sh.data for sh in leaf.addressable_shards} for leaf in leaves]
-        # each device's shards are donated to its program below (the global arrays are replaced after)
-        for dev, items in held.items():
+
+        def write(dev, shards):  # this device's pool shards (donated to its program) -> the new ones
+            items = held[dev]
             if not items:
-                continue
+                return shards
             meta = tuple((groups.index((s.stack, s.kind)), s.head0, s.shape) for s, _, _, _ in items)
             program = self.write_program(dev, meta, tuple(len(p) for _, _, p, _ in items))
-            out = program(tuple(sh[dev] for sh in shards), tuple(a for _, a, _, _ in items),
-                          tuple(p for _, _, p, _ in items), tuple(s for _, _, _, s in items))
-            for sh, new in zip(shards, out):
-                sh[dev] = new
-        devices = [d for d, _, _ in self.devices]
-        eng.pools = jax.tree.unflatten(jax.tree.structure(eng.pool_spec()), [
-            jax.make_array_from_single_device_arrays(leaf.shape, eng.pool_sharding, [sh[d] for d in devices])
-            for leaf, sh in zip(leaves, shards)])
+            return program(shards, tuple(a for _, a, _, _ in items), tuple(p for _, _, p, _ in items),
+                           tuple(s for _, _, _, s in items))
+
+        eng.write_pool_shards(write)
         return placed
 
 
@@ -507,9 +378,3 @@ class TransferPort:
         except Exception as e:  # noqa: BLE001 - the library's error, as one line
             raise TransferError(f"{what} failed: {str(e).splitlines()[0]}") from None
         return wait_ready(pulled, timeout_s, what)
-
-
-def new_uuid() -> int:
-    """A random 63-bit transfer id."""
-    return int.from_bytes(np.random.default_rng().bytes(8), "little") >> 1
-

@@ -100,7 +100,10 @@ class AsyncEngine:
 
     # --- the engine thread ------------------------------------------------------------------------
     def run(self) -> None:
+        """The engine thread. A step's failure fails that step's requests (`ServingEngine.step`) and
+        the loop goes on; only a failure outside a step (a bug) ends it, and then `failure` is set."""
         sched = self.engine.scheduler
+        self.engine.lock.acquire()  # this thread drives the engine until it ends
         try:
             while not self.stopping.is_set():
                 self.drain(block=not sched.has_unfinished())
@@ -127,6 +130,7 @@ class AsyncEngine:
         for t in list(self.tracked.values()):
             self.abort(t.request.request_id, reason)
         self.publish(error=reason)
+        self.engine.lock.release()
 
     def drain(self, block: bool) -> None:
         """Apply queued commands; wait for one first when there is no work."""
@@ -147,7 +151,10 @@ class AsyncEngine:
         """Apply one queued command (on the engine thread): "add" a tracked request, "cancel" an id."""
         if kind == "add":
             self.tracked[arg.request.request_id] = arg
-            self.engine.scheduler.add_request(arg.request)  # one that can never run finishes at once ("error")
+            try:
+                self.engine.scheduler.add_request(arg.request)  # one that can never run finishes at once ("error")
+            except Exception as e:  # noqa: BLE001 - e.g. a duplicate id: this request fails, the engine goes on
+                self.engine.scheduler.fail(arg.request, f"the request was refused: {e}")
         elif kind == "cancel":
             self.abort(arg)
 
@@ -155,11 +162,9 @@ class AsyncEngine:
         """Finish a tracked request now (finish_reason "abort"), in the scheduler or, when a subclass holds
         it outside (e.g. while its KV is on the way from a prefill instance), here; the next `publish`
         sends its final update."""
-        sched, t = self.engine.scheduler, self.tracked.get(request_id)
-        if sched.cancel(request_id) or t is None or t.request.is_finished:
-            return
-        t.request.finish("abort", error=error)
-        sched.finished.append(t.request)
+        t = self.tracked.get(request_id)
+        if t is not None:
+            self.engine.scheduler.abort(t.request, error)
 
     def publish(self, error: str | None = None) -> None:
         """Push each tracked request's new tokens, and finished requests' final updates."""

@@ -16,206 +16,33 @@ import json
 import random
 import time
 import uuid
-from typing import Any
 
-from dcp_jax.engine import SamplingParams
 from dcp_jax.errors import UserError
+from dcp_jax.sampling import SamplingParams, check_seed
 from dcp_jax.serving.async_engine import AsyncEngine, QueueFull
+from dcp_jax.serving.metrics import Metrics
+from dcp_jax.serving.protocol import (
+    UNSUPPORTED,
+    APIError,
+    ChatBody,
+    ChatTemplate,
+    CompletionBody,
+    TextStream,
+    RequestBody,
+    error_response,
+)
 from dcp_jax.serving.request import Request
 
 try:
     from fastapi import FastAPI
     from fastapi import Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-    from prometheus_client import (
-        CollectorRegistry,
-        Counter,
-        Gauge,
-        Histogram,
-        generate_latest,
-    )
-    from pydantic import BaseModel, ConfigDict, Field, ValidationError
+    from fastapi.responses import PlainTextResponse, StreamingResponse
+    from prometheus_client import generate_latest
+    from pydantic import ValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 except ImportError as e:  # pragma: no cover - the message names the fix
     raise ImportError(f"the server needs the 'serve' extra: pip install 'dcp_jax[serve]' ({e})") from None
-
-# Parameters of OpenAI's API that this server does not implement: a request that sets one to anything
-# but its neutral value is refused (400) rather than silently answered differently.
-UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "logit_bias": None, "presence_penalty": 0,
-               "frequency_penalty": 0, "tools": None, "tool_choice": None, "functions": None,
-               "function_call": None, "response_format": None, "top_logprobs": 0, "parallel_tool_calls": None,
-               "prediction": None, "audio": None, "modalities": None}
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-
-def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
-                        status_code=status, headers={"Retry-After": "1"} if status == 503 else None)
-
-
-# --- request bodies (strict: a wrong type is a 400, not a silent coercion) ------------------------------
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-
-    model: str
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    ignore_eos: bool = False
-    user: str | None = None
-
-
-class CompletionBody(_Body):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-
-
-class ChatBody(_Body):
-    messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-
-
-# --- chat templates -------------------------------------------------------------------------------------
-class ChatTemplate:
-    """A checkpoint's Jinja chat template, rendered the way transformers renders it: a sandboxed
-    environment with trim_blocks/lstrip_blocks, `raise_exception`, `tojson`, and the variables
-    messages, add_generation_prompt, bos_token, eos_token."""
-
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
-        from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
-                                                                                      ensure_ascii=ensure_ascii)
-        env.globals["raise_exception"] = raise_exception
-        self.template = env.from_string(source)
-        self.bos_token, self.eos_token = bos_token, eos_token
-
-    @classmethod
-    def from_tokenizer_config(cls, path) -> ChatTemplate | None:
-        """The template in `path` (tokenizer_config.json), or None when there is none."""
-        from pathlib import Path
-
-        path = Path(path)
-        if not path.is_file():
-            return None
-        cfg = json.loads(path.read_text())
-        source = cfg.get("chat_template")
-        if isinstance(source, list):  # named templates: the default one
-            source = next((t.get("template") for t in source if t.get("name") == "default"), None)
-        if not source:
-            return None
-
-        def token(x):
-            return (x.get("content", "") if isinstance(x, dict) else x) or ""
-
-        return cls(source, token(cfg.get("bos_token")), token(cfg.get("eos_token")))
-
-    def render(self, messages: list[dict]) -> str:
-        from jinja2.exceptions import TemplateError
-
-        try:
-            return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
-                                        eos_token=self.eos_token)
-        except TemplateError as e:
-            raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
-
-
-# --- metrics --------------------------------------------------------------------------------------------
-# (engine stat, metric name after "dcp_jax_", help)
-STAT_GAUGES = (
-    ("running", "num_requests_running", "Requests holding a decode slot"),
-    ("waiting", "num_requests_waiting", "Requests queued in the scheduler"),
-    ("preemptions", "num_preemptions", "Preemptions since the start (cumulative)"),
-    ("pages_used", "kv_pages_used", "KV pages in use (per context rank)"),
-    ("pages_total", "kv_pages_total", "Usable KV pages (per context rank)"),
-    ("kv_capacity_tokens", "kv_capacity_tokens", "Tokens the whole KV pool holds"),
-    ("prefix_query_tokens", "prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache (cumulative)"),
-    ("prefix_hit_tokens", "prefix_cache_hit_tokens", "Prompt tokens found cached (cumulative)"),
-    ("prefix_hit_rate", "prefix_cache_hit_rate", "prefix_cache_hit_tokens / query tokens"),
-    ("cached_blocks", "prefix_cache_blocks", "Blocks in the prefix table"),
-    ("evictions", "prefix_cache_evictions", "Cached blocks evicted (cumulative)"),
-    ("spec_drafted_tokens", "spec_decode_drafted_tokens",
-     "Draft tokens proposed (cumulative; 0 without speculative decoding)"),
-    ("spec_accepted_tokens", "spec_decode_accepted_tokens", "Draft tokens accepted (cumulative)"),
-    ("mean_acceptance_length", "spec_decode_mean_acceptance_length",
-     "Tokens a sequence gains per verify step: 1 + accepted / steps (cumulative)"),
-)
-
-
-class Metrics:
-    """Prometheus metrics in a registry of this app's own."""
-
-    def __init__(self, tp: int, dcp: int):
-        self.registry = r = CollectorRegistry()
-        p = "dcp_jax_"
-        self.requests = Counter(p + "requests", "HTTP requests answered, by status code", ["status"], registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to the first generated token",
-                              buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60), registry=r)
-        self.tpot = Histogram(p + "time_per_output_token_seconds", "Mean time between a request's tokens",
-                              buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5), registry=r)
-        self.finished = Counter(p + "requests_finished", "Requests finished, by finish reason (abort: the client "
-                                "went away)", ["reason"], registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
-        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
-        # one gauge per engine stat, set from `engine.stats()` (the cumulative ones are running totals)
-        self.gauges = [(key, Gauge(p + name, help_, registry=r)) for key, name, help_ in STAT_GAUGES]
-        Gauge(p + "tp", "Tensor-parallel size", registry=r).set(tp)
-        Gauge(p + "dcp", "Decode-context-parallel size", registry=r).set(dcp)
-
-    def update(self, stats: dict) -> None:
-        for key, gauge in self.gauges:
-            if key in stats:  # (speculation's only when it is on: 0 otherwise)
-                gauge.set(stats[key])
-
-
-# --- text deltas ----------------------------------------------------------------------------------------
-class TextStream:
-    """Turns cumulative token ids into text deltas whose concatenation is the final text: it holds back
-    an incomplete UTF-8 character and any tail that could begin a stop string (the scheduler cuts the
-    final text before a stop string, so what was sent must never include part of one)."""
-
-    def __init__(self, detokenize, stop: tuple[str, ...]):
-        self.detokenize, self.stop, self.sent = detokenize, stop, ""
-
-    def delta(self, ids: list[int], final_text: str | None = None, finished: bool = False) -> str:
-        if self.detokenize is None:
-            return ""
-        text = final_text if finished and final_text is not None else self.detokenize(ids)
-        if not finished:
-            text = text.rstrip("\ufffd")
-            hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-            text = text[:len(text) - hold]
-        if not text.startswith(self.sent):  # a detokenizer rewrote earlier text: send only what extends
-            return ""
-        out, self.sent = text[len(self.sent):], text
-        return out
-
 
 # --- the app --------------------------------------------------------------------------------------------
 def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, tokenizer=None,
@@ -294,7 +121,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
 
     detokenize = None if tokenizer is None else (lambda t: tokenizer.decode(list(t)))
 
-    def make_request(body: _Body, prompt_ids: list[int], default_max: int | None) -> Request:
+    def make_request(body: RequestBody, prompt_ids: list[int], default_max: int | None) -> Request:
         if body.model != model_name:
             raise APIError(400, f"the model {body.model!r} does not exist: this server serves {model_name!r}",
                            param="model", code="model_not_found")
@@ -318,8 +145,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
             raise APIError(400, f"max_tokens ({max_tokens}) + the prompt ({len(prompt_ids)} tokens) exceed the "
                            f"model context of {max_model_len} tokens: lower max_tokens", param="max_tokens")
         seed = body.seed if body.seed is not None else random.getrandbits(31)
-        if not 0 <= seed < 2**32:
-            raise APIError(400, f"seed must be in [0, 2**32), got {seed}", param="seed")
+        if (problem := check_seed(seed)) is not None:
+            raise APIError(400, problem, param="seed")
         try:
             sampling = SamplingParams(float(body.temperature), int(body.top_k), float(body.top_p))
         except UserError as e:  # SamplingParams owns these ranges; its message starts with the field
@@ -385,8 +212,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
         except asyncio.CancelledError:  # the client went away
             engine.cancel(request.request_id)
             raise
-        if u.finish_reason not in ("stop", "length"):
-            raise APIError(500, u.error or f"the request ended with {u.finish_reason}", "server_error")
+        if u.finish_reason not in ("stop", "length"):  # a server-side failure the client may retry: 503
+            raise APIError(503 if u.retryable else 500, u.error or f"the request ended with {u.finish_reason}",
+                           "server_error")
         observe(request, t_first, u.time, len(out_ids), request.num_prompt_tokens)
         return out_ids, out_lps, u, t_first
 

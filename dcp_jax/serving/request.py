@@ -9,7 +9,7 @@ import dataclasses
 import enum
 from collections.abc import Callable, Sequence
 
-from dcp_jax.engine import SamplingParams
+from dcp_jax.sampling import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 

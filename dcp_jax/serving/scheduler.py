@@ -19,10 +19,12 @@ prefilling prompt + the tokens it generated so far (the token sampled after that
 one). The oldest running request therefore always progresses, and `add_request` refuses requests
 that could not fit the pool even alone, so the schedule cannot deadlock.
 
-With `enable_prefix_caching`, pages come from a `PrefixCache` (dcp_jax/kv/prefix.py): an admitted (or
-resumed) request starts after the longest run of cached full blocks of its tokens, sharing those pages,
-and every block a request fills is registered for later requests. Cached pages no request holds count
-as available: taking one evicts it (least recently used first). See docs/SERVING.md.
+Policy only: where KV lives (pages, the block table, the prefix table) is the KV manager's
+(`dcp_jax.kv.manager.KVCacheManager`, the only way into the allocator and prefix table). With
+`enable_prefix_caching` an admitted (or resumed) request starts after the longest run of cached full
+blocks of its tokens, sharing those pages, and every block a request fills is registered for later
+requests. Cached pages no request holds count as available: taking one evicts it (least recently used
+first). See docs/SERVING.md.
 """
 
 from __future__ import annotations
@@ -35,57 +37,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from dcp_jax.errors import UserError
-from dcp_jax.kv.allocator import PageAllocator
-from dcp_jax.kv.prefix import PrefixCache, chain_keys
-from dcp_jax.layout import PagedLayout
+from dcp_jax.kv.manager import NULL_PAGE, KVCacheManager
+from dcp_jax.sampling import check_seed
+from dcp_jax.serving.config import SchedulerConfig
 from dcp_jax.serving.request import Request, RequestState
 
-NULL_PAGE = 0  # block-table filler; page 0 of the pool is reserved for it
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
-    """Sizes that fix the device programs' shapes, and the scheduling knobs.
-
-    num_pages counts the whole pool, the reserved null page included (so num_pages - 1 are usable).
-    max_num_batched_tokens bounds the prefill tokens of one iteration (summed over every request's
-    chunk); decode runs in its own [max_num_seqs, decode_steps] program and is not charged to it.
-    """
-
-    layout: PagedLayout
-    num_pages: int
-    max_model_len: int
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 512
-    decode_steps: int = 8
-    eos_token_ids: tuple[int, ...] = ()
-    vocab_size: int | None = None
-    enable_prefix_caching: bool = False
-    # speculative decoding: each decode iteration is one verify step that may emit up to
-    # num_speculative_tokens + 1 tokens per request (decode_steps is then ignored); pages are reserved
-    # for all of them, and each request's budget (plan.decode_budget) is capped by its own tokens left
-    num_speculative_tokens: int = 0
-
-    def __post_init__(self):
-        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
-        if not (isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 0):
-            raise UserError(f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
-        for name in ("num_pages", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "decode_steps"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < (2 if name == "num_pages" else 1):
-                least = 2 if name == "num_pages" else 1
-                raise UserError(f"{name} must be an integer >= {least}, got {v!r}"
-                                + (" (page 0 is the reserved null page)" if name == "num_pages" else ""))
-
-    @property
-    def tokens_per_decode(self) -> int:
-        """The most tokens one decode iteration may give a request (pages are reserved for them)."""
-        return self.num_speculative_tokens + 1 if self.num_speculative_tokens else self.decode_steps
-
-    @property
-    def max_blocks_per_seq(self) -> int:
-        """Block-table columns: enough blocks for max_model_len tokens."""
-        return self.layout.blocks_for(self.max_model_len)
+__all__ = ["NULL_PAGE", "PrefillChunk", "SchedulePlan", "Scheduler", "SchedulerConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,17 +117,12 @@ class Scheduler:
                  clock: Callable[[], float] = time.monotonic):
         self.config, self.detokenize, self.clock = config, detokenize, clock
         self.layout = config.layout
-        self.allocator = PageAllocator(config.num_pages, reserved=NULL_PAGE + 1)
-        # Every page goes through the prefix cache; with caching off nothing is ever registered, so it
-        # is the plain allocator (one code path for both).
-        self.pool = PrefixCache(self.allocator)
-        self.prefix_query_tokens = self.prefix_hit_tokens = 0
-        self.block_table = np.full((config.max_num_seqs, config.max_blocks_per_seq), NULL_PAGE, np.int32)
+        self.kv = KVCacheManager(config.layout, config.num_pages, config.max_num_seqs, config.max_blocks_per_seq,
+                                 config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.finished: list[Request] = []  # not yet popped
-        self.free_slots: set[int] = set(range(config.max_num_seqs))
         self.num_preemptions = 0
         self.last_plan: SchedulePlan | None = None
         self.step = 0
@@ -197,8 +149,7 @@ class Scheduler:
         problem = self.validate(request)
         if problem is None:
             return False
-        request.finish("error", error=problem)
-        self.finished.append(request)
+        self.fail(request, problem)
         return True
 
     def validate(self, request: Request) -> str | None:
@@ -212,15 +163,14 @@ class Scheduler:
         if n >= cfg.max_model_len:
             return (f"the prompt has {n} tokens but the model context (max_model_len) is {cfg.max_model_len}: "
                     f"shorten the prompt to at most {cfg.max_model_len - 1} tokens or raise max_model_len")
-        seed = request.seed
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
-            return f"seed must be an integer in [0, 2**32), got {seed!r}"
+        if (problem := check_seed(request.seed)) is not None:
+            return problem
         if request.max_tokens is not None and not (isinstance(request.max_tokens, int) and request.max_tokens >= 1):
             return f"max_tokens must be an integer >= 1 or None, got {request.max_tokens!r}"
         if request.stop and self.detokenize is None:
             return "stop strings need a tokenizer to detokenize the output: give stop_token_ids instead"
         peak = request.peak_cache_tokens(cfg.max_model_len)
-        need, have = self.layout.blocks_for(peak), self.allocator.num_usable
+        need, have = self.layout.blocks_for(peak), self.kv.num_usable
         if need > have:
             wanted = "up to max_model_len" if request.max_tokens is None else request.max_tokens
             return (f"prompt ({n} tokens) + max_tokens ({wanted}) needs {need} KV pages of "
@@ -236,6 +186,27 @@ class Scheduler:
             return False
         self.finish(request, "abort")
         return True
+
+    def fail(self, request: Request, error: str, retryable: bool = False) -> None:
+        """Finish `request` with finish_reason "error" and a one-line message, wherever it is (queued,
+        running, or never added: e.g. held by a caller while its KV was on the way); its slot and pages
+        come back at once. `retryable`: the server's fault, not the request's (the same request may
+        succeed when sent again)."""
+        if not request.is_finished:
+            request.error_retryable = retryable
+            self.end(request, "error", error)
+
+    def abort(self, request: Request, error: str | None = None) -> None:
+        """Finish `request` with finish_reason "abort" wherever it is (as `fail`), e.g. its client went away."""
+        if not request.is_finished:
+            self.end(request, "abort", error)
+
+    def end(self, request: Request, reason: str, error: str | None) -> None:
+        if self.requests.get(request.request_id) is request:
+            self.finish(request, reason, error=error)
+        else:  # never added, or held outside the scheduler: nothing to release
+            request.finish(reason, error=error, detokenize=self.detokenize)
+            self.finished.append(request)
 
     def pop_finished(self) -> list[Request]:
         """Requests finished since the last call (stop, length, abort or error)."""
@@ -276,7 +247,7 @@ class Scheduler:
 
         # 1. running requests, oldest first; a shortage preempts from the newest end of `running`
         #    (not yet visited), down to the request itself.
-        i = 0
+        kv, i = self.kv, 0
         while i < len(self.running):
             r = self.running[i]
             if r.state is RequestState.DECODING:
@@ -286,19 +257,19 @@ class Scheduler:
                 if target == r.num_computed:
                     i += 1
                     continue
-            need = lay.blocks_for(target) - len(r.pages)
-            while need > self.pool.num_available and self.running[-1] is not r:
+            need = kv.blocks_needed(r, target)
+            while need > kv.num_available and self.running[-1] is not r:
                 preempted.append(self.preempt(self.running[-1]))
-            if need > self.pool.num_available:  # r is the newest running request
+            if need > kv.num_available:  # r is the newest running request
                 if r.state is RequestState.DECODING:
                     preempted.append(self.preempt(r))
                     continue
-                target = min(target, lay.capacity_tokens(len(r.pages) + self.pool.num_available))
-                need = lay.blocks_for(target) - len(r.pages)
+                target = min(target, lay.capacity_tokens(len(r.pages) + kv.num_available))
+                need = kv.blocks_needed(r, target)
                 if target <= r.num_computed:
                     i += 1
                     continue
-            self.grow(r, need)
+            kv.grow(r, need)
             if r.state is RequestState.DECODING:
                 decodes.append(r)
             else:
@@ -308,27 +279,19 @@ class Scheduler:
 
         # 2. admit waiting requests in arrival order while slots, pages and budget last (not after a
         #    preemption: the pool is short already). Strict FCFS: the head waits, nobody overtakes it.
-        while not preempted and self.waiting and self.free_slots and budget > 0:
+        while not preempted and self.waiting and kv.free_slots and budget > 0:
             r = self.waiting[0]
-            hit = self.prefix_hit(r)
-            taken = sum(1 for p in hit if p in self.pool.evictable)  # hit pages no longer available
+            hit = kv.lookup(r)
             start = lay.capacity_tokens(len(hit))
             target = min(r.num_tokens, start + budget,
-                         lay.capacity_tokens(len(hit) + self.pool.num_available - taken))
+                         lay.capacity_tokens(len(hit) + kv.num_available - kv.num_taken_by(hit)))
             if target <= start:
                 break
             self.waiting.popleft()
-            r.slot = min(self.free_slots)
-            self.free_slots.remove(r.slot)
+            kv.admit(r, hit)
             r.state, r.num_computed = RequestState.PREFILLING, start
             self.running.append(r)
-            if hit:
-                self.pool.acquire(hit)
-                self.block_table[r.slot, :len(hit)] = hit
-                r.pages, r.num_registered = list(hit), len(hit)
-            self.prefix_query_tokens += r.num_tokens
-            self.prefix_hit_tokens += start
-            self.grow(r, lay.blocks_for(target) - len(r.pages))
+            kv.grow(r, kv.blocks_needed(r, target))
             prefills.append(self.chunk(r, target))
             budget -= target - start
 
@@ -341,56 +304,23 @@ class Scheduler:
         plan = SchedulePlan(
             step=self.step, prefills=prefills, decode_requests=decodes, decode_slots=[r.slot for r in decodes],
             decode_steps=k_steps if decodes else 0, decode_tokens=tokens, decode_positions=positions,
-            decode_mask=mask, block_table=self.block_table.copy(), preempted=preempted, decode_budget=budgets)
+            decode_mask=mask, block_table=self.kv.block_table.copy(), preempted=preempted, decode_budget=budgets)
         self.last_plan = plan
         return plan
 
-    def drop_cached_blocks(self) -> int:
-        """Forget every cached prefix block no request holds (their KV is about to be lost); returns how
-        many were dropped."""
-        return self.pool.clear()
-
-    def prefix_hit(self, r: Request) -> list[int]:
-        """Pages of the longest run of cached full blocks of `r`'s prompt + output so far, stopping
-        before its last token: the device must still run that token to sample the next one, and the
-        block it lands in will be written, so it must be a private page (never a cached one)."""
-        if not self.config.enable_prefix_caching:
-            return []
-        tpb = self.layout.tokens_per_block
-        chain_keys(r.token_ids(0, r.num_tokens), tpb, r.block_keys)
-        return self.pool.lookup(r.block_keys[:(r.num_tokens - 1) // tpb])
-
-    def register_blocks(self, r: Request) -> None:
-        """Cache `r`'s blocks that became full (all their KV written), prefill or decode alike."""
-        if not self.config.enable_prefix_caching:
-            return
-        tpb = self.layout.tokens_per_block
-        full = min(r.num_computed // tpb, len(r.pages))
-        if full <= r.num_registered:
-            return
-        chain_keys(r.token_ids(0, full * tpb), tpb, r.block_keys)
-        for b in range(r.num_registered, full):
-            self.pool.register(r.block_keys[b], r.pages[b])
-        r.num_registered = full
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block no request holds; returns how many were dropped."""
+        return self.kv.reset_prefix_cache()
 
     def chunk(self, r: Request, target: int) -> PrefillChunk:
         """The prefill chunk taking `r` from num_computed to `target` tokens in cache."""
         return PrefillChunk(request=r, slot=r.slot, start=r.num_computed,
                             token_ids=r.token_ids(r.num_computed, target), is_last=target == r.num_tokens)
 
-    def grow(self, r: Request, n: int) -> None:
-        """Give running request `r` n more pages (the caller checked they are free)."""
-        if n <= 0:
-            return
-        pages = self.pool.allocate(n)
-        assert pages is not None, "caller must check num_available"
-        self.block_table[r.slot, len(r.pages):len(r.pages) + n] = pages
-        r.pages.extend(pages)
-
     def preempt(self, r: Request) -> str:
         """Return a running request's slot and pages and queue it first, to be recomputed
         (prompt + output so far) when it is admitted again. Returns its id."""
-        self.release(r)
+        self.kv.release(r)
         self.running.remove(r)
         r.state, r.num_computed = RequestState.WAITING, 0
         r.num_preemptions += 1
@@ -398,25 +328,12 @@ class Scheduler:
         self.waiting.appendleft(r)
         return r.request_id
 
-    def release(self, r: Request) -> None:
-        """Free `r`'s pages and slot (the block-table row goes back to NULL_PAGE). Its full blocks are
-        registered first, so a finished or preempted request leaves its prefix cached."""
-        self.register_blocks(r)
-        if r.pages:
-            self.pool.release(r.pages)
-            r.pages = []
-        r.num_registered = 0
-        if r.slot is not None:
-            self.block_table[r.slot] = NULL_PAGE
-            self.free_slots.add(r.slot)
-            r.slot = None
-
-    def finish(self, r: Request, reason: str | None = None) -> None:
+    def finish(self, r: Request, reason: str | None = None, error: str | None = None) -> None:
         """Take a request out of the queues, free its pages at once, and collect it as finished.
-        With `reason`, finish it first (abort); otherwise it finished by a stop rule already."""
+        With `reason`, finish it first (abort, error); otherwise it finished by a stop rule already."""
         if reason is not None:
-            r.finish(reason, detokenize=self.detokenize)
-        self.release(r)
+            r.finish(reason, error=error, detokenize=self.detokenize)
+        self.kv.release(r)
         if r in self.running:
             self.running.remove(r)
         elif r in self.waiting:
@@ -438,7 +355,7 @@ class Scheduler:
             if r.state is not RequestState.PREFILLING or r.slot != c.slot:
                 continue  # cancelled after the plan was made
             r.num_computed = c.end
-            self.register_blocks(r)
+            self.kv.register(r)
             if not c.is_last:
                 continue
             r.state = RequestState.DECODING
@@ -472,7 +389,7 @@ class Scheduler:
                     done.append(r)  # finish() registered its full blocks before freeing them
                     break
             else:
-                self.register_blocks(r)
+                self.kv.register(r)
         return done
 
     def check_plan(self, plan: SchedulePlan, flag: str) -> None:
@@ -495,34 +412,16 @@ class Scheduler:
         """Counters for logs and metrics. pages_used counts pages requests hold; cached blocks no
         request uses are free for the pool's purposes (evicted on demand) and counted in cached_blocks.
         prefix_query_tokens / prefix_hit_tokens sum over admissions (a resumed request counts again)."""
-        used, total = self.pool.num_in_use, self.allocator.num_usable
-        q, h = self.prefix_query_tokens, self.prefix_hit_tokens
-        return dict(preemptions=self.num_preemptions, pages_used=used, pages_total=total,
-                    kv_capacity_tokens=self.layout.capacity_tokens(total),
-                    kv_used_tokens=self.layout.capacity_tokens(used),
-                    running=len(self.running), waiting=len(self.waiting),
-                    prefix_query_tokens=q, prefix_hit_tokens=h, prefix_hit_rate=h / q if q else 0.0,
-                    cached_blocks=self.pool.num_cached, evictions=self.pool.num_evictions)
+        return dict(preemptions=self.num_preemptions, running=len(self.running), waiting=len(self.waiting),
+                    **self.kv.stats())
 
     def check(self) -> None:
         """Assert the scheduler's invariants (tests call it after every step)."""
-        self.pool.check(owners=[r.pages for r in self.running])
-        slots = [r.slot for r in self.running]
-        assert len(set(slots)) == len(slots) and None not in slots
-        assert self.free_slots == set(range(self.config.max_num_seqs)) - set(slots)
-        for s in self.free_slots:
-            assert (self.block_table[s] == NULL_PAGE).all()
+        self.kv.check(self.running)
         for r in self.running:
             assert r.state in (RequestState.PREFILLING, RequestState.DECODING)
-            row = self.block_table[r.slot]
-            assert row[:len(r.pages)].tolist() == r.pages and (row[len(r.pages):] == NULL_PAGE).all()
-            assert len(r.pages) >= self.layout.blocks_for(r.num_computed)
             if r.state is RequestState.DECODING:
                 assert r.num_computed == r.num_tokens - 1
-            # the pages it may still write (from its first block not fully computed) are private
-            for p in r.pages[r.num_computed // self.layout.tokens_per_block:]:
-                assert not self.pool.is_shared_or_cached(p), f"page {p} may be written but is shared/cached"
-            assert r.num_registered <= r.num_computed // self.layout.tokens_per_block
         for r in self.waiting:
             assert r.state is RequestState.WAITING and not r.pages and r.slot is None and r.num_computed == 0
         assert {r.request_id for r in self.running} | {r.request_id for r in self.waiting} == set(self.requests)
@@ -538,15 +437,14 @@ class Scheduler:
         run (finished with finish_reason "error", as `add_request` does). A duplicate id raises UserError."""
         if self.refuse(request):
             return False
-        need = self.layout.blocks_for(request.num_prompt_tokens)
-        if self.waiting or not self.free_slots or need > self.pool.num_available:
+        kv, need = self.kv, self.layout.blocks_for(request.num_prompt_tokens)
+        if self.waiting or not kv.free_slots or need > kv.num_available:
             return None
-        request.slot = min(self.free_slots)
-        self.free_slots.remove(request.slot)
         request.state, request.num_computed = RequestState.DECODING, request.num_prompt_tokens
         self.requests[request.request_id] = request
         self.running.append(request)
-        self.grow(request, need)
+        kv.admit(request)
+        kv.grow(request, need)
         write(list(request.pages))
         self.append(request, first_token, first_logprob)
         return True

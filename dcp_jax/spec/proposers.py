@@ -121,3 +121,10 @@ def layer_skip_draft(model, mesh, num_layers: int, *, scan_layers: bool = True):
     weights = model.hf_weights()
     dtype = model.embed_tokens.get_value().dtype
     return CausalLM(small, DictSource(weights, small, mesh, dtype), mesh, scan_layers=scan_layers)
+
+
+def check_draft(model, draft) -> None:
+    """Refuse a draft model (a `CausalLM`) whose tokens the target `model` cannot read (another vocabulary)."""
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise UserError(f"the draft model's vocabulary ({draft.config.vocab_size} ids) differs from the "
+                        f"target's ({model.config.vocab_size}): give a draft model with the same tokenizer")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dcp_jax.engine import filter_logits
+from dcp_jax.sampling import filter_logits
 
 # purposes folded into a row's (seed, position) key
 ACCEPT, RESIDUAL, DRAFT = 1, 2, 3

@@ -1,0 +1,173 @@
+"""Command-line helpers shared by `python -m dcp_jax.generate`, `python -m dcp_jax.serve` and the
+disaggregated roles: the one-line usage errors, the argument types, the flags every entry point takes
+to build an `LLM`, and their mapping to `LLM.load`'s keywords (one place: a flag added here reaches
+every entry point).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dcp_jax.errors import UserError
+from dcp_jax.serving.config import parse_bytes
+
+USAGE_ERROR, RUN_ERROR = 2, 1
+ASSETS = Path(__file__).resolve().parent / "assets"
+DEFAULT_MODEL = ASSETS / "tiny"  # the embedded model every entry point runs without --model
+
+
+class CliParser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block
+        raise UsageError(f"{message} (see --help)")
+
+
+class UsageError(Exception):
+    pass
+
+
+def positive_int(name):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        return value
+    return parse
+
+
+def non_negative_float(name, upper=None, positive=False):
+    """An argparse type: a number >= 0, at most `upper` when given."""
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if positive and value == 0:
+            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {text}")
+        if not value >= 0 or (upper is not None and value > upper):
+            raise argparse.ArgumentTypeError(
+                f"{name} must be in [0, {upper}], got {text}" if upper else f"{name} must be >= 0, got {text}")
+        return value
+    return parse
+
+
+def positive_float(name, upper=None):
+    """An argparse type: a number > 0, at most `upper` when given."""
+    return non_negative_float(name, upper, positive=True)
+
+
+def token_ids_arg(text):
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--prompt-ids is empty")
+    return ids
+
+
+def byte_size(text):
+    try:
+        return parse_bytes(text)
+    except UserError as e:
+        raise argparse.ArgumentTypeError(f"--kv-cache-memory: {e}") from None
+
+
+def interleave_arg(text):
+    return "contiguous" if text == "contiguous" else positive_int("--interleave")(text)
+
+
+def mesh_arg(text):
+    try:
+        parts = dict(p.split("=", 1) for p in text.split(","))
+        if set(parts) != {"tp", "dcp"}:
+            raise ValueError
+        return int(parts["tp"]), int(parts["dcp"])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--mesh takes tp=N,dcp=M, got {text!r}") from None
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+                   help="propose drafts by n-gram lookup in the context, or with a draft model (--draft-model); "
+                        "the target verifies them in one forward (greedy output unchanged)")
+    s.add_argument("--num-speculative-tokens", type=positive_int("--num-speculative-tokens"), default=None,
+                   metavar="K", help="drafts per verify step (default 4)")
+    s.add_argument("--draft-model", default=None, metavar="DIR",
+                   help="--speculative draft: a smaller checkpoint with the target's vocabulary")
+
+
+def speculative_kwargs(args) -> dict:
+    """LLM.load's speculative keywords from the flags, or UsageError for a combination that cannot run."""
+    if args.draft_model is not None and args.speculative != "draft":
+        raise UsageError("--draft-model needs --speculative draft")
+    if args.speculative == "draft" and args.draft_model is None:
+        raise UsageError("--speculative draft needs --draft-model DIR (a checkpoint with the same vocabulary)")
+    if args.num_speculative_tokens is not None and args.speculative is None:
+        raise UsageError("--num-speculative-tokens needs --speculative ngram|draft")
+    return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens or 4,
+                draft_model=args.draft_model)
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs_help: str = "requests decoding at once (default 8)",
+                    context_alias: str | None = None) -> None:
+    """The flags that build an `LLM` (model, mesh, dtype, the pool and the scheduler), for every entry point.
+    `context_alias`: another name for --max-model-len (the generate CLI's --max-seq-len)."""
+    p.add_argument("--model", default=None,
+                   help="Hugging Face checkpoint directory or orbax checkpoint (default: the embedded tiny model)")
+    p.add_argument("--tp", type=positive_int("--tp"), default=None, help="tensor-parallel size (default 1)")
+    p.add_argument("--dcp", type=positive_int("--dcp"), default=None, help="decode-context-parallel size (default 1)")
+    p.add_argument("--mesh", type=mesh_arg, default=None, help="both at once: tp=2,dcp=4")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="weights and KV dtype (on a GPU pass bfloat16: float32 dots run without tensor cores)")
+    k = p.add_argument_group("paged KV cache and continuous batching")
+    names = ["--max-model-len"] + ([context_alias] if context_alias else [])
+    k.add_argument(*names, dest="max_model_len", type=positive_int("--max-model-len"), default=None,
+                   help="the context: prompt + generated tokens per request (default: the checkpoint's "
+                        "max_position_embeddings, lowered to what the KV pool holds)")
+    k.add_argument("--page-size", type=positive_int("--page-size"), default=None,
+                   help="slots per page; one block-table entry covers page-size x dcp tokens (default 64)")
+    k.add_argument("--max-num-seqs", type=positive_int("--max-num-seqs"), default=None, help=max_num_seqs_help)
+    k.add_argument("--max-num-batched-tokens", type=positive_int("--max-num-batched-tokens"), default=None,
+                   metavar="N", help="prompt tokens prefilled per scheduler iteration (default: one chunk)")
+    k.add_argument("--prefill-chunk", type=positive_int("--prefill-chunk"), default=None,
+                   help="prompt tokens per prefill program call (default 256 on CPU, 2048 on GPU)")
+    k.add_argument("--decode-steps", type=positive_int("--decode-steps"), default=8,
+                   help="decode steps per program call: more is faster, fewer streams and admits more finely "
+                        "(default 8)")
+    k.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of cached full blocks (page-size x dcp tokens) of a prompt's prefix; the "
+                        "tokens are the same either way (default on)")
+    k.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
+                   help="run consecutive layers as one lax.scan (compile time flat in depth; default) or "
+                        "one program per layer (--no-scan-layers: no per-step slicing of stacked weights)")
+    k.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="SIZE",
+                   help="KV cache bytes per device, e.g. 512MiB or 2GB (default: 0.9 of each GPU; on CPU at "
+                        "most 256 MiB in all, and no more than max-num-seqs contexts need)")
+    k.add_argument("--gpu-memory-utilization", type=positive_float("--gpu-memory-utilization", 1.0),
+                   default=None, metavar="F",
+                   help="GPU only: size the KV pool to this fraction of each GPU's memory, less what is in use")
+    add_speculative_args(p)
+
+
+def mesh_shape(args) -> tuple[int | None, int | None]:
+    """(tp, dcp) from --mesh or --tp/--dcp (None where not given), or UsageError when both are given."""
+    if args.mesh and (args.tp or args.dcp):
+        raise UsageError("give either --mesh or --tp/--dcp, not both")
+    return args.mesh or (args.tp, args.dcp)
+
+
+def engine_kwargs(args) -> dict:
+    """`LLM.load`'s keywords from the flags of `add_engine_args` (UsageError for a combination that
+    cannot run). The mesh, the interleave and max_num_seqs's default are the entry point's."""
+    if args.kv_cache_memory is not None and args.gpu_memory_utilization is not None:
+        raise UsageError("give --kv-cache-memory or --gpu-memory-utilization, not both")
+    return dict(dtype=args.dtype, max_model_len=args.max_model_len, page_size=args.page_size,
+                max_num_batched_tokens=args.max_num_batched_tokens, prefill_chunk=args.prefill_chunk,
+                decode_steps=args.decode_steps, enable_prefix_caching=args.enable_prefix_caching,
+                scan_layers=args.scan_layers, kv_cache_memory=args.kv_cache_memory,
+                gpu_memory_utilization=args.gpu_memory_utilization, **speculative_kwargs(args))

@@ -1,0 +1,145 @@
+"""The handoff's wire format between a prefill and a decode instance: what each side says of itself
+when they pair (`describe`, refused by `check_pairing` when the two cannot exchange KV), the decode
+placement every request carries, and the pieces of one request's staged KV (`PieceSpec`, `Offer`).
+
+Plain data, JSON-able; the transfers themselves are `dcp_jax.disagg.transfer`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import numpy as np
+
+from dcp_jax import mesh as mesh_lib
+from dcp_jax.errors import UserError
+from dcp_jax.layout import PagedLayout, kv_head_ranges
+
+
+# --- identity and the pairing handshake ------------------------------------------------------------
+
+
+def config_hash(cfg) -> str:
+    """A short hash of a model's architecture and sizes (`ModelConfig` without the raw HF dict)."""
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "hf_config"}
+    return hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:16]
+
+
+# The handoff's wire format (what `describe`, `Offer` and `PieceSpec` carry). Both sides of a pair must
+# speak the same one: the handshake refuses another. Raise it whenever that format changes.
+PROTOCOL = 2
+
+
+def describe(engine, role: str, address: str) -> dict:
+    """What one side tells the other when they pair (JSON-able): identity, cache geometry, placement."""
+    model = engine.model
+    cfg = model.config
+    lay = engine.layout
+    return dict(role=role, protocol=PROTOCOL, config_hash=config_hash(cfg), architecture=cfg.architecture,
+                dtype=str(np.dtype(engine.dtype)), kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                mla=cfg.mla is not None, num_layers=cfg.num_layers, stored_kv_heads=model.kv_heads,
+                kv_replication=model.kv_replication, tp=engine.mesh.shape[mesh_lib.TP],
+                dcp=engine.mesh.shape[mesh_lib.DCP], num_shards=lay.num_shards, interleave=lay.interleave,
+                page_size=lay.page_size, head_shards=mesh_lib.axis_size(engine.mesh, model.head_axes),
+                max_model_len=engine.config.max_model_len,
+                transfer_address=address)
+
+
+def check_pairing(prefill: dict, decode: dict) -> None:
+    """Refuse a pair that could not exchange KV, with one line naming both sides' values."""
+    if prefill.get("role") != "prefill":
+        raise UserError(f"the instance to pair with is a {prefill.get('role') or 'non-disaggregated'} instance, "
+                        "not a prefill one: start it with --role prefill")
+    if prefill.get("protocol") != decode.get("protocol"):
+        raise UserError(f"cannot pair: the prefill instance speaks handoff protocol {prefill.get('protocol')} but this "
+                        f"decode instance speaks {decode.get('protocol')}; run the same dcp_jax version on both")
+    for key, what in (("config_hash", "model (config hash)"), ("dtype", "KV dtype"), ("kv_heads", "KV heads"),
+                      ("head_dim", "KV head dim"), ("num_layers", "layers")):
+        if prefill[key] != decode[key]:
+            raise UserError(f"cannot pair: the prefill instance has {what} {prefill[key]} but this decode instance "
+                            f"has {decode[key]}; start both with the same model and --dtype")
+    if prefill["max_model_len"] < decode["max_model_len"] - 1:
+        raise UserError(f"cannot pair: the prefill instance takes prompts up to {prefill['max_model_len'] - 1} "
+                        f"tokens but this decode instance admits up to {decode['max_model_len'] - 1}; give both the "
+                        "same --max-model-len")
+
+
+def src_layout(info: dict) -> PagedLayout:
+    """The paged placement a `describe` dict names (either side's)."""
+    return PagedLayout(info["num_shards"], info["interleave"], info["page_size"])
+
+
+PLACEMENT_KEYS = ("num_shards", "interleave", "page_size", "tp", "stored_kv_heads", "kv_replication", "head_shards")
+
+
+def placement(info: dict) -> dict:
+    """What the decode side tells the prefill side with every request (JSON-able, from its `describe`):
+    its paged placement and how its cache heads split, so the source cuts the pieces it wants."""
+    return {k: int(info[k]) for k in PLACEMENT_KEYS}
+
+
+def head_ranges(info: dict) -> list[tuple[int, int]]:
+    """The model's kv heads [lo, hi) of each head shard of the side `info` describes."""
+    return kv_head_ranges(info["stored_kv_heads"], info["kv_replication"], info["head_shards"])
+
+
+# --- the pieces of one request's staged KV ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PieceSpec:
+    """One single-device piece [T, L, heads, D] of a request's KV: layer stack `stack`, array `kind`
+    (0 = k, 1 = v; MLA: 0 = latent), the T tokens that source context rank `rank` holds and destination
+    context rank `dst_rank` owns (`ReshardPlan.piece_positions()[rank][dst_rank]`, in that order), the
+    model's kv heads [head0, head0 + shape[2]) (those one destination head shard keeps)."""
+
+    stack: int
+    kind: int
+    rank: int
+    dst_rank: int
+    head0: int
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PieceSpec":
+        return cls(int(d["stack"]), int(d["kind"]), int(d["rank"]), int(d["dst_rank"]), int(d["head0"]),
+                   tuple(int(x) for x in d["shape"]), str(d["dtype"]))
+
+
+@dataclasses.dataclass
+class Offer:
+    """What the prefill side answers for one request: its first sampled token and where its KV waits."""
+
+    request_id: str
+    uuid: int
+    length: int  # prompt tokens whose KV is offered
+    first_token: int
+    first_logprob: float
+    pieces: list[PieceSpec]
+    prefill_s: float = 0.0
+
+    def to_json(self) -> dict:
+        return dict(request_id=self.request_id, uuid=self.uuid, length=self.length, first_token=self.first_token,
+                    first_logprob=self.first_logprob, pieces=[p.to_json() for p in self.pieces],
+                    prefill_s=self.prefill_s)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Offer":
+        return cls(str(d["request_id"]), int(d["uuid"]), int(d["length"]), int(d["first_token"]),
+                   float(d["first_logprob"]), [PieceSpec.from_json(p) for p in d["pieces"]],
+                   float(d.get("prefill_s", 0.0)))
+
+
+def new_uuid() -> int:
+    """A random 63-bit transfer id."""
+    return int.from_bytes(np.random.default_rng().bytes(8), "little") >> 1
+

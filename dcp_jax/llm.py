@@ -1,0 +1,311 @@
+"""`LLM`: the notebook API. One model on one mesh, served for the life of the object by ONE engine.
+
+>>> llm = LLM.load("path/to/hf_checkpoint_or_orbax_dir", tp=2, dcp=4)
+>>> out = llm.generate(["Hello"], max_new_tokens=16)
+>>> out.text, out.tokens, out.stats["kv_bytes_per_device"], out.stats["kv_capacity_tokens"]
+
+As vLLM's `LLM` and SGLang's `Engine`: the context length (`max_model_len`) and the KV pool are fixed
+when the `LLM` is built, the programs compile once, and every `generate` call submits requests to the
+same `ServingEngine` and waits for them. So the prefix cache and the compiled programs live as long as
+the `LLM`: a second question about the same document reuses its cached blocks, whatever its length.
+
+The pool: `kv_cache_memory` (bytes per device) or `gpu_memory_utilization` (a fraction of each GPU's
+memory, less what is in use) when given; else 0.9 of each GPU on a GPU, and on CPU at most
+`CPU_KV_BUDGET` bytes for the whole pool (simulated devices share the host's memory) and no more than
+`max_num_seqs` sequences of `max_model_len` need. `max_model_len` defaults to the checkpoint's
+`max_position_embeddings` (and its sliding window), lowered to what the pool can hold with one `note:`
+line on stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+
+import numpy as np
+from jax.sharding import Mesh
+
+from dcp_jax import mesh as mesh_lib
+from dcp_jax.errors import UserError
+from dcp_jax.layout import PagedLayout
+from dcp_jax.model import CausalLM
+from dcp_jax.outputs import Generation, generation, request_stats
+from dcp_jax.sampling import SamplingParams, check_seed
+from dcp_jax.serving.config import DEFAULT_PAGE_SIZE, ServingConfig, default_prefill_chunk, parse_bytes
+from dcp_jax.serving.engine import ServingEngine, run_requests
+from dcp_jax.serving.request import Request
+from dcp_jax.serving.runner import draft_layout, gpu_budget, page_bytes_per_device
+from dcp_jax.spec.proposers import SpeculativeConfig, check_draft
+
+CPU_KV_BUDGET = 256 * 2**20  # bytes of KV for the whole pool on CPU when no budget is given
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
+
+
+def _positive_int(name: str, value, least: int = 1) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+        raise UserError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
+class LLM:
+    """A model and its tokenizer on a mesh, served by continuous batching over one paged,
+    sequence-sharded KV pool (`dcp_jax.serving`); see the module docstring for how it is sized.
+
+    `page_size`: slots per page (one block-table entry covers page_size · dcp tokens); `max_num_seqs`:
+    requests decoding at once; `prefill_chunk`: prompt tokens per prefill program call; `speculative`: a
+    `SpeculativeConfig` (n-gram lookup or a draft model) or None; `num_pages`: the pool's pages per
+    context rank (the null page included), overriding the memory budget (as vLLM's
+    `num_gpu_blocks_override`: for tests and benchmarks of a given pool).
+    """
+
+    def __init__(self, model: CausalLM, mesh: Mesh, tokenizer=None, *, interleave: int | str = 1,
+                 impl: str | None = None, source: str = "in memory", page_size: int | None = None,
+                 max_num_seqs: int = 8, max_model_len: int | None = None, prefill_chunk: int | None = None,
+                 kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
+                 decode_steps: int = 8, max_num_batched_tokens: int | None = None,
+                 enable_prefix_caching: bool = True, speculative: SpeculativeConfig | None = None,
+                 num_pages: int | None = None):
+        self.model, self.mesh, self.tokenizer, self.source = model, mesh, tokenizer, source
+        self.impl, self.interleave, self.speculative = impl, interleave, speculative
+        _positive_int("max_num_seqs", max_num_seqs)
+        _positive_int("decode_steps", decode_steps)
+        if max_num_batched_tokens is not None:
+            _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        if page_size is None:  # the default, rounded up to whole runs of the interleave
+            run = interleave if isinstance(interleave, int) else 1
+            page_size = run * -(-DEFAULT_PAGE_SIZE // run)
+        _positive_int("page_size", page_size)
+        if isinstance(interleave, int) and page_size % interleave:
+            raise UserError(f"page_size {page_size} must be a multiple of the interleave size {interleave}")
+        if kv_cache_memory is not None and gpu_memory_utilization is not None:
+            raise UserError("give kv_cache_memory or gpu_memory_utilization, not both")
+        if num_pages is not None and (kv_cache_memory is not None or gpu_memory_utilization is not None):
+            raise UserError("give num_pages or a memory budget (kv_cache_memory, gpu_memory_utilization), not both")
+        if num_pages is not None:
+            _positive_int("num_pages", num_pages, least=2)
+        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+            raise UserError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if not isinstance(enable_prefix_caching, bool):
+            raise UserError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
+        if speculative is not None and speculative.draft is not None:
+            check_draft(model, speculative.draft)
+        self.page_size, self.max_num_seqs, self.decode_steps = page_size, max_num_seqs, decode_steps
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # On by default: a prompt whose full blocks are cached (a shared document, a resent transcript,
+        # a preempted request) prefills only its tail; the output is the same tokens either way.
+        self.enable_prefix_caching = enable_prefix_caching
+        self.kv_cache_memory = None if kv_cache_memory is None else parse_bytes(kv_cache_memory)
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.platform = mesh.devices.flat[0].platform
+        if prefill_chunk is None:
+            prefill_chunk = default_prefill_chunk(self.platform)
+        _positive_int("prefill_chunk", prefill_chunk)
+        max_model_len, num_pages = self.size_pool(max_model_len, num_pages)
+        # the compiled chunk: no longer than a whole context needs (a short context pads little)
+        chunk = min(prefill_chunk, max(16, 1 << (max_model_len - 1).bit_length()))
+        self.config = ServingConfig(num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
+                                    max_model_len=max_model_len, prefill_chunk=chunk, decode_steps=decode_steps,
+                                    max_num_batched_tokens=max_num_batched_tokens,
+                                    enable_prefix_caching=enable_prefix_caching)
+        self.engine = self.build_engine(self.config)
+
+    @classmethod
+    def load(cls, model_dir, *, tp: int = 1, dcp: int = 1, interleave: int | str = 1, dtype: str = "float32",
+             impl: str | None = None, devices=None, scan_layers: bool = True, speculative: str | None = None,
+             num_speculative_tokens: int = 4, draft_model=None, **engine_kw) -> "LLM":
+        """Load a Hugging Face or orbax checkpoint onto a (tp, dcp) mesh. `engine_kw`: the constructor's
+        (max_model_len, kv_cache_memory, page_size, max_num_seqs, prefill_chunk, ...). `speculative`:
+        None, "ngram" (prompt lookup) or "draft" (with `draft_model`, a checkpoint directory with the
+        same vocabulary, loaded on the same mesh); `num_speculative_tokens` drafts per verify step."""
+        from dcp_jax.weights import load_any
+
+        if interleave != "contiguous" and not (isinstance(interleave, int) and interleave >= 1):
+            raise UserError(f"interleave must be an integer >= 1 or 'contiguous', got {interleave!r}")
+        if speculative is None and draft_model is not None:
+            raise UserError("draft_model is given but speculative is not 'draft': pass speculative='draft'")
+        if speculative is not None:  # refuse a bad configuration before loading anything
+            SpeculativeConfig(speculative, num_speculative_tokens, draft=draft_model)
+        mesh = mesh_lib.make_mesh(tp, dcp, devices)
+        model, tokenizer, source = load_any(model_dir, mesh, dtype, scan_layers=scan_layers)
+        spec = None
+        if speculative is not None:
+            draft = None if draft_model is None else load_any(draft_model, mesh, dtype, scan_layers=scan_layers)[0]
+            spec = SpeculativeConfig(speculative, num_speculative_tokens, draft=draft)
+        return cls(model, mesh, tokenizer, interleave=interleave, impl=impl, source=source, speculative=spec,
+                   **engine_kw)
+
+    # --- sizes ---------------------------------------------------------------------------------------
+    def paged_layout(self) -> PagedLayout:
+        """Where the pool puts tokens on this mesh ("contiguous" interleave: whole pages of consecutive
+        tokens per rank)."""
+        interleave = self.page_size if self.interleave == "contiguous" else self.interleave
+        return PagedLayout(mesh_lib.axis_size(self.mesh, self.model.context_axes), interleave, self.page_size)
+
+    def page_bytes(self) -> int:
+        """KV bytes one page costs each device: the target's and, with a draft model, the draft's."""
+        dtype = self.model.embed_tokens.get_value().dtype
+        total = page_bytes_per_device(self.model, self.mesh, self.page_size, dtype)
+        draft = None if self.speculative is None else self.speculative.draft
+        if draft is not None:
+            shards = mesh_lib.axis_size(self.mesh, draft.context_axes)
+            total += page_bytes_per_device(draft, self.mesh, draft_layout(self.paged_layout(), shards).page_size, dtype)
+        return total
+
+    def size_pool(self, max_model_len: int | None, num_pages: int | None = None) -> tuple[int, int]:
+        """(max_model_len, pages per context rank) for this LLM; see the module docstring."""
+        cfg, layout, page = self.model.config, self.paged_layout(), self.page_bytes()
+        explicit = max_model_len is not None
+        if explicit:
+            _positive_int("max_model_len", max_model_len, least=2)
+            cfg.check_context(max_model_len)
+        else:
+            max_model_len = min(x for x in (cfg.max_position_embeddings, cfg.sliding_window) if x)
+        if num_pages is not None:
+            budget, where = num_pages * page, "num_pages"
+        elif self.kv_cache_memory is not None:
+            budget, where = self.kv_cache_memory, "kv_cache_memory"
+        elif self.gpu_memory_utilization is not None or self.platform == "gpu":
+            fraction = self.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+            budget, where = gpu_budget(self.mesh, fraction), f"gpu_memory_utilization {fraction}"
+        else:
+            budget, where = CPU_KV_BUDGET // self.mesh.devices.size, "the CPU default budget"
+        pages = int(budget // page)
+        if where == "the CPU default budget":  # no more than max_num_seqs whole contexts need
+            pages = min(pages, 1 + self.max_num_seqs * layout.blocks_for(max_model_len))
+        if pages < 2:
+            raise UserError(f"a KV budget of {budget:,} bytes per device holds {max(pages, 0)} pages of "
+                            f"{self.page_size} slots; give at least {2 * page:,} bytes (two pages of {page:,}: one "
+                            "is the reserved null page) or a smaller page size")
+        fits = layout.capacity_tokens(pages - 1) + 1  # the last sampled token is never written
+        if max_model_len > fits:
+            if explicit:
+                raise UserError(f"max_model_len {max_model_len:,} does not fit the KV pool ({pages - 1:,} pages "
+                                f"of {layout.tokens_per_block} tokens from {where}): lower max_model_len to at "
+                                f"most {fits:,} or give more KV memory (kv_cache_memory / --kv-cache-memory)")
+            print(f"note: max_model_len lowered from the checkpoint's {max_model_len:,} to {fits:,} tokens, what "
+                  f"the KV pool ({where}) holds; give max_model_len or more KV memory to change it",
+                  file=sys.stderr)
+            max_model_len = fits
+        return max_model_len, pages
+
+    def build_engine(self, config: ServingConfig) -> ServingEngine:
+        """A `ServingEngine` for this model and mesh with `config`'s sizes. The LLM's own is `self.engine`;
+        another (e.g. a benchmark's pool of other sizes) has its own pool and programs."""
+        return ServingEngine(self.model, self.mesh, config, interleave=self.paged_layout().interleave,
+                             impl=self.impl, detokenize=None if self.tokenizer is None else self.decode,
+                             speculative=self.speculative)
+
+    def engine_with(self, **sizes) -> ServingEngine:
+        """A new `ServingEngine` whose `ServingConfig` is this LLM's with `sizes` replaced (num_pages,
+        max_model_len, prefill_chunk, max_num_seqs, ...), for tests and benchmarks of other pools."""
+        import dataclasses
+
+        return self.build_engine(dataclasses.replace(self.config, **sizes))
+
+    # --- the API -------------------------------------------------------------------------------------
+    def save(self, path) -> int:
+        """Save weights, config and tokenizer as an orbax checkpoint (atomically); returns the step."""
+        from dcp_jax.weights import save_checkpoint
+
+        return save_checkpoint(self.model, path, self.tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise UserError("this checkpoint has no tokenizer.json: give token ids instead of text")
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: Sequence[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(list(ids))
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix block no request holds; returns how many were dropped."""
+        return self.engine.reset_prefix_cache()
+
+    def requests(self, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, prefix: str = "r") -> list[Request]:
+        """`generate`'s arguments checked and made into requests (ids `prefix`0, `prefix`1, ...).
+        UserError names a bad one; a prompt that cannot fit fails alone when it is added."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]
+        ids = [self.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+        if not ids:
+            raise UserError("no prompt given")
+        _positive_int("max_new_tokens", max_new_tokens)
+        if (problem := check_seed(seed)) is not None:
+            raise UserError(problem)
+        sampling = SamplingParams(temperature, top_k, top_p)
+        return [Request(f"{prefix}{i}", p, sampling=sampling, seed=seed, max_tokens=max_new_tokens,
+                        ignore_eos=ignore_eos) for i, p in enumerate(ids)]
+
+    def generate(self, prompts, *, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, on_chunk=None,
+                 on_token=None) -> Generation:
+        """`prompts`: a string, a list of strings, a list of ids, or a list of id lists.
+
+        The requests go to this LLM's engine: admitted while pages and slots are free, prefilled in
+        chunks (after any cached prefix), decoded together, preempted and recomputed when pages run out.
+        Returns a `Generation` with `tokens` and `logprobs` (per request), `text` (None without a
+        tokenizer), `finish_reasons`, `errors` (per request, None when it ran) and `stats` (this call's).
+        A request that can never run fails alone; if every one fails, UserError. `on_chunk(done, total)`
+        reports prefill tokens; `on_token(step, tokens [B])` receives new tokens as they come (-1 for
+        requests with none at that step).
+        """
+        requests = self.requests(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                 top_p=top_p, seed=seed, ignore_eos=ignore_eos)
+        server = self.engine
+        if not server.lock.acquire(blocking=False):
+            raise UserError("this LLM's engine is in use (a server or another generate call drives it): wait for "
+                            "it, or build a second LLM on the same model for this call")
+        try:
+            return self._run(requests, on_chunk, on_token)
+        finally:
+            server.lock.release()
+
+    def _run(self, requests: list[Request], on_chunk=None, on_token=None) -> Generation:
+        """`generate` for checked `requests`, with the engine's lock held."""
+        server, runner = self.engine, self.engine.runner
+        tc, compiled0 = time.perf_counter(), len(runner.compiled)
+        runner.compile_all()
+        compile_s = time.perf_counter() - tc
+
+        total = sum(r.num_prompt_tokens for r in requests)
+        progress = dict(done=0, step=0, emitted=[0] * len(requests))
+
+        def on_prefill(n):
+            progress["done"] += n
+            if on_chunk is not None:
+                on_chunk(min(progress["done"], total), total)
+
+        def on_step(plan):
+            if on_token is None:
+                return
+            new = [r.output_token_ids[e:] for r, e in zip(requests, progress["emitted"])]
+            for j in range(max(map(len, new), default=0)):
+                on_token(progress["step"], np.asarray([n[j] if j < len(n) else -1 for n in new], np.int32))
+                progress["step"] += 1
+            progress["emitted"] = [len(r.output_token_ids) for r in requests]
+
+        timing0, sched0 = dict(server.timing), server.stats()
+        result = run_requests(server, requests, on_step=on_step, on_prefill=on_prefill)
+        timing = {k: server.timing[k] - timing0[k] for k in timing0}
+        now = server.stats()
+        delta = {k: now[k] - sched0[k] for k in ("prefix_query_tokens", "prefix_hit_tokens", "evictions",
+                                                 "preemptions", *(k for k in ("spec_drafted_tokens",
+                                                 "spec_accepted_tokens", "spec_verify_steps") if k in now))}
+        q, h = delta["prefix_query_tokens"], delta["prefix_hit_tokens"]
+        stats = dict(
+            tp=self.mesh.shape[mesh_lib.TP], dcp=self.mesh.shape[mesh_lib.DCP], interleave=server.layout.interleave,
+            page_size=server.layout.page_size, max_seq_len=server.config.max_model_len,
+            max_num_seqs=server.config.max_num_seqs, compile_s=compile_s,
+            compilations=len(runner.compiled), new_compilations=len(runner.compiled) - compiled0,
+            wall_s=result["wall_s"], kv_capacity_tokens=now["kv_capacity_tokens"], kv_pages=now["pages_total"],
+            kv_shards=server.layout.num_shards, preemptions=delta["preemptions"],
+            prefix_caching=self.enable_prefix_caching, prefix_query_tokens=q, prefix_hit_tokens=h,
+            prefix_hit_rate=h / q if q else 0.0, cached_blocks=now["cached_blocks"], evictions=delta["evictions"],
+            **request_stats(requests, result["first_token_s"], timing), **server.kv_bytes())
+        if self.speculative is not None:  # this call's drafts, acceptances and verify steps
+            d, a, n = (delta[k] for k in ("spec_drafted_tokens", "spec_accepted_tokens", "spec_verify_steps"))
+            stats.update(speculative=self.speculative.method, num_speculative_tokens=self.speculative.num_tokens,
+                         spec_drafted_tokens=d, spec_accepted_tokens=a, spec_verify_steps=n,
+                         spec_acceptance_rate=a / d if d else 0.0, mean_acceptance_length=1 + a / n if n else 0.0)
+        return generation(requests, stats, None if self.tokenizer is None else self.decode)

@@ -1,0 +1,131 @@
+"""Sampling: what a request asks for (`SamplingParams`), its range checks, and the samplers.
+
+A leaf of the package (errors only, then jax): the API, `LLM.generate`, the scheduler's requests and the
+device programs all take their sampling rules from here, so each range is checked in one place.
+
+    SamplingParams   temperature (0 = greedy), top-k (0 = off), top-p (1 = off); checked on creation
+    check_seed       a request's seed: an integer in [0, 2**32) (it becomes a uint32 on the device)
+    filter_logits    the one top-k / top-p rule, per row
+    sample           one SamplingParams for a whole batch (the dense baseline)
+    SamplingRows     per-row parameters [R] as device arrays (one program serves every mix)
+    sample_rows      per-row sampling with keys from (seed, position): the serving engine's sampler
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dcp_jax.errors import UserError
+
+INT32_MAX = 2**31 - 1  # top_k becomes an int32 on the device
+SEED_LIMIT = 2**32  # a seed becomes a uint32 on the device
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 = greedy; top_k 0 = off; top_p 1 = off. Every value is checked here, where a
+    request enters, so nothing out of range reaches a device array."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float, np.number)) or not (math.isfinite(t) and t >= 0):
+            raise UserError(f"temperature must be a finite number >= 0, got {t!r}")
+        k = self.top_k
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= INT32_MAX:
+            raise UserError(f"top_k must be an integer in [0, {INT32_MAX}] (0 = off), got {k!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float, np.number)) or not 0 < p <= 1:
+            raise UserError(f"top_p must be in (0, 1], got {p!r}")
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_k", int(k))
+        object.__setattr__(self, "top_p", float(p))
+
+
+def check_seed(seed) -> str | None:
+    """Why `seed` cannot be a request's seed (one line), or None."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < SEED_LIMIT:
+        return f"seed must be an integer in [0, 2**32), got {seed!r}"
+    return None
+
+
+def filter_logits(x, top_k, top_p):
+    """x [R, V] (logits already divided by the temperature) with every entry outside each row's top-k
+    (top_k [R] int, 0 = off) and outside its top-p nucleus (top_p [R], 1 = off: the smallest set of the
+    most likely tokens whose mass reaches top_p) set to -inf. The one top-k/top-p rule of both engines."""
+    v = x.shape[-1]
+    desc = -jnp.sort(-x, axis=-1)  # one sort: masking below the k-th value keeps the order
+    kth = jnp.take_along_axis(desc, jnp.clip(top_k - 1, 0, v - 1)[:, None], axis=-1)
+    x = jnp.where((top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
+    desc = jnp.where((top_k[:, None] > 0) & (desc < kth), -jnp.inf, desc)
+    probs = jax.nn.softmax(desc, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
+    cutoff = jnp.min(jnp.where(before < top_p[:, None], desc, jnp.inf), axis=-1)
+    return jnp.where(x < cutoff[:, None], -jnp.inf, x)
+
+
+def sample(logits, key, params: SamplingParams):
+    """logits [B, V] float32 -> (tokens [B] int32, log-probability of each token under the model [B])."""
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    if params.temperature == 0:
+        tokens = jnp.argmax(logits, axis=-1)
+    else:
+        b = logits.shape[0]
+        x = filter_logits(logits / params.temperature, jnp.full((b,), params.top_k, jnp.int32),
+                          jnp.full((b,), params.top_p, jnp.float32))
+        tokens = jax.random.categorical(key, x, axis=-1)
+    tokens = tokens.astype(jnp.int32)
+    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingRows:
+    """Per-row sampling parameters [R] (a registered dataclass: one program serves every mix)."""
+
+    temperature: jax.Array  # float32; 0 = greedy
+    top_k: jax.Array  # int32; 0 = off
+    top_p: jax.Array  # float32; 1 = off
+    seed: jax.Array  # uint32
+
+    @classmethod
+    def spec(cls, rows: int) -> "SamplingRows":
+        return cls(*(jax.ShapeDtypeStruct((rows,), dt) for dt in (jnp.float32, jnp.int32, jnp.float32, jnp.uint32)))
+
+    @classmethod
+    def of(cls, rows) -> "SamplingRows":
+        """Host arrays for `rows`: objects with `.sampling` (SamplingParams) and `.seed`, or None (greedy,
+        never read). The values were range-checked when the requests entered."""
+        return cls(temperature=np.asarray([r.sampling.temperature if r else 0.0 for r in rows], np.float32),
+                   top_k=np.asarray([r.sampling.top_k if r else 0 for r in rows], np.int32),
+                   top_p=np.asarray([r.sampling.top_p if r else 1.0 for r in rows], np.float32),
+                   seed=np.asarray([r.seed if r else 0 for r in rows], np.uint32))
+
+
+def sample_rows(logits, params: SamplingRows, positions):
+    """logits [R, V] float32 -> (tokens [R] int32, log-probability of each under the model [R]).
+
+    Each row samples with its own parameters and a key from (seed, position of the new token): the same
+    row at the same position draws the same token, whatever else shares the batch.
+    """
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw():
+        x = filter_logits(logits / jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None],
+                          params.top_k, params.top_p)
+        keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(params.seed, positions)
+        drawn = jax.vmap(jax.random.categorical)(keys, x)
+        return jnp.where(params.temperature > 0, drawn, greedy).astype(jnp.int32)
+
+    # an all-greedy batch skips the sorts and the draw
+    tokens = jax.lax.cond(jnp.any(params.temperature > 0), draw, lambda: greedy)
+    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]

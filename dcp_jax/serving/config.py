@@ -1,0 +1,134 @@
+"""Serving configuration: one `ServingConfig` per engine, and the scheduler's view derived from it.
+
+Plain Python (no devices). `ServingConfig` holds the sizes that fix the compiled programs (pages,
+page size, slots, context, prefill chunk, decode steps) and the scheduling knobs; `SchedulerConfig` is
+what the host scheduler needs of it plus what comes from the model (EOS ids, vocabulary, placement,
+speculation), built by `ServingConfig.scheduler_config`. `parse_bytes` reads memory sizes ("512MiB").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from dcp_jax.errors import UserError
+from dcp_jax.layout import PagedLayout
+
+
+# Prompt tokens per prefill chunk when none is given. CPU: measured (scripts/bench_decode.py). GPU: the
+# query-tiled kernel keeps shared memory independent of the chunk, so larger chunks only amortise the
+# weight reads; 2048 is not yet measured: scripts/gpu_check.sh sweeps 512-4096 and prints the fastest.
+DEFAULT_PREFILL_CHUNK = {"cpu": 256, "gpu": 2048}
+DEFAULT_PAGE_SIZE = 64  # slots per page; a block-table entry covers page_size · dcp tokens
+
+
+def default_prefill_chunk(platform: str) -> int:
+    return DEFAULT_PREFILL_CHUNK.get(platform, DEFAULT_PREFILL_CHUNK["cpu"])
+
+
+def check_positive_ints(obj, names, least: dict | None = None) -> None:
+    """UserError naming the first field of `obj` in `names` that is not an integer >= 1 (or its `least`)."""
+    for name in names:
+        v, low = getattr(obj, name), (least or {}).get(name, 1)
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise UserError(f"{name} must be an integer >= {low}, got {v!r}"
+                            + (" (page 0 is the reserved null page)" if name == "num_pages" else ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingConfig:
+    """Shapes that fix the compiled programs: pages per context rank (the null page included), page
+    size, slots, the model context, the prefill chunk and the decode steps per program call; and the
+    scheduler's prefill token budget per iteration (`max_num_batched_tokens`, default one chunk:
+    prefill and decode interleave finely; larger prefills more requests before the next decode steps)."""
+
+    num_pages: int
+    page_size: int
+    max_num_seqs: int
+    max_model_len: int
+    prefill_chunk: int
+    decode_steps: int = 8
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self):
+        check_positive_ints(self, ("num_pages", "page_size", "max_num_seqs", "max_model_len", "prefill_chunk",
+                                   "decode_steps"), least=dict(num_pages=2, max_model_len=2))
+        if self.max_num_batched_tokens is not None:
+            check_positive_ints(self, ("max_num_batched_tokens",))
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise UserError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+
+    def scheduler_config(self, layout: PagedLayout, *, eos_token_ids=(), vocab_size: int | None = None,
+                         num_speculative_tokens: int = 0) -> "SchedulerConfig":
+        """The scheduler's view of this configuration on `layout`, with the model's stop ids and vocabulary."""
+        return SchedulerConfig(layout=layout, num_pages=self.num_pages, max_model_len=self.max_model_len,
+                               max_num_seqs=self.max_num_seqs,
+                               max_num_batched_tokens=self.max_num_batched_tokens or self.prefill_chunk,
+                               decode_steps=self.decode_steps, eos_token_ids=tuple(eos_token_ids),
+                               vocab_size=vocab_size, enable_prefix_caching=self.enable_prefix_caching,
+                               num_speculative_tokens=num_speculative_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Sizes that fix the device programs' shapes, and the scheduling knobs (the scheduler's view).
+
+    num_pages counts the whole pool, the reserved null page included (so num_pages - 1 are usable).
+    max_num_batched_tokens bounds the prefill tokens of one iteration (summed over every request's
+    chunk); decode runs in its own [max_num_seqs, decode_steps] program and is not charged to it.
+    """
+
+    layout: PagedLayout
+    num_pages: int
+    max_model_len: int
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
+    decode_steps: int = 8
+    eos_token_ids: tuple[int, ...] = ()
+    vocab_size: int | None = None
+    enable_prefix_caching: bool = False
+    # speculative decoding: each decode iteration is one verify step that may emit up to
+    # num_speculative_tokens + 1 tokens per request (decode_steps is then ignored); pages are reserved
+    # for all of them, and each request's budget (plan.decode_budget) is capped by its own tokens left
+    num_speculative_tokens: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        if not (isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 0):
+            raise UserError(f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
+        check_positive_ints(self, ("num_pages", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                                   "decode_steps"), least=dict(num_pages=2))
+
+    @property
+    def tokens_per_decode(self) -> int:
+        """The most tokens one decode iteration may give a request (pages are reserved for them)."""
+        return self.num_speculative_tokens + 1 if self.num_speculative_tokens else self.decode_steps
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Block-table columns: enough blocks for max_model_len tokens."""
+        return self.layout.blocks_for(self.max_model_len)
+
+
+def parse_bytes(text) -> int:
+    """'512MiB', '2GB', '1.5GiB' or a plain number of bytes -> int (at least one byte)."""
+    problem = f"memory size {text!r} is not a positive size: write e.g. 512MiB, 2GB or 1073741824"
+    if isinstance(text, (int, np.integer)) and not isinstance(text, bool):
+        if text < 1:
+            raise UserError(problem)
+        return int(text)
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    s = str(text).strip().lower().replace(" ", "")
+    num = s.rstrip("kmgtib")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1
+    if unit not in units or not (math.isfinite(value) and value * units[unit] >= 1):
+        raise UserError(problem)
+    return int(value * units[unit])

@@ -1,0 +1,143 @@
+"""The OpenAI wire protocol of the server: request bodies (strict pydantic models), the error shape,
+the parameters refused by name, chat templates rendered as transformers renders them, and text deltas
+for streaming. No engine here: `dcp_jax.serving.openai` joins these to an `AsyncEngine`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+try:
+    from fastapi.responses import JSONResponse
+    from pydantic import BaseModel, ConfigDict, Field
+except ImportError as e:  # pragma: no cover - the message names the fix
+    raise ImportError(f"the server needs the 'serve' extra: pip install 'dcp_jax[serve]' ({e})") from None
+
+# Parameters of OpenAI's API that this server does not implement: a request that sets one to anything
+# but its neutral value is refused (400) rather than silently answered differently.
+UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "logit_bias": None, "presence_penalty": 0,
+               "frequency_penalty": 0, "tools": None, "tool_choice": None, "functions": None,
+               "function_call": None, "response_format": None, "top_logprobs": 0, "parallel_tool_calls": None,
+               "prediction": None, "audio": None, "modalities": None}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                        status_code=status, headers={"Retry-After": "1"} if status == 503 else None)
+
+
+# --- request bodies (strict: a wrong type is a 400, not a silent coercion) ------------------------------
+class RequestBody(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+
+
+class CompletionBody(RequestBody):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(RequestBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+
+
+# --- chat templates -------------------------------------------------------------------------------------
+class ChatTemplate:
+    """A checkpoint's Jinja chat template, rendered the way transformers renders it: a sandboxed
+    environment with trim_blocks/lstrip_blocks, `raise_exception`, `tojson`, and the variables
+    messages, add_generation_prompt, bos_token, eos_token."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
+                                                                                      ensure_ascii=ensure_ascii)
+        env.globals["raise_exception"] = raise_exception
+        self.template = env.from_string(source)
+        self.bos_token, self.eos_token = bos_token, eos_token
+
+    @classmethod
+    def from_tokenizer_config(cls, path) -> ChatTemplate | None:
+        """The template in `path` (tokenizer_config.json), or None when there is none."""
+        from pathlib import Path
+
+        path = Path(path)
+        if not path.is_file():
+            return None
+        cfg = json.loads(path.read_text())
+        source = cfg.get("chat_template")
+        if isinstance(source, list):  # named templates: the default one
+            source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+        if not source:
+            return None
+
+        def token(x):
+            return (x.get("content", "") if isinstance(x, dict) else x) or ""
+
+        return cls(source, token(cfg.get("bos_token")), token(cfg.get("eos_token")))
+
+    def render(self, messages: list[dict]) -> str:
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
+                                        eos_token=self.eos_token)
+        except TemplateError as e:
+            raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
+
+
+# --- text deltas ----------------------------------------------------------------------------------------
+class TextStream:
+    """Turns cumulative token ids into text deltas whose concatenation is the final text: it holds back
+    an incomplete UTF-8 character and any tail that could begin a stop string (the scheduler cuts the
+    final text before a stop string, so what was sent must never include part of one)."""
+
+    def __init__(self, detokenize, stop: tuple[str, ...]):
+        self.detokenize, self.stop, self.sent = detokenize, stop, ""
+
+    def delta(self, ids: list[int], final_text: str | None = None, finished: bool = False) -> str:
+        if self.detokenize is None:
+            return ""
+        text = final_text if finished and final_text is not None else self.detokenize(ids)
+        if not finished:
+            text = text.rstrip("\ufffd")
+            hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            text = text[:len(text) - hold]
+        if not text.startswith(self.sent):  # a detokenizer rewrote earlier text: send only what extends
+            return ""
+        out, self.sent = text[len(self.sent):], text
+        return out

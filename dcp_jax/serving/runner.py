@@ -1,0 +1,350 @@
+"""The model runner: the paged, sequence-sharded KV pool and the fixed-shape step programs over it.
+
+    pools (per layer stack): [L, N·pages, K, page, D] (kv heads over "tp", each context rank its own pages),
+                       with a draft model's pools beside them: one pytree `Caches(target, draft)`
+    prefill program:   one request's chunk [1, C] -> write its KV through its block-table row, sample
+                       the token after its last row                                      [jit, donated]
+    decode program:    every slot [S] for up to K steps in one while_loop: forward one token, write,
+                       sample, record                                                    [jit, donated]
+    verify program:    (speculative decoding, instead of decode) every slot's last token + k drafts
+                       [S, k+1] in one forward, written; the accepted drafts + one target token come
+                       back [S, k+1] with a count per slot; a draft model drafts inside it [jit, donated]
+
+Shapes depend only on the `ServingConfig` (slots, blocks per sequence, chunk length, K): requests come
+and go with no recompilation. Sampling is per row (`dcp_jax.sampling.sample_rows`) with a key derived
+from (seed, position), so a request recomputed after preemption samples the same tokens again. Nothing
+outside this module touches the pools: disaggregation writes through `write_pool_shards`.
+
+A program that fails after its pools were donated leaves them deleted: `pools_lost` says so, and
+`reset_pools` makes a zeroed pool again (the KV it held is gone; the engine fails or recomputes the
+requests that used it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from dcp_jax import mesh as mesh_lib
+from dcp_jax.errors import UserError
+from dcp_jax.layers import AttentionContext
+from dcp_jax.layout import PagedLayout
+from dcp_jax.model import CausalLM
+from dcp_jax.sampling import SamplingRows, sample_rows
+from dcp_jax.serving.config import ServingConfig
+from dcp_jax.spec import verify as spec_verify
+from dcp_jax.spec.proposers import SpeculativeConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Caches:
+    """What every step program takes and donates: the target's pools and the draft model's (None
+    without one: an empty subtree, so one program signature serves both)."""
+
+    target: tuple
+    draft: tuple | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """The programs' weights: the target's and the draft model's (None without one)."""
+
+    target: object
+    draft: object = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """What a step program runs on, by name: R rows (sequences) of T tokens.
+
+    tokens, positions int32 [R, T]; valid bool [R, T] (padding and idle slots False: nothing written);
+    kv_len int32 [R] (tokens in cache once the row is written); block_table int32 [R, blocks];
+    sampling: per-row SamplingRows [R].
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    valid: jax.Array
+    kv_len: jax.Array
+    block_table: jax.Array
+    sampling: SamplingRows
+
+    @classmethod
+    def spec(cls, rows: int, tokens: int, blocks: int) -> "StepInputs":
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        return cls(i32(rows, tokens), i32(rows, tokens), jax.ShapeDtypeStruct((rows, tokens), jnp.bool_), i32(rows),
+                   i32(rows, blocks), SamplingRows.spec(rows))
+
+
+class ModelRunner:
+    """A `CausalLM` (and an optional draft model) on a ("tp","dcp") mesh with one paged KV pool and the
+    compiled programs that run over it."""
+
+    def __init__(self, model: CausalLM, mesh: Mesh, config: ServingConfig, *, interleave: int = 1,
+                 impl: str | None = None, combine: str = "auto", speculative: SpeculativeConfig | None = None):
+        self.model, self.mesh, self.config = model, mesh, config
+        self.impl, self.combine = impl, combine
+        self.graphdef, params = nnx.split(model)
+        self.dtype = model.embed_tokens.get_value().dtype
+        self.layout = PagedLayout(mesh_lib.axis_size(mesh, model.context_axes), interleave, config.page_size)
+        self.max_blocks_per_seq = self.layout.blocks_for(config.max_model_len)
+        self.speculative = speculative
+        self.draft = speculative.draft if speculative is not None else None
+        pool_sharding = mesh_lib.named(mesh, mesh_lib.kv_pool_spec(model.head_axes, model.context_axes, stacked=True))
+        draft_params = draft_sharding = None
+        if self.draft is not None:
+            self.draft_graphdef, draft_params = nnx.split(self.draft)
+            self.draft_layout = draft_layout(self.layout, mesh_lib.axis_size(mesh, self.draft.context_axes))
+            draft_sharding = mesh_lib.named(
+                mesh, mesh_lib.kv_pool_spec(self.draft.head_axes, self.draft.context_axes, stacked=True))
+        self.weights = Weights(params, draft_params)
+        self.pool_sharding = pool_sharding
+        self.shardings = Caches(pool_sharding, draft_sharding)
+        self.replicated = mesh_lib.named(mesh, mesh_lib.spec())
+        self.compiled: dict = {}  # (program, shape) -> executable: a test counts these
+        self.caches: Caches | None = None
+
+    # --- the pool --------------------------------------------------------------------------------
+    def pool_shapes(self) -> Caches:
+        """Per layer stack, the global shapes of its pools: [layers, N·pages, K, page, D] ((k, v), or
+        MLA's latent); the draft model's on the same pages (one block table), its own layers, kv heads
+        and head dim: a draft page holds the draft's share of the same tokens as the target's page."""
+        n = self.layout.num_shards * self.config.num_pages
+        m, d = self.model, self.draft
+        target = m.stacked_shapes((n, m.kv_heads, self.config.page_size, m.config.head_dim))
+        draft = None if d is None else d.stacked_shapes((n, d.kv_heads, self.draft_layout.page_size, d.config.head_dim))
+        return Caches(target, draft)
+
+    def pool_spec(self) -> Caches:
+        """Abstract values of the pools (with their shardings): nothing allocated."""
+        shapes = self.pool_shapes()
+
+        def spec(shapes, sharding):
+            return None if shapes is None else tuple(
+                tuple(jax.ShapeDtypeStruct(s, self.dtype, sharding=sharding) for s in layer) for layer in shapes)
+
+        return Caches(spec(shapes.target, self.shardings.target), spec(shapes.draft, self.shardings.draft))
+
+    def allocate(self) -> Caches:
+        """The zeroed pools, sharded from the start (never whole on one device)."""
+        if self.caches is None:
+            spec = self.pool_spec()
+            self.caches = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec),
+                                  out_shardings=self.shardings)()
+        return self.caches
+
+    @property
+    def pools(self) -> tuple:
+        """The target's pools (allocated on first use)."""
+        return self.allocate().target
+
+    def pools_lost(self) -> bool:
+        """Whether a failed program left the pools (or a shard of them) donated and deleted."""
+        return self.caches is not None and any(
+            x.is_deleted() or any(sh.data.is_deleted() for sh in x.addressable_shards)
+            for x in jax.tree.leaves(self.caches))
+
+    def reset_pools(self) -> None:
+        """Drop the pools (their KV is lost); the next use allocates zeroed ones."""
+        self.caches = None
+
+    def write_pool_shards(self, write) -> None:
+        """Per-device writes into the target's pools (prefill/decode disaggregation): `write(device,
+        shards)` gets that device's shards of every pool array, in `jax.tree.leaves` order, donates them,
+        and returns the new ones; the pools are reassembled from the shards without a copy. If `write`
+        fails part way after donating shards, the pools are left deleted: `pools_lost` says so and the
+        engine rebuilds them (`ServingEngine.recover_pools`), so no later step runs on dead buffers."""
+        caches = self.allocate()
+        leaves, tree = jax.tree.flatten(caches.target)
+        shards = [{sh.device: sh.data for sh in leaf.addressable_shards} for leaf in leaves]
+        devices = list(self.mesh.devices.flat)
+        for dev in devices:
+            out = write(dev, tuple(sh[dev] for sh in shards))
+            for sh, new in zip(shards, out):
+                sh[dev] = new
+        target = jax.tree.unflatten(tree, [
+            jax.make_array_from_single_device_arrays(leaf.shape, self.pool_sharding, [sh[d] for d in devices])
+            for leaf, sh in zip(leaves, shards)])
+        self.caches = Caches(target, caches.draft)
+
+    def kv_bytes(self) -> dict:
+        """KV bytes one device holds (its shards of the pool) and the pool's logical bytes (the target's;
+        a draft model's pool adds draft_kv_bytes_per_device)."""
+        caches = self.allocate()
+        out = mesh_lib.kv_bytes(caches.target, self.model.kv_replication)
+        if self.draft is not None:
+            out["draft_kv_bytes_per_device"] = mesh_lib.kv_bytes(caches.draft,
+                                                                 self.draft.kv_replication)["kv_bytes_per_device"]
+        return out
+
+    # --- programs --------------------------------------------------------------------------------
+    def context(self, block_table, layout: PagedLayout | None = None) -> AttentionContext:
+        return AttentionContext(self.mesh, layout or self.layout, self.impl, self.combine, block_table=block_table,
+                                max_seq_len=self.config.max_model_len)
+
+    def prefill(self, weights: Weights, caches: Caches, step: StepInputs, last):
+        draft_pools = caches.draft
+        if self.draft is not None:  # the draft model's cache takes the same chunk
+            draft = nnx.merge(self.draft_graphdef, weights.draft)
+            _, draft_pools = draft(step.tokens, step.positions, step.valid, step.kv_len, draft_pools,
+                                   self.context(step.block_table, self.draft_layout), logits_at=last)
+        model = nnx.merge(self.graphdef, weights.target)
+        logits, pools = model(step.tokens, step.positions, step.valid, step.kv_len, caches.target,
+                              self.context(step.block_table), logits_at=last)
+        tok, lp = sample_rows(logits, step.sampling, step.kv_len)  # the new token's position is kv_len
+        return Caches(pools, draft_pools), tok, lp
+
+    def verify(self, weights: Weights, caches: Caches, step: StepInputs):
+        """One speculative step. step [S, k+1]: column 0 the last token (position p, not yet in cache),
+        columns 1..k the drafts (n-gram; ignored with a draft model, which drafts them here); valid[:, i]
+        for i >= 1 says draft i exists; kv_len = p + 1 + drafts. Writes the KV of every valid column,
+        accepts (dcp_jax.spec.verify) and returns (caches, tokens [S, k+1], counts [S], logprobs [S, k+1])."""
+        tokens, draft_probs, draft_pools = step.tokens, None, caches.draft
+        if self.draft is not None:
+            drafts, draft_probs, draft_pools = self.draft_tokens(weights.draft, caches.draft, step)
+            tokens = jnp.concatenate([step.tokens[:, :1], drafts], axis=1)
+        model = nnx.merge(self.graphdef, weights.target)
+        logits, pools = model(tokens, step.positions, step.valid, step.kv_len, caches.target,
+                              self.context(step.block_table))
+        out, counts, lps = spec_verify.accept(logits.astype(jnp.float32), tokens[:, 1:], step.valid[:, 1:],
+                                              step.sampling, step.positions[:, 0] + 1, draft_probs)
+        return Caches(pools, draft_pools), out, counts, lps
+
+    def draft_tokens(self, draft_params, draft_pools, step: StepInputs):
+        """The draft model's k drafts per row [S, k] and their distributions [S, k, V]: one-token steps
+        from the last token at p; step i writes position p + i (while i <= the row's drafts, so the k-th
+        draft's KV is written too: the draft cache then holds every position the target accepts)."""
+        draft = nnx.merge(self.draft_graphdef, draft_params)
+        ctx = self.context(step.block_table, self.draft_layout)
+        s, t = step.tokens.shape
+        v = self.draft.config.vocab_size
+        active, n_drafts, p0, sp = step.valid[:, 0], jnp.sum(step.valid[:, 1:], axis=1), step.positions[:, 0], step.sampling
+
+        def propose(logits, pos):  # [S, V] -> (tokens [S], q [S, V]); greedy rows: argmax, q unused
+            greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+            def sampled():
+                q = spec_verify.target_probs(logits[:, None], sp.temperature, sp.top_k, sp.top_p)[:, 0]
+                keys = spec_verify.row_keys(sp.seed, pos[:, None], spec_verify.DRAFT)[:, 0]
+                drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(q)).astype(jnp.int32)
+                return jnp.where(sp.temperature > 0, drawn, greedy), q
+
+            return jax.lax.cond(jnp.any(sp.temperature > 0), sampled,
+                                lambda: (greedy, jnp.zeros((s, v), jnp.float32)))
+
+        def body(i, carry):
+            pools, cur, drafts, qs = carry
+            pos = p0 + i
+            ok = active & (i <= n_drafts)
+            logits, pools = draft(cur[:, None], pos[:, None], ok[:, None], jnp.where(ok, pos + 1, 0), pools, ctx)
+            d, q = propose(logits[:, 0].astype(jnp.float32), pos + 1)
+            drafts = jax.lax.dynamic_update_index_in_dim(drafts, d, i, axis=1)
+            qs = jax.lax.dynamic_update_index_in_dim(qs, q, i, axis=1)
+            return pools, d, drafts, qs
+
+        init = (draft_pools, step.tokens[:, 0], jnp.zeros((s, t), jnp.int32), jnp.zeros((s, t, v), jnp.float32))
+        draft_pools, _, drafts, qs = jax.lax.fori_loop(0, jnp.max(jnp.where(active, n_drafts, -1)) + 1, body, init)
+        return drafts[:, :-1], qs[:, :-1], draft_pools
+
+    def decode(self, weights: Weights, caches: Caches, step: StepInputs, num_steps):
+        model, pools = nnx.merge(self.graphdef, weights.target), caches.target
+        s, k_max = step.tokens.shape[0], self.config.decode_steps
+        ctx = self.context(step.block_table)
+        active = step.valid[:, 0]
+
+        def body(state):
+            k, pools, cur, pos, out, out_lp = state
+            kv_len = jnp.where(active, pos + 1, 0)
+            logits, pools = model(cur[:, None], pos[:, None], active[:, None], kv_len, pools, ctx)
+            tok, lp = sample_rows(logits[:, 0], step.sampling, pos + 1)
+            out = jax.lax.dynamic_update_index_in_dim(out, tok, k, axis=1)
+            out_lp = jax.lax.dynamic_update_index_in_dim(out_lp, lp, k, axis=1)
+            return k + 1, pools, tok, pos + 1, out, out_lp
+
+        state = (jnp.int32(0), pools, step.tokens[:, 0], step.positions[:, 0], jnp.zeros((s, k_max), jnp.int32),
+                 jnp.zeros((s, k_max), jnp.float32))
+        _, pools, _, _, out, out_lp = jax.lax.while_loop(lambda st: st[0] < num_steps, body, state)
+        return Caches(pools, caches.draft), out, out_lp
+
+    def program(self, name: str, fn, *args, outputs: int = 2):
+        """`fn` jitted with the pools donated and compiled for `args` (abstract), once per shape."""
+        key = (name,) + tuple(np.shape(a) for a in jax.tree.leaves(args[2:]))
+        if key not in self.compiled:
+            jitted = jax.jit(fn, donate_argnames=("caches",), out_shardings=(self.shardings,) + (self.replicated,) * outputs)
+            self.compiled[key] = jitted.lower(*args).compile()
+        return self.compiled[key]
+
+    def prefill_program(self):
+        """The compiled prefill of one request's chunk of `prefill_chunk` tokens: (weights, caches,
+        StepInputs [1, C], last row [1]) -> (caches, token [1], logprob [1])."""
+        c, nb = self.config.prefill_chunk, self.max_blocks_per_seq
+        return self.program("prefill", self.prefill, self.weights, self.pool_spec(), StepInputs.spec(1, c, nb),
+                            jax.ShapeDtypeStruct((1,), jnp.int32))
+
+    def decode_program(self):
+        """The compiled decode loop over every slot: (weights, caches, StepInputs [S, 1] (the tokens and
+        positions to start from, valid = the slot decodes), num_steps) -> (caches, tokens [S, K],
+        logprobs [S, K]); runs num_steps <= K steps."""
+        if self.speculative is not None:
+            raise RuntimeError("a speculative engine decodes with verify_program()")
+        s, nb = self.config.max_num_seqs, self.max_blocks_per_seq
+        return self.program("decode", self.decode, self.weights, self.pool_spec(), StepInputs.spec(s, 1, nb),
+                            jax.ShapeDtypeStruct((), jnp.int32))
+
+    def verify_program(self):
+        """The compiled speculative step over every slot: (weights, caches, StepInputs [S, k+1]) ->
+        (caches, tokens [S, k+1], counts [S], logprobs [S, k+1]) (see `verify`)."""
+        s, nb = self.config.max_num_seqs, self.max_blocks_per_seq
+        t = self.speculative.num_tokens + 1
+        return self.program("verify", self.verify, self.weights, self.pool_spec(), StepInputs.spec(s, t, nb),
+                            outputs=3)
+
+    def step_program(self):
+        """The program a decode iteration runs: the verify step with speculation, else the decode loop."""
+        return self.decode_program() if self.speculative is None else self.verify_program()
+
+    def compile_all(self) -> None:
+        """Compile every program this runner runs and allocate the pools (before serving starts)."""
+        self.prefill_program()
+        self.step_program()
+        self.allocate()
+
+
+def draft_layout(layout: PagedLayout, draft_shards: int) -> PagedLayout:
+    """The draft model's pages over the target's blocks (`PagedLayout.same_blocks`), or a UserError."""
+    try:
+        return layout.same_blocks(draft_shards)
+    except ValueError as e:
+        raise UserError(f"the draft model cannot share the target's KV pages: {e}; choose a page size that "
+                        "is a multiple of the tp size, or a draft of the target's attention kind (MLA or not)") from None
+
+
+def page_bytes_per_device(model: CausalLM, mesh: Mesh, page_size: int, dtype) -> int:
+    """Bytes one page (one block-table entry) costs each device, over all layers and (k, v)."""
+    n_ctx = mesh_lib.axis_size(mesh, model.context_axes)
+    sharding = mesh_lib.named(mesh, mesh_lib.kv_pool_spec(model.head_axes, model.context_axes))
+    one = (n_ctx, model.kv_heads, page_size, model.config.head_dim)
+    per_layer = math.prod(sharding.shard_shape(one)) * (1 if model.config.mla else 2)
+    return per_layer * model.config.num_layers * np.dtype(dtype).itemsize
+
+
+def gpu_budget(mesh: Mesh, utilization: float) -> int:
+    """Like vLLM's --gpu-memory-utilization: the fraction `utilization` of each device's memory, less
+    what is already in use (weights), on the tightest device."""
+    budgets = []
+    for d in mesh.devices.flat:
+        if d.platform != "gpu":
+            raise UserError("--gpu-memory-utilization needs a GPU; on CPU give --kv-cache-memory SIZE "
+                            "(bytes per device, e.g. 512MiB)")
+        stats = d.memory_stats() or {}
+        budgets.append(int(utilization * stats.get("bytes_limit", 0)) - int(stats.get("bytes_in_use", 0)))
+    return min(budgets)
