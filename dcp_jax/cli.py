@@ -69,11 +69,14 @@ def token_ids_arg(text):
     return ids
 
 
-def byte_size(text):
-    try:
-        return parse_bytes(text)
-    except UserError as e:
-        raise argparse.ArgumentTypeError(f"--kv-cache-memory: {e}") from None
+def byte_size(name):
+    """An argparse type: a memory size ("512MiB", "2GB", bytes) for the flag `name`."""
+    def parse(text):
+        try:
+            return parse_bytes(text)
+        except UserError as e:
+            raise argparse.ArgumentTypeError(f"{name}: {e}") from None
+    return parse
 
 
 def interleave_arg(text):
@@ -145,7 +148,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs_help: str = "req
     k.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
                    help="run consecutive layers as one lax.scan (compile time flat in depth; default) or "
                         "one program per layer (--no-scan-layers: no per-step slicing of stacked weights)")
-    k.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="SIZE",
+    k.add_argument("--kv-cache-memory", type=byte_size("--kv-cache-memory"), default=None, metavar="SIZE",
                    help="KV cache bytes per device, e.g. 512MiB or 2GB (default: 0.9 of each GPU; on CPU at "
                         "most 256 MiB in all, and no more than max-num-seqs contexts need)")
     k.add_argument("--gpu-memory-utilization", type=positive_float("--gpu-memory-utilization", 1.0),

@@ -5,6 +5,7 @@ the `LLM` every role serves, wrap it in the OpenAI app, run uvicorn (on this thr
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 from dcp_jax.cli import DEFAULT_MODEL, RUN_ERROR
@@ -31,25 +32,31 @@ def load_llm(model_dir=None, *, tp: int | None = None, dcp: int | None = None, m
     return llm, path, embedded
 
 
-def openai_app(runner, llm, path: Path, embedded: bool, served_model_name: str | None = None):
-    """The OpenAI-compatible FastAPI app over `runner` (an AsyncEngine driving `llm`'s engine)."""
+def openai_app(runner, llm, path: Path, embedded: bool, served_model_name: str | None = None, **app_kw):
+    """The OpenAI-compatible FastAPI app over `runner` (an AsyncEngine driving `llm`'s engine); `app_kw`:
+    `create_app`'s api_key and max_request_bytes."""
     from dcp_jax.serving.openai import create_app
     from dcp_jax.serving.protocol import ChatTemplate
 
     template = ChatTemplate.from_tokenizer_config(path / "tokenizer_config.json") if path.is_dir() else None
     name = served_model_name or ("dcp-jax-tiny" if embedded else path.resolve().name)
-    return create_app(runner, model_name=name, max_model_len=llm.config.max_model_len, tokenizer=llm.tokenizer,
-                      chat_template=template, tp=llm.mesh.shape["tp"], dcp=llm.mesh.shape["dcp"])
+    app = create_app(runner, model_name=name, max_model_len=llm.config.max_model_len, tokenizer=llm.tokenizer,
+                     chat_template=template, tp=llm.mesh.shape["tp"], dcp=llm.mesh.shape["dcp"], **app_kw)
+    app.state.engine = runner  # what `serve_forever` watches
+    return app
 
 
-def make_app(model_dir=None, *, served_model_name: str | None = None, max_pending: int = 256, **llm_kw):
+def make_app(model_dir=None, *, served_model_name: str | None = None, max_pending: int = 256,
+             api_key: str | None = None, max_request_bytes: int | None = None, **llm_kw):
     """Load the model, size the pool, compile, and return (FastAPI app, LLM); `llm_kw` as `load_llm`.
     Raises UserError/ValueError on bad sizes or checkpoints."""
     from dcp_jax.serving.async_engine import AsyncEngine
 
     llm, path, embedded = load_llm(model_dir, **llm_kw)
     llm.engine.runner.compile_all()  # before the port opens: the first request pays no compile time
-    return openai_app(AsyncEngine(llm.engine, max_pending=max_pending), llm, path, embedded, served_model_name), llm
+    app_kw = dict(api_key=api_key) | ({} if max_request_bytes is None else dict(max_request_bytes=max_request_bytes))
+    return openai_app(AsyncEngine(llm.engine, max_pending=max_pending), llm, path, embedded, served_model_name,
+                      **app_kw), llm
 
 
 def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 60.0):
@@ -81,13 +88,56 @@ def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, timeout_s: floa
     return f"http://{host}:{bound}", stop
 
 
-def serve_forever(app, host: str, port: int, log_level: str) -> int:
-    """uvicorn on this thread until it stops; an exit status (one error line when it cannot serve)."""
+def serve_forever(app, host: str, port: int, log_level: str, shutdown_timeout: float = 30.0) -> int:
+    """uvicorn on this thread until it stops; an exit status, with one error line when it could not serve.
+
+    SIGTERM / SIGINT drain: the port closes, requests in flight get `shutdown_timeout` seconds to finish,
+    the rest are aborted, and the status is 0. If the engine thread dies (`app.state.engine.failure`),
+    /health fails at once and the process ends with status 1 within a second, so a supervisor restarts it.
+    """
+    import contextlib
+    import signal
+    import threading
+
     import uvicorn
 
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # uvicorn re-raises the signal after draining: exit with 0 instead
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handlers = {sig: signal.signal(sig, lambda *_: self.handle_exit(sig, None))
+                        for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in handlers.items():
+                    signal.signal(sig, handler)
+
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                   timeout_graceful_shutdown=shutdown_timeout))
+    engine, died = getattr(app.state, "engine", None), []
+
+    def watch():
+        while not server.should_exit:
+            if engine is not None and engine.failure is not None:
+                died.append(engine.failure)
+                server.should_exit = True
+                return
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, name="dcp-jax-watchdog", daemon=True).start()
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        server.run()
     except (OSError, SystemExit) as e:  # e.g. the port is taken
         print(f"error: could not serve on {host}:{port}: {e}", file=sys.stderr)
+        return RUN_ERROR
+    if died:
+        print(f"error: the engine stopped ({type(died[0]).__name__}: {died[0]}); exiting so a supervisor can "
+              "restart the server", file=sys.stderr)
+        return RUN_ERROR
+    if not server.started:
+        print(f"error: could not serve on {host}:{port}", file=sys.stderr)
         return RUN_ERROR
     return 0

@@ -158,6 +158,10 @@ class LLM:
         if explicit:
             _positive_int("max_model_len", max_model_len, least=2)
             cfg.check_context(max_model_len)
+            if max_model_len > cfg.max_position_embeddings:
+                print(f"note: max_model_len {max_model_len:,} is past the checkpoint's max_position_embeddings "
+                      f"({cfg.max_position_embeddings:,}): the model was not trained on positions that far",
+                      file=sys.stderr)
         else:
             max_model_len = min(x for x in (cfg.max_position_embeddings, cfg.sliding_window) if x)
         if num_pages is not None:
@@ -214,8 +218,10 @@ class LLM:
             raise UserError("this checkpoint has no tokenizer.json: give token ids instead of text")
         return self.tokenizer.encode(text).ids
 
-    def decode(self, ids: Sequence[int]) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode(list(ids))
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached prefix block no request holds; returns how many were dropped."""

@@ -8,6 +8,7 @@ device programs all take their sampling rules from here, so each range is checke
     filter_logits    the one top-k / top-p rule, per row
     sample           one SamplingParams for a whole batch (the dense baseline)
     SamplingRows     per-row parameters [R] as device arrays (one program serves every mix)
+    ban_stops        min_tokens: no stop id before a row's minimum (logits masked per row)
     sample_rows      per-row sampling with keys from (seed, position): the serving engine's sampler
 """
 
@@ -24,6 +25,7 @@ from dcp_jax.errors import UserError
 
 INT32_MAX = 2**31 - 1  # top_k becomes an int32 on the device
 SEED_LIMIT = 2**32  # a seed becomes a uint32 on the device
+MAX_BANNED = 16  # stop ids one row may hold back until its min_tokens (EOS ids + stop_token_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,19 +97,45 @@ class SamplingRows:
     top_k: jax.Array  # int32; 0 = off
     top_p: jax.Array  # float32; 1 = off
     seed: jax.Array  # uint32
+    ban_until: jax.Array  # int32: a new token at a position below it is never one of ban_ids (min_tokens)
+    ban_ids: jax.Array  # int32 [R, MAX_BANNED]; -1 = none
 
     @classmethod
     def spec(cls, rows: int) -> "SamplingRows":
-        return cls(*(jax.ShapeDtypeStruct((rows,), dt) for dt in (jnp.float32, jnp.int32, jnp.float32, jnp.uint32)))
+        f32, i32 = jnp.float32, jnp.int32
+        return cls(*(jax.ShapeDtypeStruct((rows,), dt) for dt in (f32, i32, f32, jnp.uint32, i32)),
+                   jax.ShapeDtypeStruct((rows, MAX_BANNED), i32))
 
     @classmethod
-    def of(cls, rows) -> "SamplingRows":
-        """Host arrays for `rows`: objects with `.sampling` (SamplingParams) and `.seed`, or None (greedy,
-        never read). The values were range-checked when the requests entered."""
+    def of(cls, rows, eos_token_ids=()) -> "SamplingRows":
+        """Host arrays for `rows`: requests (`.sampling`, `.seed`, `.min_tokens`, `.banned_ids(eos)`) or
+        None (greedy, never read). The values were range-checked when the requests entered."""
+        ban = np.full((len(rows), MAX_BANNED), -1, np.int32)
+        until = np.zeros(len(rows), np.int32)
+        for i, r in enumerate(rows):
+            if r is not None and r.min_tokens:
+                ids = r.banned_ids(eos_token_ids)
+                ban[i, :len(ids)] = ids
+                until[i] = r.num_prompt_tokens + r.min_tokens
         return cls(temperature=np.asarray([r.sampling.temperature if r else 0.0 for r in rows], np.float32),
                    top_k=np.asarray([r.sampling.top_k if r else 0 for r in rows], np.int32),
                    top_p=np.asarray([r.sampling.top_p if r else 1.0 for r in rows], np.float32),
-                   seed=np.asarray([r.seed if r else 0 for r in rows], np.uint32))
+                   seed=np.asarray([r.seed if r else 0 for r in rows], np.uint32), ban_until=until, ban_ids=ban)
+
+
+def ban_stops(logits, params: SamplingRows, positions):
+    """logits [R, ..., V] with each row's ban_ids at -inf where the new token's position (positions
+    [R, ...]) is below its ban_until: a request emits no stop id before its min_tokens."""
+    r, v = logits.shape[0], logits.shape[-1]
+
+    def masked():
+        rows = jnp.broadcast_to(jnp.arange(r)[:, None], params.ban_ids.shape)
+        hit = jnp.zeros((r, v), bool).at[rows, jnp.maximum(params.ban_ids, 0)].max(params.ban_ids >= 0)
+        early = positions < params.ban_until.reshape((r,) + (1,) * (positions.ndim - 1))
+        hit = hit.reshape((r,) + (1,) * (logits.ndim - 2) + (v,))
+        return jnp.where(early[..., None] & hit, -jnp.inf, logits)
+
+    return jax.lax.cond(jnp.any(params.ban_until > 0), masked, lambda: logits)
 
 
 def sample_rows(logits, params: SamplingRows, positions):
@@ -116,14 +144,15 @@ def sample_rows(logits, params: SamplingRows, positions):
     Each row samples with its own parameters and a key from (seed, position of the new token): the same
     row at the same position draws the same token, whatever else shares the batch.
     """
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)  # under the model's raw logits
+    x = ban_stops(logits, params, positions)
+    greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
 
     def draw():
-        x = filter_logits(logits / jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None],
-                          params.top_k, params.top_p)
+        x_t = filter_logits(x / jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None],
+                            params.top_k, params.top_p)
         keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(params.seed, positions)
-        drawn = jax.vmap(jax.random.categorical)(keys, x)
+        drawn = jax.vmap(jax.random.categorical)(keys, x_t)
         return jnp.where(params.temperature > 0, drawn, greedy).astype(jnp.int32)
 
     # an all-greedy batch skips the sorts and the draw

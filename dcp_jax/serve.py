@@ -9,6 +9,7 @@ time. Command-line mistakes end with one `error: ...` line and exit 2, like `pyt
 
 from __future__ import annotations
 
+import os
 import sys
 
 from dcp_jax.cli import (
@@ -17,6 +18,7 @@ from dcp_jax.cli import (
     CliParser,
     UsageError,
     add_engine_args,
+    byte_size,
     engine_kwargs,
     mesh_shape,
     positive_float,
@@ -33,6 +35,14 @@ def build_parser():
     p.add_argument("--max-pending", type=positive_int("--max-pending"), default=256,
                    help="unfinished requests held at once; more get 503 (default 256)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="every /v1 route needs 'Authorization: Bearer KEY' (default: $DCP_JAX_API_KEY; none: open); "
+                        "/health and /metrics stay open")
+    p.add_argument("--max-request-bytes", type=byte_size("--max-request-bytes"), default=None, metavar="SIZE",
+                   help="the largest request body accepted (default 32MiB); larger ones get 413")
+    p.add_argument("--shutdown-timeout", type=positive_float("--shutdown-timeout"), default=30.0, metavar="S",
+                   help="on SIGTERM/SIGINT, seconds requests in flight get to finish before the rest are aborted "
+                        "(then the exit status is 0; default 30)")
     # --- prefill/decode disaggregation (dcp_jax.disagg, docs/DISAGG.md) ---------------------------------
     g = p.add_argument_group("prefill/decode disaggregation")
     g.add_argument("--role", choices=("single", "prefill", "decode"), default="single",
@@ -87,15 +97,16 @@ def run(argv=None) -> int:
         return run_role(args, llm_kw)
     from dcp_jax.launch import make_app, serve_forever
 
+    api_key = args.api_key if args.api_key is not None else os.environ.get("DCP_JAX_API_KEY") or None
     try:
         app, llm = make_app(args.model, served_model_name=args.served_model_name, max_pending=args.max_pending,
-                            **llm_kw)
+                            api_key=api_key, max_request_bytes=args.max_request_bytes, **llm_kw)
     except (ValueError, ImportError) as e:  # UserError and the library's own ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return RUN_ERROR
     print(f"serving {llm.source} on http://{args.host}:{args.port}/v1 (tp={llm.mesh.shape['tp']} x "
           f"dcp={llm.mesh.shape['dcp']}, max_model_len {llm.config.max_model_len:,})", file=sys.stderr)
-    return serve_forever(app, args.host, args.port, args.log_level)
+    return serve_forever(app, args.host, args.port, args.log_level, args.shutdown_timeout)
 
 
 def main():

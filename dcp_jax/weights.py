@@ -159,11 +159,14 @@ class ByteTokenizer:
     def encode(self, text: str):
         return self._Encoding(list(text.encode("utf-8")))
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:  # (a byte tokenizer has no special tokens)
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
     def to_str(self) -> str:
         return self.KIND
+
+    def get_vocab(self) -> dict[str, int]:  # one byte per token: a token stands for at most one character
+        return {chr(i): i for i in range(256)}
 
 
 def tokenizer_from_str(text: str | None):

@@ -5,6 +5,7 @@ over a (tp=1, dcp=2) mesh."""
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import json
 import re
 import shutil
@@ -186,7 +187,7 @@ BAD = [
     ({"model": MODEL, "prompt": 5}, "prompt"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": "8"}, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature"),
-    ({"model": "gpt-4", "prompt": "hi"}, "model"),
+    ({"model": "gpt-4", "prompt": "hi"}, "model", 404),  # OpenAI's and vLLM's model_not_found
     ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 10_000}, "max_tokens"),
@@ -205,19 +206,32 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "logprobs": 5}, "logprobs"),
     ({"model": MODEL, "prompt": "hi", "stop": 3}, "stop"),
     ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    # valid JSON that used to be a 500: a lone surrogate, nesting too deep for the parser
+    (b'{"model": "%s", "prompt": "a\\ud800b"}' % MODEL.encode(), "invalid_unicode"),
+    (b'{"model": "%s", "prompt": "hi", "x": %s%s}' % (MODEL.encode(), b"[" * 100_000, b"]" * 100_000), "invalid_json"),
+    # accepted before, now refused: an empty stop string, a stream_options flag that is not a bool
+    ({"model": MODEL, "prompt": "hi", "stop": ""}, "stop"),
+    ({"model": MODEL, "prompt": "hi", "stop": ["x"] * 17}, "stop"),
+    ({"model": MODEL, "prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+    # vLLM's extensions this server does not implement: refused by name
+    ({"model": MODEL, "prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"model": MODEL, "prompt": "hi", "min_p": 0.1}, "min_p"),
+    ({"model": MODEL, "prompt": "hi", "guided_json": {"type": "object"}}, "guided_json"),
 ]
 
 
-@pytest.mark.parametrize("body,param", BAD, ids=range(len(BAD)))
-def test_bad_completion_requests(server, body, param):
+@pytest.mark.parametrize("case", BAD, ids=range(len(BAD)))
+def test_bad_completion_requests(server, case):
+    body, param, status = (*case, 400)[:3]
     kw = dict(content=body, headers={"content-type": "application/json"}) if isinstance(body, bytes) else dict(json=body)
     r = httpx.post(server["base"] + "/v1/completions", timeout=30, **kw)
-    assert r.status_code == 400, r.text
+    assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
     assert err["message"] and "Traceback" not in r.text
-    if param == "invalid_json":
-        assert err["code"] == "invalid_json"
+    if param in ("invalid_json", "invalid_unicode"):
+        assert err["code"] == param
     elif param is not None:
         assert err["param"] == param, err
     # the server keeps serving
@@ -274,6 +288,10 @@ def test_load_with_disconnects_frees_everything(server):
                 stream = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, stream=True, seed=i)
                 next(iter(stream))
                 stream.close()
+            elif i % 7 == 1:  # a non-streaming client that gives up before the answer
+                with pytest.raises(httpx.TimeoutException):
+                    httpx.post(base + "/v1/completions", json=dict(model=MODEL, prompt=prompt, max_tokens=100,
+                                                                   ignore_eos=True), timeout=0.05)
             elif i % 2:
                 chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, stream=True, seed=i))
                 assert chunks[-1].choices[0].finish_reason in ("stop", "length")
@@ -303,6 +321,81 @@ def test_load_with_disconnects_frees_everything(server):
     assert m["dcp_jax_time_to_first_token_seconds_count"] > 0
     assert m["dcp_jax_time_per_output_token_seconds_count"] > 0
     assert m['dcp_jax_requests_finished_total{reason="abort"}'] >= 1  # some disconnects came mid-stream
+
+
+def test_abandoned_non_streaming_request_is_cancelled(server):
+    # A client that disconnects from a non-streaming request cancels it: nothing is generated for nobody.
+    base = server["base"]
+    before = metrics(base).get('dcp_jax_requests_finished_total{reason="abort"}', 0)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(base + "/v1/completions", json=dict(model=MODEL, prompt="Hello", max_tokens=120, ignore_eos=True),
+                   timeout=0.05)
+    deadline = time.monotonic() + 10
+    while metrics(base).get('dcp_jax_requests_finished_total{reason="abort"}', 0) <= before:
+        assert time.monotonic() < deadline, "the abandoned request was not cancelled"
+        time.sleep(0.1)
+    m = metrics(base)
+    assert m["dcp_jax_kv_pages_used"] == 0 and m["dcp_jax_num_requests_running"] == 0
+    r = server["client"].completions.create(model=MODEL, prompt="Hello world", max_tokens=8, temperature=0)
+    assert r.choices[0].text == server["alone_text"]("Hello world")
+
+
+def test_a_large_body_never_stalls_running_streams(server):
+    # A 5 MB prompt is read, parsed and refused (it cannot fit the context) off the event loop: a
+    # stream that runs meanwhile never waits half a second between chunks.
+    base, gaps, started = server["base"], [], concurrent.futures.Future()
+
+    def stream():
+        last = None
+        with httpx.stream("POST", base + "/v1/completions", timeout=60, json=dict(
+                model=MODEL, prompt="Hello", max_tokens=110, ignore_eos=True, stream=True)) as r:
+            for line in r.iter_lines():
+                now = time.monotonic()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+                if not started.done():
+                    started.set_result(now)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        f = pool.submit(stream)
+        started.result(timeout=30)
+        big = httpx.post(base + "/v1/completions", timeout=60,
+                         json=dict(model=MODEL, prompt="x" * 5_000_000, max_tokens=2))
+        f.result(timeout=60)
+    assert big.status_code == 400 and big.json()["error"]["code"] == "context_length_exceeded", big.text
+    assert len(gaps) > 10 and max(gaps) < 0.5, max(gaps)
+
+
+def test_streamed_logprob_offsets_run_on_and_token_bytes(server):
+    c = server["client"]
+    whole = c.completions.create(model=MODEL, prompt="Hello world", max_tokens=8, temperature=0, logprobs=1)
+    offsets = [o for ch in c.completions.create(model=MODEL, prompt="Hello world", max_tokens=8, temperature=0,
+                                                logprobs=1, stream=True) if ch.choices[0].logprobs
+               for o in ch.choices[0].logprobs.text_offset]
+    assert offsets == whole.choices[0].logprobs.text_offset
+    assert offsets == list(itertools.accumulate([len(t) for t in whole.choices[0].logprobs.tokens[:-1]], initial=0))
+
+
+def test_vllm_extensions(server):
+    c, llm = server["client"], server["llm"]
+    base = c.completions.create(model=MODEL, prompt="Hello world", max_tokens=8, temperature=0)
+    ids = llm.generate(["Hello world"], max_new_tokens=8).tokens[0]
+    # stop_token_ids: the output ends at the first of them
+    stop_id = ids[2]
+    r = c.completions.create(model=MODEL, prompt="Hello world", max_tokens=8, temperature=0,
+                             extra_body={"stop_token_ids": [stop_id]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 3
+    # include_stop_str_in_output keeps the stop string in the text
+    word = base.choices[0].text[2:4]
+    cut = c.completions.create(model=MODEL, prompt="Hello world", max_tokens=8, temperature=0, stop=[word])
+    kept = c.completions.create(model=MODEL, prompt="Hello world", max_tokens=8, temperature=0, stop=[word],
+                                extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == cut.choices[0].text + word
+    # min_tokens: no stop before it (the stop id is held back on the device, so greedy takes another)
+    m = c.completions.create(model=MODEL, prompt="Hello world", max_tokens=8, temperature=0,
+                             extra_body={"stop_token_ids": [stop_id], "min_tokens": 6})
+    assert m.usage.completion_tokens >= 6
 
 
 @pytest.mark.parametrize("argv,needle", [

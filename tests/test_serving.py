@@ -279,3 +279,21 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(after_donation
     assert stats["failed_steps"] == 1 and stats["pool_resets"] == int(after_donation) and stats["pages_used"] == 0
     engine.scheduler.check()
     assert alone(llm, prompts[0], 6) == want[0]  # and it serves the failed one normally afterwards
+
+
+def test_min_tokens_holds_stop_ids_back_on_the_device():
+    # Before min_tokens outputs no stop id is sampled (greedy takes the next best token); after it the
+    # stop ids stop the request again. Without min_tokens the same request stops at once.
+    llm = load("llama-gqa", 1, 2, page_size=2, max_model_len=64)
+    prompt = [3, 7, 11, 2, 9]
+    free = alone(llm, prompt, 10)
+    stop = free[1]
+    plain = Request("p", prompt, max_tokens=10, stop_token_ids=[stop], ignore_eos=True)
+    held = Request("m", prompt, max_tokens=10, stop_token_ids=[stop], min_tokens=6, ignore_eos=True)
+    run_requests(llm.engine, [plain, held])
+    assert plain.output_token_ids == free[:2] and plain.finish_reason == "stop"
+    assert stop not in held.output_token_ids[:6] and len(held.output_token_ids) >= 6
+    assert held.output_token_ids[0] == free[0]  # the first token is not a stop id: nothing changes
+    bad = Request("b", prompt, max_tokens=3, min_tokens=5)
+    run_requests(llm.engine, [bad])
+    assert bad.finish_reason == "error" and "min_tokens (5) must be at most max_tokens (3)" in bad.error

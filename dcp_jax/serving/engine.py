@@ -98,6 +98,7 @@ class ServingEngine:
         if plan.prefills:
             t0 = time.perf_counter()
             c = self.config.prefill_chunk  # one compiled shape: a shorter piece is padded
+            eos = sched.config.eos_token_ids
             program, caches = runner.prefill_program(), runner.allocate()
             sampled, logprobs = [], []
             for chunk in plan.prefills:
@@ -110,7 +111,7 @@ class ServingEngine:
                     positions = np.arange(start, start + c, dtype=np.int32)[None]
                     valid = np.arange(c)[None] < len(ids)
                     inputs = StepInputs(tokens, positions, valid, np.asarray([start + len(ids)], np.int32), row,
-                                        SamplingRows.of([chunk.request]))
+                                        SamplingRows.of([chunk.request], eos))
                     # the pools are donated: if this raises after donating them, `recover` sees them deleted
                     caches, tok, lp = program(runner.weights, caches, inputs, np.asarray([len(ids) - 1], np.int32))
                     runner.caches = caches
@@ -149,7 +150,7 @@ class ServingEngine:
                 valid[slot, 1:1 + most] = True
         positions = plan.decode_positions[:, None] + np.arange(width, dtype=np.int32)[None]
         kv_len = np.where(plan.decode_mask, plan.decode_positions + valid.sum(axis=1), 0).astype(np.int32)
-        inputs = StepInputs(tokens, positions, valid, kv_len, plan.block_table, SamplingRows.of(rows))
+        inputs = StepInputs(tokens, positions, valid, kv_len, plan.block_table, SamplingRows.of(rows, self.scheduler.config.eos_token_ids))
         runner = self.runner
         program, caches = runner.step_program(), runner.allocate()
         if self.speculative is None:

@@ -6,6 +6,7 @@ for streaming. No engine here: `dcp_jax.serving.openai` joins these to an `Async
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 try:
@@ -14,12 +15,20 @@ try:
 except ImportError as e:  # pragma: no cover - the message names the fix
     raise ImportError(f"the server needs the 'serve' extra: pip install 'dcp_jax[serve]' ({e})") from None
 
-# Parameters of OpenAI's API that this server does not implement: a request that sets one to anything
-# but its neutral value is refused (400) rather than silently answered differently.
+# Parameters of OpenAI's API, and vLLM's extensions, that this server does not implement: a request that
+# sets one to anything but its neutral value is refused (400, by name) rather than silently answered
+# differently. (vLLM's stop_token_ids, min_tokens, include_stop_str_in_output, skip_special_tokens and
+# ignore_eos are implemented: fields of RequestBody.)
 UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "logit_bias": None, "presence_penalty": 0,
                "frequency_penalty": 0, "tools": None, "tool_choice": None, "functions": None,
                "function_call": None, "response_format": None, "top_logprobs": 0, "parallel_tool_calls": None,
-               "prediction": None, "audio": None, "modalities": None}
+               "prediction": None, "audio": None, "modalities": None,
+               # vLLM's sampling and structured-output extensions
+               "repetition_penalty": 1, "min_p": 0, "length_penalty": 1, "use_beam_search": False,
+               "prompt_logprobs": None, "bad_words": None, "allowed_token_ids": None, "logits_processors": None,
+               "truncate_prompt_tokens": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
+               "guided_grammar": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
+               "structured_outputs": None, "spaces_between_special_tokens": True, "priority": 0}
 
 
 class APIError(Exception):
@@ -35,6 +44,12 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 
 
 # --- request bodies (strict: a wrong type is a 400, not a silent coercion) ------------------------------
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    include_usage: bool = False  # strict: "yes" is a 400, not true
+
+
 class RequestBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -47,9 +62,14 @@ class RequestBody(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+    # vLLM's extensions
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
 
 class CompletionBody(RequestBody):
@@ -141,3 +161,47 @@ class TextStream:
             return ""
         out, self.sent = text[len(self.sent):], text
         return out
+
+
+# --- a token's bytes ------------------------------------------------------------------------------------
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, inverted: the printable character that stands for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class TokenBytes:
+    """The bytes one token stands for (OpenAI's `logprobs.content[].bytes`): its own bytes, also for a
+    token holding part of a UTF-8 character, where its decoded text would be U+FFFD."""
+
+    BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.alphabet = tokenizer, None
+        spec = tokenizer.to_str() if hasattr(tokenizer, "to_str") else ""
+        self.bytes_vocab = spec == "bytes"  # dcp_jax's ByteTokenizer: the id is the byte
+        if not self.bytes_vocab:
+            try:
+                decoder = json.dumps(json.loads(spec).get("decoder"))
+            except (ValueError, AttributeError):
+                decoder = ""
+            if '"ByteLevel"' in decoder:
+                self.alphabet = byte_level_alphabet()
+
+    def __call__(self, token_id: int, text: str) -> list[int]:
+        if self.bytes_vocab:
+            return [token_id] if 0 <= token_id < 256 else []
+        piece = self.tokenizer.id_to_token(token_id) if hasattr(self.tokenizer, "id_to_token") else None
+        if piece is not None and self.alphabet is not None and all(c in self.alphabet for c in piece):
+            return [self.alphabet[c] for c in piece]
+        if piece is not None and (m := self.BYTE_FALLBACK.fullmatch(piece)):
+            return [int(m.group(1), 16)]
+        return list(text.encode("utf-8"))

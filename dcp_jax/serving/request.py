@@ -9,7 +9,7 @@ import dataclasses
 import enum
 from collections.abc import Callable, Sequence
 
-from dcp_jax.sampling import SamplingParams
+from dcp_jax.sampling import MAX_BANNED, SamplingParams, check_seed
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -40,6 +40,11 @@ class Request:
     stop_token_ids: Sequence[int] = ()
     stop: Sequence[str] = ()
     arrival_time: float | None = None
+    # vLLM's extensions: no stop (EOS, stop ids, stop strings) before min_tokens outputs (the device
+    # holds the stop ids back); keep the stop string in `text`; keep special tokens in `text`
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     # --- what it produced ---
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
@@ -101,11 +106,19 @@ class Request:
         return min(total, max_model_len) - 1
 
     # --- producing tokens ---
+    def banned_ids(self, eos_token_ids: Sequence[int] = ()) -> list[int]:
+        """The ids it may not emit before min_tokens: EOS (unless ignore_eos) and its stop ids."""
+        return sorted(set(() if self.ignore_eos else eos_token_ids) | set(self.stop_token_ids))
+
+    def decode(self, detokenize: Callable, ids: Sequence[int]) -> str:
+        """`ids` as text, with its special tokens when the request keeps them."""
+        return detokenize(ids) if self.skip_special_tokens else detokenize(ids, skip_special_tokens=False)
+
     def finish(self, reason: str, error: str | None = None, detokenize: Callable | None = None) -> None:
         assert reason in FINISH_REASONS, reason
         self.state, self.finish_reason, self.error = RequestState.FINISHED, reason, error
         if detokenize is not None and self.text is None:
-            self.text = detokenize(self.output_token_ids)
+            self.text = self.decode(detokenize, self.output_token_ids)
 
     def append_token(self, token: int, logprob: float | None, *, eos_token_ids: Sequence[int] = (),
                      max_model_len: int, detokenize: Callable | None = None) -> bool:
@@ -117,29 +130,72 @@ class Request:
         token = int(token)
         self.output_token_ids.append(token)
         self.output_logprobs.append(float("nan") if logprob is None else float(logprob))
-        if not self.ignore_eos and token in eos_token_ids:
+        stops = len(self.output_token_ids) > self.min_tokens  # none apply before min_tokens (vLLM's rule)
+        if stops and not self.ignore_eos and token in eos_token_ids:
             self.stop_reason = token
             self.finish("stop", detokenize=detokenize)
-        elif token in self.stop_token_ids:
+        elif stops and token in self.stop_token_ids:
             self.stop_reason = token
             self.finish("stop", detokenize=detokenize)
-        elif self.stop and detokenize is not None and self.check_stop_strings(detokenize):
+        elif stops and self.stop and detokenize is not None and self.check_stop_strings(detokenize):
             self.finish("stop")
         elif self.tokens_left(max_model_len) <= 0:
             self.finish("length", detokenize=detokenize)
         return self.is_finished
 
     def check_stop_strings(self, detokenize: Callable) -> bool:
-        """Detokenize the output, cut the text before the earliest stop string; True if one occurs.
+        """Whether a stop string ends the output; if so, cut `text` before it (after it with
+        include_stop_str_in_output).
 
-        The whole output is searched each time (a detokenizer may rewrite earlier characters as bytes
-        complete), so a stop string spanning several tokens is found; O(output) per token.
+        Only a trailing window of tokens is detokenized per new token (enough for the longest stop
+        string: each character takes at most 4 byte-level tokens), so the cost per token does not grow
+        with the output; on a hit the whole output is detokenized once to place the cut.
         """
-        text = detokenize(self.output_token_ids)
-        hits = [(i, s) for s in self.stop if (i := text.find(s)) >= 0]
-        if not hits:
-            self.text = text
+        longest = max(map(len, self.stop))
+        tail = self.decode(detokenize, self.output_token_ids[-(4 * longest + 8):])
+        if not any(s in tail for s in self.stop):
+            return False
+        text = self.decode(detokenize, self.output_token_ids)
+        start = max(0, len(text) - len(tail) - longest)  # earlier text held no stop string
+        hits = [(i, s) for s in self.stop if (i := text.find(s, start)) >= 0]
+        if not hits:  # the window's text differs from the whole text's tail (a rewritten prefix): go on
             return False
         i, s = min(hits)
-        self.text, self.stop_reason = text[:i], s
+        self.text, self.stop_reason = text[:i + len(s) if self.include_stop_str_in_output else i], s
         return True
+
+    # --- where it enters ---
+    def problem(self, cfg, usable_pages: int, can_detokenize: bool) -> str | None:
+        """Why this request can never run on a scheduler with `cfg` (a SchedulerConfig) and a pool of
+        `usable_pages` (one line, with the fix), or None. Every value that becomes a device array is
+        checked here or in `SamplingParams`."""
+        n, vocab = self.num_prompt_tokens, cfg.vocab_size
+        if n == 0:
+            return "the prompt is empty: give at least one token"
+        for what, ids in (("token id", self.prompt_token_ids), ("stop token id", self.stop_token_ids)):
+            bad = [t for t in ids if vocab is not None and not 0 <= t < vocab]
+            if bad:
+                return f"{what} {bad[0]} is outside the vocabulary [0, {vocab}): check the tokenizer"
+        if n >= cfg.max_model_len:
+            return (f"the prompt has {n} tokens but the model context (max_model_len) is {cfg.max_model_len}: "
+                    f"shorten the prompt to at most {cfg.max_model_len - 1} tokens or raise max_model_len")
+        if (problem := check_seed(self.seed)) is not None:
+            return problem
+        if self.max_tokens is not None and not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+            return f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}"
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            return f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            return f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
+        if self.min_tokens and len(self.banned_ids(cfg.eos_token_ids)) > MAX_BANNED:
+            return f"min_tokens holds back at most {MAX_BANNED} stop token ids (EOS included): give fewer stop_token_ids"
+        if (self.stop or not self.skip_special_tokens) and not can_detokenize:
+            return "stop strings need a tokenizer to detokenize the output: give stop_token_ids instead"
+        peak = self.peak_cache_tokens(cfg.max_model_len)
+        need, lay = cfg.layout.blocks_for(peak), cfg.layout
+        if need > usable_pages:
+            wanted = "up to max_model_len" if self.max_tokens is None else self.max_tokens
+            return (f"prompt ({n} tokens) + max_tokens ({wanted}) needs {need} KV pages of "
+                    f"{lay.tokens_per_block} tokens but the whole pool has {usable_pages}: lower max_tokens, "
+                    "shorten the prompt or give the KV cache more pages")
+        return None

@@ -38,7 +38,6 @@ import numpy as np
 
 from dcp_jax.errors import UserError
 from dcp_jax.kv.manager import NULL_PAGE, KVCacheManager
-from dcp_jax.sampling import check_seed
 from dcp_jax.serving.config import SchedulerConfig
 from dcp_jax.serving.request import Request, RequestState
 
@@ -153,30 +152,8 @@ class Scheduler:
         return True
 
     def validate(self, request: Request) -> str | None:
-        """Why `request` can never run (one line, with the fix), or None."""
-        cfg, n = self.config, request.num_prompt_tokens
-        if n == 0:
-            return "the prompt is empty: give at least one token"
-        bad = [t for t in request.prompt_token_ids if cfg.vocab_size is not None and not 0 <= t < cfg.vocab_size]
-        if bad:
-            return f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size}): check the tokenizer"
-        if n >= cfg.max_model_len:
-            return (f"the prompt has {n} tokens but the model context (max_model_len) is {cfg.max_model_len}: "
-                    f"shorten the prompt to at most {cfg.max_model_len - 1} tokens or raise max_model_len")
-        if (problem := check_seed(request.seed)) is not None:
-            return problem
-        if request.max_tokens is not None and not (isinstance(request.max_tokens, int) and request.max_tokens >= 1):
-            return f"max_tokens must be an integer >= 1 or None, got {request.max_tokens!r}"
-        if request.stop and self.detokenize is None:
-            return "stop strings need a tokenizer to detokenize the output: give stop_token_ids instead"
-        peak = request.peak_cache_tokens(cfg.max_model_len)
-        need, have = self.layout.blocks_for(peak), self.kv.num_usable
-        if need > have:
-            wanted = "up to max_model_len" if request.max_tokens is None else request.max_tokens
-            return (f"prompt ({n} tokens) + max_tokens ({wanted}) needs {need} KV pages of "
-                    f"{self.layout.tokens_per_block} tokens but the whole pool has {have}: lower max_tokens, "
-                    "shorten the prompt or give the KV cache more pages")
-        return None
+        """Why `request` can never run (one line, with the fix), or None (`Request.problem`)."""
+        return request.problem(self.config, self.kv.num_usable, can_detokenize=self.detokenize is not None)
 
     def cancel(self, request_id: str) -> bool:
         """Abort a request in any state, returning its slot and pages at once; False if it is unknown or

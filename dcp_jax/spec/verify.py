@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dcp_jax.sampling import filter_logits
+from dcp_jax.sampling import ban_stops, filter_logits
 
 # purposes folded into a row's (seed, position) key
 ACCEPT, RESIDUAL, DRAFT = 1, 2, 3
@@ -68,10 +68,11 @@ def accept(logits, drafts, draft_valid, sampling, positions, draft_probs=None):
     r, t, v = logits.shape
     k = t - 1
     logprobs_all = jax.nn.log_softmax(logits, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, k+1]
-    sampled = sampling.temperature > 0
     idx = jnp.arange(t, dtype=jnp.int32)
     pos = positions[:, None] + idx[None]  # where each emitted token lands
+    logits = ban_stops(logits, sampling, pos)  # min_tokens: no stop id before it (the logprobs stay raw)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, k+1]
+    sampled = sampling.temperature > 0
 
     def draw():
         p = target_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [R, k+1, V]

@@ -1,0 +1,180 @@
+"""Where an HTTP request becomes a `Request`: every check a request meets before the engine sees it.
+
+The event loop only waits: the body is read under a size limit (`max_request_bytes`, 413 past it),
+JSON is parsed, tokenized and chat templates rendered on worker threads, and a text prompt whose
+characters could not fit the context even at the tokenizer's longest token is refused before it is
+tokenized at all. Malformed-but-valid JSON (a lone UTF-16 surrogate, nesting too deep to parse) is a
+400, as is every value out of range (`SamplingParams`, `check_seed` and `Request.problem` own those)
+and every parameter this server does not implement (refused by name, never silently ignored).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import uuid
+
+from dcp_jax.errors import UserError
+from dcp_jax.sampling import SamplingParams, check_seed
+from dcp_jax.serving.protocol import UNSUPPORTED, APIError, RequestBody
+from dcp_jax.serving.request import Request
+
+try:
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+except ImportError as e:  # pragma: no cover - the message names the fix
+    raise ImportError(f"the server needs the 'serve' extra: pip install 'dcp_jax[serve]' ({e})") from None
+
+DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 512  # stop strings per request, characters per stop string
+
+
+def check_strings(data) -> None:
+    """APIError when a string anywhere in the parsed body is not valid Unicode (a lone surrogate such as
+    "\\ud800" is valid JSON but encodes to no UTF-8). Iterative: nesting depth costs no recursion."""
+    todo = [data]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(400, "the body holds a string with a lone UTF-16 surrogate (e.g. \\ud800): "
+                               "send valid Unicode", code="invalid_unicode") from None
+        elif isinstance(x, dict):
+            todo.extend(x.keys())
+            todo.extend(x.values())
+        elif isinstance(x, list):
+            todo.extend(x)
+
+
+def parse_json(raw: bytes) -> dict:
+    """The body as a JSON object (on a worker thread: a large body never holds the event loop)."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise APIError(400, "the body is not valid JSON", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "the body's JSON is nested too deeply to parse", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    check_strings(data)
+    return data
+
+
+class Intake:
+    """Turns request bodies into `Request`s for one served model."""
+
+    def __init__(self, *, model_name: str, max_model_len: int, tokenizer=None,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+        self.model_name, self.max_model_len, self.tokenizer = model_name, max_model_len, tokenizer
+        self.max_request_bytes = max_request_bytes
+        self.ids = iter(range(2**62))
+        # the most characters one token can stand for: a text prompt longer than this many per token
+        # of the context cannot fit, whatever it tokenizes to
+        vocab = tokenizer.get_vocab() if tokenizer is not None and hasattr(tokenizer, "get_vocab") else None
+        self.max_token_chars = max((len(t) for t in vocab), default=1) if vocab else 4
+
+    # --- the body ---
+    async def body(self, http, model: type[RequestBody]) -> RequestBody:
+        """Read (bounded), parse (off the loop) and validate the body as `model`."""
+        length = http.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
+            raise self.too_large()
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > self.max_request_bytes:
+                raise self.too_large()
+            chunks.append(chunk)
+        data = await asyncio.to_thread(parse_json, b"".join(chunks))
+        try:
+            return await asyncio.to_thread(model.model_validate, data)
+        except ValidationError as e:  # the same shape as FastAPI's own validation errors
+            raise RequestValidationError(e.errors()) from None
+
+    def too_large(self) -> APIError:
+        return APIError(413, f"the body is larger than this server's limit of {self.max_request_bytes:,} bytes "
+                        "(--max-request-bytes)", code="request_too_large")
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            shown = name if len(name) <= 64 else name[:61] + "..."
+            raise APIError(404, f"the model {shown!r} does not exist: this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    # --- the prompt ---
+    def check_chars(self, text: str, param: str = "prompt") -> None:
+        """Refuse text that cannot fit the context even if every token were the longest one."""
+        if len(text) > self.max_token_chars * (self.max_model_len - 1):
+            raise APIError(400, f"the prompt has {len(text):,} characters, more than {self.max_model_len - 1:,} "
+                           f"tokens of this tokenizer can hold (the model context is {self.max_model_len}): "
+                           "shorten it", param=param, code="context_length_exceeded")
+
+    async def encode(self, text: str, special: bool = True) -> list[int]:
+        """Token ids of `text`, tokenized on a worker thread after the character bound."""
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: give the prompt as token ids", param="prompt")
+        self.check_chars(text)
+        return await asyncio.to_thread(self.tokenize, text, special)
+
+    def tokenize(self, text: str, special: bool) -> list[int]:
+        if not special:
+            try:
+                return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+            except TypeError:  # a tokenizer without the switch
+                pass
+        return list(self.tokenizer.encode(text).ids)
+
+    async def render(self, template, messages: list[dict]) -> str:
+        """The chat template rendered on a worker thread (after a bound on the messages' characters)."""
+        self.check_chars("".join(m["content"] for m in messages), param="messages")
+        return await asyncio.to_thread(template.render, messages)
+
+    # --- the request ---
+    def request(self, body: RequestBody, prompt_ids: list[int], default_max: int | None) -> Request:
+        """The `Request` for a validated body; APIError (400) names the first bad field."""
+        cap = self.max_model_len
+        extra = body.model_extra or {}
+        for name, neutral in UNSUPPORTED.items():
+            if name in extra and extra[name] is not None and extra[name] != neutral:
+                raise APIError(400, f"{name} is not supported by this server", param=name,
+                               code="unsupported_parameter")
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if len(prompt_ids) >= cap:
+            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens but the model context is {cap}: shorten "
+                           f"it to at most {cap - 1} tokens", param="prompt", code="context_length_exceeded")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if max_tokens is None:
+            max_tokens = default_max
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+        if max_tokens is not None and max_tokens + len(prompt_ids) > cap:
+            raise APIError(400, f"max_tokens ({max_tokens}) + the prompt ({len(prompt_ids)} tokens) exceed the "
+                           f"model context of {cap} tokens: lower max_tokens", param="max_tokens")
+        if body.min_tokens < 0 or (max_tokens is not None and body.min_tokens > max_tokens):
+            raise APIError(400, f"min_tokens must be in [0, max_tokens], got {body.min_tokens}", param="min_tokens")
+        seed = body.seed if body.seed is not None else random.getrandbits(31)
+        if (problem := check_seed(seed)) is not None:
+            raise APIError(400, problem, param="seed")
+        try:
+            sampling = SamplingParams(body.temperature, body.top_k, body.top_p)
+        except UserError as e:  # SamplingParams owns these ranges; its message starts with the field
+            field = str(e).split()[0]
+            raise APIError(400, str(e), param=field if field in ("temperature", "top_k", "top_p") else None) from None
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        if len(stop) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+            raise APIError(400, f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                           f"{MAX_STOP_CHARS} characters each", param="stop")
+        if stop and self.tokenizer is None:
+            raise APIError(400, "stop strings need a tokenizer", param="stop")
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options needs stream: true", param="stream_options")
+        return Request(f"{next(self.ids)}-{uuid.uuid4().hex[:12]}", prompt_ids, sampling=sampling, seed=seed,
+                       max_tokens=max_tokens, ignore_eos=body.ignore_eos, stop=stop,
+                       stop_token_ids=tuple(body.stop_token_ids or ()), min_tokens=body.min_tokens,
+                       include_stop_str_in_output=body.include_stop_str_in_output,
+                       skip_special_tokens=body.skip_special_tokens, arrival_time=time.monotonic())
