@@ -191,3 +191,92 @@ def test_handoff_holds_each_decode_device_to_its_share(name, prefill, decode):
         assert m.alias_size_in_bytes == sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in args if a.donated)
         pieces = m.argument_size_in_bytes - m.alias_size_in_bytes - index
         assert 0 < pieces <= bound and m.temp_size_in_bytes < bound / 4, (pieces, m.temp_size_in_bytes, bound, kv)
+
+
+# --- faults on the decode side: each fails one request, and the decode instance then serves normally ----
+
+
+@pytest.fixture(scope="module")
+def faults():
+    """A pair for the fault tests (llama-gqa, prefill 1x1 -> decode 1x2, pages of 2), shared: each test
+    leaves it serving normally, which is what it checks last."""
+    exp = expected("llama-gqa")
+    pair = DisaggregatedLLM.load(FIXTURES / "llama-gqa", prefill=dict(tp=1, dcp=1, page_size=2),
+                                 decode=dict(tp=1, dcp=2, page_size=2), timeout_s=5.0, prefill_chunk=4)
+    return pair, exp, dict(max_new_tokens=exp["max_new_tokens"], ignore_eos=True)
+
+
+def served_normally(pair, exp, kw):
+    """The decode instance's pages and slots are all back, and the next requests' tokens equal one
+    instance's (transformers' greedy tokens)."""
+    sched = pair.decode_llm.engine.scheduler
+    sched.check()
+    assert sched.stats()["pages_used"] == 0 and not sched.has_unfinished()
+    assert pair.generate(exp["prompts"], **kw).tokens == exp["greedy"]
+    sched.check()
+    assert sched.stats()["pages_used"] == 0
+
+
+def test_a_failing_write_fails_that_request_alone(faults):
+    # The write of the second prompt's KV raises before touching the pool (a TransferError, as a
+    # mis-sized piece does): that request ends with a one-line retryable error, its slot and pages back;
+    # the other two decode to the end.
+    from dcp_jax.disagg import TransferError
+
+    pair, exp, kw = faults
+    receiver = pair.decode_instance.receiver
+    real, bad = receiver.write, len(exp["prompts"][1])
+
+    def write(pieces, specs, length, table_row):
+        if length == bad:
+            raise TransferError("injected: a piece does not fit")
+        return real(pieces, specs, length, table_row)
+
+    receiver.write = write
+    try:
+        out = pair.generate(exp["prompts"], **kw)
+    finally:
+        del receiver.write
+    assert out.finish_reasons == ["length", "error", "length"]
+    assert out.errors[1] == "injected: a piece does not fit" and out.tokens[1] == []
+    assert out.tokens[0] == exp["greedy"][0] and out.tokens[2] == exp["greedy"][2]
+    assert pair.decode_llm.engine.num_pool_resets == 0  # nothing was donated: the pool is intact
+    served_normally(pair, exp, kw)
+
+
+def test_a_failure_mid_write_rebuilds_the_pool(faults):
+    # The per-device write raises on the second device after the first device's program donated its
+    # pool shards: the pool is gone. That request fails alone (slot and pages back); the engine rebuilds
+    # a zeroed pool and recomputes the request that was decoding (its tokens do not change); no later
+    # step runs on the deleted buffers.
+    pair, exp, kw = faults
+    eng = pair.decode_llm.engine
+    receiver = pair.decode_instance.receiver
+    real, bad = receiver.write_program, len(exp["prompts"][1])
+    second = list(eng.runner.mesh.devices.flat)[1]
+    state = dict(length=None)
+
+    def write(pieces, specs, length, table_row):
+        state["length"] = length
+        return type(receiver).write(receiver, pieces, specs, length, table_row)
+
+    def write_program(device, meta, index_len):
+        program = real(device, meta, index_len)
+        if device == second and state["length"] == bad:
+            def dies(*args):
+                raise RuntimeError("injected: the device failed")
+            return dies
+        return program
+
+    receiver.write, receiver.write_program = write, write_program
+    resets, preempted = eng.num_pool_resets, eng.scheduler.num_preemptions
+    try:
+        out = pair.generate(exp["prompts"], **kw)
+    finally:
+        del receiver.write, receiver.write_program
+    assert out.finish_reasons == ["length", "error", "length"]
+    assert out.errors[1] == "writing its KV failed: RuntimeError: injected: the device failed"
+    assert out.tokens[0] == exp["greedy"][0] and out.tokens[2] == exp["greedy"][2]
+    assert eng.num_pool_resets == resets + 1 and not eng.runner.pools_lost()
+    assert eng.scheduler.num_preemptions == preempted + 1  # the first prompt, decoding then: recomputed
+    served_normally(pair, exp, kw)
