@@ -280,3 +280,45 @@ def test_a_failure_mid_write_rebuilds_the_pool(faults):
     assert eng.num_pool_resets == resets + 1 and not eng.runner.pools_lost()
     assert eng.scheduler.num_preemptions == preempted + 1  # the first prompt, decoding then: recomputed
     served_normally(pair, exp, kw)
+
+
+def test_the_prefill_queue_batches_what_waits_and_bounds_the_wait():
+    # A stub prefill instance whose first batch takes 0.6 s: calls arriving meanwhile form the next
+    # batch (one prefill call), each answered with its own items' results in order; a call whose
+    # queue bound passed before its batch began is answered with the queue's error and never prefilled.
+    import threading
+    import time
+
+    from dcp_jax.disagg.server import PrefillQueue
+
+    class Stub:
+        def __init__(self):
+            self.batches = []
+
+        def prefill(self, items, on_result):
+            self.batches.append([it["request_id"] for it in items])
+            time.sleep(0.6 if len(self.batches) == 1 else 0.0)
+            for i, it in enumerate(items):
+                on_result(i, dict(request_id=it["request_id"], first_token=len(it["prompt_token_ids"])))
+
+    stub = Stub()
+    q = PrefillQueue(stub, queue_timeout_s=30.0)
+    q.thread.start()
+    try:
+        first = q.submit([dict(request_id="a", prompt_token_ids=[1])])
+        while not stub.batches:
+            time.sleep(0.01)
+        calls = [q.submit([dict(request_id=f"b{i}", prompt_token_ids=[1] * i),
+                           dict(request_id=f"c{i}", prompt_token_ids=[2])]) for i in range(1, 5)]
+        late = q.submit([dict(request_id="late", prompt_token_ids=[1])], queue_timeout_s=0.2)
+        assert [r["request_id"] for r in first.result(10)] == ["a"]
+        for i, call in enumerate(calls, 1):
+            assert call.result(10) == [dict(request_id=f"b{i}", first_token=i), dict(request_id=f"c{i}", first_token=1)]
+        (refused,) = late.result(10)
+        assert refused["request_id"] == "late" and refused["error"].startswith("it waited over 0.2 s in the prefill")
+        assert stub.batches == [["a"], ["b1", "c1", "b2", "c2", "b3", "c3", "b4", "c4"]]
+        assert q.stats == dict(batches=2, max_batch=8, queue_timeouts=1)
+    finally:
+        q.stop.set()
+        q.thread.join(5)
+    assert not any(t.name == "dcp-jax-prefill" and t.is_alive() for t in threading.enumerate())

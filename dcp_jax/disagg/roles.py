@@ -33,6 +33,7 @@ import time
 
 from dcp_jax.disagg.handoff import Offer, check_pairing, describe, head_ranges, new_uuid, placement, src_layout
 from dcp_jax.disagg.transfer import Receiver, Stager, TransferError, TransferPort
+from dcp_jax.errors import UserError
 from dcp_jax.sampling import SamplingParams
 from dcp_jax.serving.request import Request
 
@@ -58,10 +59,11 @@ class PrefillInstance:
     def info(self) -> dict:
         return describe(self.engine.runner, "prefill", self.port.address)
 
-    def prefill(self, items: list[dict]) -> list[dict]:
-        """Prefill every item (request_item's fields); per item, an Offer's JSON or {"request_id", "error"}.
-        Each item's KV is cut for the decode placement it names ("decode"; one like this instance's if
-        none); an unusable placement refuses that item."""
+    def prefill(self, items: list[dict], on_result=None) -> list[dict]:
+        """Prefill every item (request_item's fields) in one batch; per item, an Offer's JSON or
+        {"request_id", "error"}. Each item's KV is cut for the decode placement it names ("decode"; one
+        like this instance's if none); an unusable placement refuses that item. `on_result(i, result)`
+        is called for item i as soon as its result is known (before the batch ends)."""
         with self.lock:
             eng, sched = self.engine, self.engine.scheduler
             eng.runner.allocate()
@@ -75,6 +77,8 @@ class PrefillInstance:
                         raise ValueError("more kv heads than the model's")
                 except (KeyError, TypeError, ValueError) as e:
                     reqs.append((it["request_id"], f"the request names no usable decode placement: {e!r}"))
+                    if on_result is not None:
+                        on_result(len(reqs) - 1, dict(request_id=it["request_id"], error=reqs[-1][1]))
                     continue
                 sampling = SamplingParams(float(it.get("temperature", 0.0)), int(it.get("top_k", 0)),
                                           float(it.get("top_p", 1.0)))
@@ -84,6 +88,7 @@ class PrefillInstance:
                 dests[r.request_id] = dest
                 sched.add_request(r)
             t0 = time.perf_counter()
+            index = {r.request_id: i for i, (_, r) in enumerate(reqs) if not isinstance(r, str)}
             while sched.has_unfinished():
                 plan = eng.step()
                 for c in plan.prefills:
@@ -96,25 +101,27 @@ class PrefillInstance:
                     uuid = new_uuid()
                     self.port.offer(uuid, arrays)
                     self.stats["stage_s"] += time.perf_counter() - ts
-                    results[r.request_id] = Offer("", uuid, c.end, r.output_token_ids[0], r.output_logprobs[0], specs,
-                                                  time.perf_counter() - t0)
+                    i = index[r.request_id]
+                    results[r.request_id] = Offer(reqs[i][0], uuid, c.end, r.output_token_ids[0],
+                                                  r.output_logprobs[0], specs, time.perf_counter() - t0).to_json()
                     self.stats["offered_bytes"] += sum(s.nbytes for s in specs)
+                    self.stats["requests"] += 1
+                    self.stats["prompt_tokens"] += c.end
+                    if on_result is not None:
+                        on_result(i, results[r.request_id])
                 sched.pop_finished()
             sched.pop_finished()
             self.stats["prefill_s"] += time.perf_counter() - t0
             out = []
-            for rid, r in reqs:
+            for i, (rid, r) in enumerate(reqs):
                 if isinstance(r, str):
                     out.append(dict(request_id=rid, error=r))
-                    continue
-                offer = results.get(r.request_id)
-                if offer is None:
+                elif r.request_id in results:
+                    out.append(results[r.request_id])
+                else:  # its prefill failed (a failed step) or it was refused
                     out.append(dict(request_id=rid, error=r.error or f"the prefill ended with {r.finish_reason}"))
-                    continue
-                offer.request_id = rid
-                self.stats["requests"] += 1
-                self.stats["prompt_tokens"] += offer.length
-                out.append(offer.to_json())
+                    if on_result is not None:
+                        on_result(i, out[-1])
             return out
 
     def release(self, uuid: int, pulled: bool) -> bool:
@@ -229,11 +236,34 @@ class DecodeInstance:
             landed.pieces = []  # the staged copies can go
         return ok
 
+    def reserve_ready(self, waiting) -> list[Request]:
+        """Between engine steps: reserve a slot and the prompt's pages (`Scheduler.reserve_prefilled`)
+        for requests from the front of `waiting` (a deque, first come first served) while the pool
+        allows; returns those reserved, to be fetched. So the decode side asks for (and pulls) only KV
+        it has pages for, and what is on the way counts in its pool. A request cancelled meanwhile, or
+        one that can never run (finished with its reason), leaves the queue."""
+        sched, reserved = self.engine.scheduler, []
+        while waiting:
+            request = waiting[0]
+            if not request.is_finished:
+                try:
+                    ok = sched.reserve_prefilled(request)
+                except UserError as e:  # a duplicate id: this request fails, the others go on
+                    sched.fail(request, f"the request was refused: {e}")
+                    ok = False
+                if ok is None:
+                    break
+                if ok:
+                    reserved.append(request)
+            waiting.popleft()
+        return reserved
+
     def admit_ready(self, backlog) -> list[Request]:
         """Admit landed requests from the front of `backlog` (a deque of (Request, Landed), in landing
-        order) while slots and pages allow, between engine steps; returns those admitted. A request
-        cancelled meanwhile is dropped; one whose KV cannot be written fails alone (finish_reason
-        "error", retryable) and is collected with the scheduler's finished; if the write lost the pool,
+        order), between engine steps; returns those admitted. A reserved request (`reserve_ready`) goes
+        in at once, one without a reservation while slots and pages allow. A request cancelled meanwhile
+        is dropped; one whose KV cannot be written fails alone (finish_reason "error", retryable; its
+        slot and pages back) and is collected with the scheduler's finished; if the write lost the pool,
         the engine rebuilds it (`ServingEngine.recover_pools`)."""
         sched, admitted = self.engine.scheduler, []
         while backlog:
