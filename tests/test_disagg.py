@@ -67,6 +67,17 @@ def test_small_decode_pool_admits_as_pages_free_and_sampling_matches():
     assert [r["ttft_s"] for r in out.stats["requests"]] == sorted(r["ttft_s"] for r in out.stats["requests"])
 
 
+def test_pieces_travel_in_power_of_two_chunks():
+    from dcp_jax.disagg.handoff import chunks
+
+    assert chunks(13) == [(0, 8), (8, 4), (12, 1)] and chunks(64) == [(0, 64)] and chunks(0) == []
+    for n in range(1, 600):
+        parts = chunks(n)
+        sizes = [size for _, size in parts]
+        assert sum(sizes) == n and all(size & (size - 1) == 0 for size in sizes) and sizes == sorted(sizes)[::-1]
+        assert [offset for offset, _ in parts] == np.cumsum([0] + sizes[:-1]).tolist()
+
+
 def test_mismatched_pairs_refuse_at_start():
     a = dict(role="prefill", protocol=2, config_hash="abc", dtype="float32", kv_heads=2, head_dim=8, num_layers=2,
              max_model_len=64)
@@ -157,6 +168,7 @@ def test_handoff_holds_each_decode_device_to_its_share(name, prefill, decode):
     n = 160
     prompt = [int(t) for t in np.random.default_rng(1).integers(3, 250, n)]
     pair = DisaggregatedLLM.load(FIXTURES / name, prefill=prefill, decode=decode, prefill_chunk=32)
+    warmed = len(pair.decode_instance.receiver.compiled)  # every write program, compiled at pairing
     out = pair.generate([prompt], max_new_tokens=3, ignore_eos=True)
     assert out.tokens == pair.decode_llm.generate([prompt], max_new_tokens=3, ignore_eos=True).tokens
     pre, dec = pair.prefill, pair.decode_instance
@@ -180,11 +192,13 @@ def test_handoff_holds_each_decode_device_to_its_share(name, prefill, decode):
     assert sorted(placed) == sorted(d.id for d in dec.engine.runner.mesh.devices.flat)
     assert all(0 < b <= bound for b in placed.values()), (placed, bound, kv)
     assert sum(placed.values()) >= kv  # every device's share is there: the whole prompt over the mesh
-    # the compiled write programs (XLA's memory analysis, per device): besides the donated pool shard
-    # (aliased to the output) and the token indices, their arguments are one device's pieces, within
-    # the bound; their temporaries hold no copy of the pieces (a few KB of indices)
-    assert dec.receiver.compiled
-    for program in dec.receiver.compiled.values():
+    # the compiled write programs it ran (XLA's memory analysis, per device; one per chunk): besides the
+    # donated pool shard (aliased to the output) and the token indices, their arguments are one device's
+    # pieces, within the bound; their temporaries hold no copy of the pieces (a few KB of indices)
+    ran = {(d.id, dec.receiver.chunk_meta(s.head0, s.shape[2], s.shape[0])[0])
+           for s in landed.offer.pieces for d in dec.receiver.targets(s)}
+    assert ran and ran <= set(dec.receiver.compiled) and len(dec.receiver.compiled) == warmed
+    for program in (dec.receiver.compiled[key] for key in ran):
         m = program.memory_analysis()
         args = jax.tree.leaves(program.args_info)
         index = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in args if a.dtype == np.int32)
@@ -280,6 +294,23 @@ def test_a_failure_mid_write_rebuilds_the_pool(faults):
     assert eng.num_pool_resets == resets + 1 and not eng.runner.pools_lost()
     assert eng.scheduler.num_preemptions == preempted + 1  # the first prompt, decoding then: recomputed
     served_normally(pair, exp, kw)
+
+
+def test_new_prompt_lengths_compile_no_write_program(faults):
+    # Every write program was compiled when the pair formed (DecodeInstance.warm: per decode device,
+    # head range and power-of-two chunk size): prompts of lengths never seen, up to the longest the
+    # decode side admits, compile nothing on the decode side; their tokens equal one instance's.
+    pair, exp, kw = faults
+    dec, runner = pair.decode_instance, pair.decode_llm.engine.runner
+    programs, decode_programs, dispatches = len(dec.receiver.compiled), len(runner.compiled), dec.receiver.dispatches
+    assert programs > 0 and dec.warm() == 0
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(3, 250, n)] for n in (1, 6, 29, runner.config.max_model_len - 3)]
+    out = pair.generate(prompts, max_new_tokens=2, ignore_eos=True)
+    assert len(dec.receiver.compiled) == programs and len(runner.compiled) == decode_programs
+    chunks = dec.receiver.dispatches - dispatches
+    print(f"write programs compiled at pairing: {programs}; {len(prompts)} new lengths: 0 compiled, {chunks} run")
+    assert out.tokens == pair.decode_llm.generate(prompts, max_new_tokens=2, ignore_eos=True).tokens
 
 
 def test_the_prefill_queue_batches_what_waits_and_bounds_the_wait():

@@ -53,6 +53,7 @@ class DisaggregatedLLM:
         self.prefill = PrefillInstance(prefill.engine, self.prefill_port)
         self.decode_instance = DecodeInstance(decode.engine, LocalPrefill(self.prefill), self.decode_port,
                                               timeout_s=timeout_s)
+        self.decode_instance.warm()  # the decode programs and every write program, once
 
     @classmethod
     def load(cls, model_dir, *, prefill: dict | None = None, decode: dict | None = None, dtype: str = "float32",

@@ -3,7 +3,8 @@
     decode instance (the client's)                    prefill instance
     ------------------------------                    ----------------
     pair():      handshake  ───────────────────────►  info(): identity, cache geometry, placement
-                 refuses a mismatch (one line)
+                 refuses a mismatch (one line); warm(): compile every write program
+    reserve_ready(): a slot and the prompt's pages for r (between engine steps, FCFS)
     fetch(r):    prefill(r, this side's placement) ►  prefill(): run the prompt through its engine
                                                       (max_tokens=1: the first token is sampled here),
                                                       cut the KV into pieces per decode rank and head
@@ -13,16 +14,18 @@
                  keeps it (bounded wait)  ◄═════════  TransferServer (jax.experimental.transfer)
                  release(uuid) ────────────────────►  forget the offer (unreleased ones are drained
                                                       after the offer timeout)
-    admit(r):    take a slot and pages, each device writes its own pieces into its pages, record
-                 the first token; then the request decodes with every other one
+    admit(r):    each device writes its own pieces into the reserved pages, record the first token;
+                 then the request decodes with every other one
 
 The prefill side samples the first token (as vLLM's prefill instances do) rather than the decode side
 recomputing the last prompt token: the prompt's last row runs once, the decode side needs no prefill
 program, and the first token is ready as soon as the prefill is. Sampling keys come from (seed,
 position), so the token is the one a single instance would sample.
 
-A request holds decode-side pages only once its KV has landed: a stalled or dead prefill instance
-fails the request (TransferError) without ever taking pages from the requests that are decoding.
+The decode side asks for a prefill only once it has pages for the KV (`reserve_ready`), so what is
+on the way counts in its pool and landed KV never waits; a stalled or dead prefill instance fails the
+request (TransferError) within its deadline and the reservation comes back. A write that fails fails
+that request alone (`admit_ready`).
 """
 
 from __future__ import annotations
@@ -170,6 +173,15 @@ class DecodeInstance:
 
     def info(self) -> dict:
         return describe(self.engine.runner, "decode", self.port.address)
+
+    def warm(self) -> int:
+        """Compile what decoding runs and allocate the pool, then every write program a prompt this
+        instance admits can need (`Receiver.warm`), so no prompt length compiles anything in the engine
+        thread while others decode. Returns the write programs compiled."""
+        runner = self.engine.runner
+        runner.step_program()
+        runner.allocate()
+        return self.receiver.warm(runner.config.max_model_len - 1)
 
     def fetch_many(self, requests: list[Request]) -> list[Landed | TransferError]:
         """Prefill `requests` on the prefill instance (one batch) and pull each one's KV. Blocking, every

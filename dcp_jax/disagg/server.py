@@ -273,10 +273,9 @@ def make_decode_app(model_dir, *, prefill_at: str, timeout_s: float, served_mode
     `dcp_jax.launch.load_llm`."""
     llm, path, embedded = load_llm(model_dir, **llm_kw)
     engine = llm.engine
-    engine.runner.decode_program()
-    engine.runner.allocate()
     port = TransferPort(llm.mesh.devices.flat[0], host=host)
     decode = DecodeInstance(engine, HttpPrefill(prefill_at, timeout_s, queue_timeout_s), port, timeout_s=timeout_s)
+    decode.warm()  # before the port opens: no request compiles a program in the engine thread
     runner = DisaggAsyncEngine(engine, decode, max_pending=max_pending)
     app = openai_app(runner, llm, path, embedded, served_model_name)
 
