@@ -171,7 +171,10 @@ class HttpPrefill:
         import httpx
 
         self.address, self.queue_timeout_s = address, queue_timeout_s
-        self.client = httpx.Client(base_url=f"http://{address}", timeout=timeout_s)
+        # a fresh connection per call: a pooled idle one can be closed by the server's keep-alive timer
+        # just as a call goes out on it (connection reset), and a prefill call is not safe to resend
+        self.client = httpx.Client(base_url=f"http://{address}", timeout=timeout_s,
+                                   limits=httpx.Limits(max_keepalive_connections=0))
         self.httpx = httpx
 
     def call(self, method: str, path: str, timeout_s: float | None = None, **kw) -> dict:
