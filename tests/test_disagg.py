@@ -182,8 +182,10 @@ def test_handoff_holds_each_decode_device_to_its_share(name, prefill, decode):
     assert kv <= out.stats["transfer_bytes"] < kv + src.num_shards * src.page_size * token_bytes(cfg)
     # the prefill side refuses a request whose decode placement it cannot cut pieces for
     bad = dict(dec.placement, page_size=0)
-    (refused,) = pre.prefill([dict(request_id="y", prompt_token_ids=prompt, decode=bad)])
+    refused, malformed = pre.prefill([dict(request_id="y", prompt_token_ids=prompt, decode=bad),
+                                      dict(request_id="z", prompt_token_ids=prompt, temperature=-1.0)])
     assert refused["error"].startswith("the request names no usable decode placement: ValueError('PagedLayout")
+    assert malformed["request_id"] == "z" and malformed["error"].startswith("the request is malformed: temperature")
     # the same, device by device, on a handoff driven step by step
     r = Request("x", prompt, max_tokens=2, ignore_eos=True)
     landed = dec.fetch(r)

@@ -83,13 +83,19 @@ class PrefillInstance:
                     if on_result is not None:
                         on_result(len(reqs) - 1, dict(request_id=it["request_id"], error=reqs[-1][1]))
                     continue
-                sampling = SamplingParams(float(it.get("temperature", 0.0)), int(it.get("top_k", 0)),
-                                          float(it.get("top_p", 1.0)))
-                r = Request(f"p{new_uuid()}", it["prompt_token_ids"], sampling=sampling, seed=int(it.get("seed", 0)),
-                            max_tokens=1, ignore_eos=True)
+                try:  # one malformed item is refused alone: it shares the batch with other callers' items
+                    sampling = SamplingParams(float(it.get("temperature", 0.0)), int(it.get("top_k", 0)),
+                                              float(it.get("top_p", 1.0)))
+                    r = Request(f"p{new_uuid()}", [int(t) for t in it["prompt_token_ids"]], sampling=sampling,
+                                seed=int(it.get("seed", 0)), max_tokens=1, ignore_eos=True)
+                except (TypeError, ValueError) as e:  # UserError included
+                    reqs.append((it["request_id"], f"the request is malformed: {e}"))
+                    if on_result is not None:
+                        on_result(len(reqs) - 1, dict(request_id=it["request_id"], error=reqs[-1][1]))
+                    continue
                 reqs.append((it["request_id"], r))
                 dests[r.request_id] = dest
-                sched.add_request(r)
+                sched.add_request(r)  # one that can never run is finished at once, its error answered below
             t0 = time.perf_counter()
             index = {r.request_id: i for i, (_, r) in enumerate(reqs) if not isinstance(r, str)}
             while sched.has_unfinished():

@@ -30,9 +30,10 @@ pages. The pieces of different destination ranks differ in size (the tokens each
 e.g. round-robin over 2 ranks on both sides sends nothing from rank 0 to rank 1), so one program over
 the destination mesh could take them only padded to the largest, which would pull and hold more than
 each rank's share: the write programs are per device instead, one per (device, head range, chunk
-size), O(log max length) per device, all compiled when the pair forms (`Receiver.warm`). The library's `timeout` arguments bounded nothing in our probes: a pull of a uuid
-nobody offers, or from a process that died before the pull, waits forever; a source dying mid-pull
-fails the pull at once. So every wait here runs under our own deadline (polling `is_ready`; an
+size), O(log max length) per device, all compiled when the pair forms (`Receiver.warm`). The
+library's `timeout` arguments bounded nothing in our probes: a pull of a uuid nobody offers, or from
+a process that died before the pull, waits forever; a source dying mid-pull fails the pull at once.
+So every wait here runs under our own deadline (polling `is_ready`; an
 abandoned pull blocks no thread), and an offer nobody pulls is drained by the prefill side pulling it
 from itself (one pull consumes an offer).
 
