@@ -298,6 +298,32 @@ def test_a_failure_mid_write_rebuilds_the_pool(faults):
     served_normally(pair, exp, kw)
 
 
+def test_a_failed_staging_fails_that_request_alone(faults):
+    # On the prefill side, cutting the second prompt's KV into pieces raises: that item of the batch is
+    # answered with the error (never offered), the others are served, and the decode side gives the
+    # failed request's reservation back.
+    pair, exp, kw = faults
+    stager = pair.prefill.stager
+    real, bad = stager.stage, len(exp["prompts"][1])
+
+    def stage(table_row, length, dest):
+        if length == bad:
+            raise RuntimeError("injected: the gather failed\nsecond line")
+        return real(table_row, length, dest)
+
+    stager.stage = stage
+    try:
+        out = pair.generate(exp["prompts"], **kw)
+    finally:
+        del stager.stage
+    assert out.finish_reasons == ["length", "error", "length"]
+    assert out.errors[1] == ("the prefill instance refused the request: staging its KV failed: RuntimeError: "
+                             "injected: the gather failed")
+    assert out.tokens[0] == exp["greedy"][0] and out.tokens[2] == exp["greedy"][2]
+    assert pair.prefill.port.num_pending() == 0
+    served_normally(pair, exp, kw)
+
+
 def test_new_prompt_lengths_compile_no_write_program(faults):
     # Every write program was compiled when the pair formed (DecodeInstance.warm: per decode device,
     # head range and power-of-two chunk size): prompts of lengths never seen, up to the longest the

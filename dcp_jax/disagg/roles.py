@@ -104,18 +104,22 @@ class PrefillInstance:
                     r = c.request
                     if not c.is_last or not r.output_token_ids:
                         continue
-                    ts = time.perf_counter()
-                    arrays, specs = self.stager.stage(plan.block_table[c.slot], c.end,  # before the next step
-                                                      dests[r.request_id])
-                    uuid = new_uuid()
-                    self.port.offer(uuid, arrays)
+                    ts, i = time.perf_counter(), index[r.request_id]
+                    try:  # (the gather reads the pool, donates nothing: a failure here is this item's alone)
+                        arrays, specs = self.stager.stage(plan.block_table[c.slot], c.end,  # before the next step
+                                                          dests[r.request_id])
+                        uuid = new_uuid()
+                        self.port.offer(uuid, arrays)
+                    except Exception as e:  # noqa: BLE001 - this item fails, the batch goes on
+                        results[r.request_id] = dict(request_id=reqs[i][0], error=f"staging its KV failed: "
+                                                     f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+                    else:
+                        results[r.request_id] = Offer(reqs[i][0], uuid, c.end, r.output_token_ids[0],
+                                                      r.output_logprobs[0], specs, time.perf_counter() - t0).to_json()
+                        self.stats["offered_bytes"] += sum(s.nbytes for s in specs)
+                        self.stats["requests"] += 1
+                        self.stats["prompt_tokens"] += c.end
                     self.stats["stage_s"] += time.perf_counter() - ts
-                    i = index[r.request_id]
-                    results[r.request_id] = Offer(reqs[i][0], uuid, c.end, r.output_token_ids[0],
-                                                  r.output_logprobs[0], specs, time.perf_counter() - t0).to_json()
-                    self.stats["offered_bytes"] += sum(s.nbytes for s in specs)
-                    self.stats["requests"] += 1
-                    self.stats["prompt_tokens"] += c.end
                     if on_result is not None:
                         on_result(i, results[r.request_id])
                 sched.pop_finished()
