@@ -53,7 +53,10 @@ def build_parser():
                    help="KV interleave size of this role's pool (--role prefill/decode; default 1)")
     g.add_argument("--transfer-timeout", type=positive_float("--transfer-timeout"), default=60.0,
                    metavar="SECONDS",
-                   help="bound on one request's prefill + KV pull (decode) / on an unpulled offer (prefill)")
+                   help="bound on one request's prefill and on its KV pull (decode) / on an unpulled offer (prefill)")
+    g.add_argument("--prefill-queue-timeout", type=positive_float("--prefill-queue-timeout"), default=60.0,
+                   metavar="SECONDS", help="bound on one request's wait in the prefill instance's queue, apart from "
+                                           "--transfer-timeout (decode: asked for; prefill: for calls naming none)")
     return p
 
 

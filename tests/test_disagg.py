@@ -67,6 +67,17 @@ def test_small_decode_pool_admits_as_pages_free_and_sampling_matches():
     assert [r["ttft_s"] for r in out.stats["requests"]] == sorted(r["ttft_s"] for r in out.stats["requests"])
 
 
+def test_pieces_travel_in_power_of_two_chunks():
+    from dcp_jax.disagg.handoff import chunks
+
+    assert chunks(13) == [(0, 8), (8, 4), (12, 1)] and chunks(64) == [(0, 64)] and chunks(0) == []
+    for n in range(1, 600):
+        parts = chunks(n)
+        sizes = [size for _, size in parts]
+        assert sum(sizes) == n and all(size & (size - 1) == 0 for size in sizes) and sizes == sorted(sizes)[::-1]
+        assert [offset for offset, _ in parts] == np.cumsum([0] + sizes[:-1]).tolist()
+
+
 def test_mismatched_pairs_refuse_at_start():
     a = dict(role="prefill", protocol=2, config_hash="abc", dtype="float32", kv_heads=2, head_dim=8, num_layers=2,
              max_model_len=64)
@@ -157,6 +168,7 @@ def test_handoff_holds_each_decode_device_to_its_share(name, prefill, decode):
     n = 160
     prompt = [int(t) for t in np.random.default_rng(1).integers(3, 250, n)]
     pair = DisaggregatedLLM.load(FIXTURES / name, prefill=prefill, decode=decode, prefill_chunk=32)
+    warmed = len(pair.decode_instance.receiver.compiled)  # every write program, compiled at pairing
     out = pair.generate([prompt], max_new_tokens=3, ignore_eos=True)
     assert out.tokens == pair.decode_llm.generate([prompt], max_new_tokens=3, ignore_eos=True).tokens
     pre, dec = pair.prefill, pair.decode_instance
@@ -170,8 +182,10 @@ def test_handoff_holds_each_decode_device_to_its_share(name, prefill, decode):
     assert kv <= out.stats["transfer_bytes"] < kv + src.num_shards * src.page_size * token_bytes(cfg)
     # the prefill side refuses a request whose decode placement it cannot cut pieces for
     bad = dict(dec.placement, page_size=0)
-    (refused,) = pre.prefill([dict(request_id="y", prompt_token_ids=prompt, decode=bad)])
+    refused, malformed = pre.prefill([dict(request_id="y", prompt_token_ids=prompt, decode=bad),
+                                      dict(request_id="z", prompt_token_ids=prompt, temperature=-1.0)])
     assert refused["error"].startswith("the request names no usable decode placement: ValueError('PagedLayout")
+    assert malformed["request_id"] == "z" and malformed["error"].startswith("the request is malformed: temperature")
     # the same, device by device, on a handoff driven step by step
     r = Request("x", prompt, max_tokens=2, ignore_eos=True)
     landed = dec.fetch(r)
@@ -180,14 +194,190 @@ def test_handoff_holds_each_decode_device_to_its_share(name, prefill, decode):
     assert sorted(placed) == sorted(d.id for d in dec.engine.runner.mesh.devices.flat)
     assert all(0 < b <= bound for b in placed.values()), (placed, bound, kv)
     assert sum(placed.values()) >= kv  # every device's share is there: the whole prompt over the mesh
-    # the compiled write programs (XLA's memory analysis, per device): besides the donated pool shard
-    # (aliased to the output) and the token indices, their arguments are one device's pieces, within
-    # the bound; their temporaries hold no copy of the pieces (a few KB of indices)
-    assert dec.receiver.compiled
-    for program in dec.receiver.compiled.values():
+    # the compiled write programs it ran (XLA's memory analysis, per device; one per chunk): besides the
+    # donated pool shard (aliased to the output) and the token indices, their arguments are one device's
+    # pieces, within the bound; their temporaries hold no copy of the pieces (a few KB of indices)
+    ran = {(d.id, dec.receiver.chunk_meta(s.head0, s.shape[2], s.shape[0])[0])
+           for s in landed.offer.pieces for d in dec.receiver.targets(s)}
+    assert ran and ran <= set(dec.receiver.compiled) and len(dec.receiver.compiled) == warmed
+    for program in (dec.receiver.compiled[key] for key in ran):
         m = program.memory_analysis()
         args = jax.tree.leaves(program.args_info)
         index = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in args if a.dtype == np.int32)
         assert m.alias_size_in_bytes == sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in args if a.donated)
         pieces = m.argument_size_in_bytes - m.alias_size_in_bytes - index
         assert 0 < pieces <= bound and m.temp_size_in_bytes < bound / 4, (pieces, m.temp_size_in_bytes, bound, kv)
+
+
+# --- faults on the decode side: each fails one request, and the decode instance then serves normally ----
+
+
+@pytest.fixture(scope="module")
+def faults():
+    """A pair for the fault tests (llama-gqa, prefill 1x1 -> decode 1x2, pages of 2), shared: each test
+    leaves it serving normally, which is what it checks last."""
+    exp = expected("llama-gqa")
+    pair = DisaggregatedLLM.load(FIXTURES / "llama-gqa", prefill=dict(tp=1, dcp=1, page_size=2),
+                                 decode=dict(tp=1, dcp=2, page_size=2), timeout_s=5.0, prefill_chunk=4)
+    return pair, exp, dict(max_new_tokens=exp["max_new_tokens"], ignore_eos=True)
+
+
+def served_normally(pair, exp, kw):
+    """The decode instance's pages and slots are all back, and the next requests' tokens equal one
+    instance's (transformers' greedy tokens)."""
+    sched = pair.decode_llm.engine.scheduler
+    sched.check()
+    assert sched.stats()["pages_used"] == 0 and not sched.has_unfinished()
+    assert pair.generate(exp["prompts"], **kw).tokens == exp["greedy"]
+    sched.check()
+    assert sched.stats()["pages_used"] == 0
+
+
+def test_a_failing_write_fails_that_request_alone(faults):
+    # The write of the second prompt's KV raises before touching the pool (a TransferError, as a
+    # mis-sized piece does): that request ends with a one-line retryable error, its slot and pages back;
+    # the other two decode to the end.
+    from dcp_jax.disagg import TransferError
+
+    pair, exp, kw = faults
+    receiver = pair.decode_instance.receiver
+    real, bad = receiver.write, len(exp["prompts"][1])
+
+    def write(pieces, specs, length, table_row):
+        if length == bad:
+            raise TransferError("injected: a piece does not fit")
+        return real(pieces, specs, length, table_row)
+
+    receiver.write = write
+    try:
+        out = pair.generate(exp["prompts"], **kw)
+    finally:
+        del receiver.write
+    assert out.finish_reasons == ["length", "error", "length"]
+    assert out.errors[1] == "injected: a piece does not fit" and out.tokens[1] == []
+    assert out.tokens[0] == exp["greedy"][0] and out.tokens[2] == exp["greedy"][2]
+    assert pair.decode_llm.engine.num_pool_resets == 0  # nothing was donated: the pool is intact
+    served_normally(pair, exp, kw)
+
+
+def test_a_failure_mid_write_rebuilds_the_pool(faults):
+    # The per-device write raises on the second device after the first device's program donated its
+    # pool shards: the pool is gone. That request fails alone (slot and pages back); the engine rebuilds
+    # a zeroed pool and recomputes the request that was decoding (its tokens do not change); no later
+    # step runs on the deleted buffers.
+    pair, exp, kw = faults
+    eng = pair.decode_llm.engine
+    receiver = pair.decode_instance.receiver
+    real, bad = receiver.write_program, len(exp["prompts"][1])
+    second = list(eng.runner.mesh.devices.flat)[1]
+    state = dict(length=None)
+
+    def write(pieces, specs, length, table_row):
+        state["length"] = length
+        return type(receiver).write(receiver, pieces, specs, length, table_row)
+
+    def write_program(device, meta, index_len):
+        program = real(device, meta, index_len)
+        if device == second and state["length"] == bad:
+            def dies(*args):
+                raise RuntimeError("injected: the device failed")
+            return dies
+        return program
+
+    receiver.write, receiver.write_program = write, write_program
+    resets, preempted = eng.num_pool_resets, eng.scheduler.num_preemptions
+    try:
+        out = pair.generate(exp["prompts"], **kw)
+    finally:
+        del receiver.write, receiver.write_program
+    assert out.finish_reasons == ["length", "error", "length"]
+    assert out.errors[1] == "writing its KV failed: RuntimeError: injected: the device failed"
+    assert out.tokens[0] == exp["greedy"][0] and out.tokens[2] == exp["greedy"][2]
+    assert eng.num_pool_resets == resets + 1 and not eng.runner.pools_lost()
+    assert eng.scheduler.num_preemptions == preempted + 1  # the first prompt, decoding then: recomputed
+    served_normally(pair, exp, kw)
+
+
+def test_a_failed_staging_fails_that_request_alone(faults):
+    # On the prefill side, cutting the second prompt's KV into pieces raises: that item of the batch is
+    # answered with the error (never offered), the others are served, and the decode side gives the
+    # failed request's reservation back.
+    pair, exp, kw = faults
+    stager = pair.prefill.stager
+    real, bad = stager.stage, len(exp["prompts"][1])
+
+    def stage(table_row, length, dest):
+        if length == bad:
+            raise RuntimeError("injected: the gather failed\nsecond line")
+        return real(table_row, length, dest)
+
+    stager.stage = stage
+    try:
+        out = pair.generate(exp["prompts"], **kw)
+    finally:
+        del stager.stage
+    assert out.finish_reasons == ["length", "error", "length"]
+    assert out.errors[1] == ("the prefill instance refused the request: staging its KV failed: RuntimeError: "
+                             "injected: the gather failed")
+    assert out.tokens[0] == exp["greedy"][0] and out.tokens[2] == exp["greedy"][2]
+    assert pair.prefill.port.num_pending() == 0
+    served_normally(pair, exp, kw)
+
+
+def test_new_prompt_lengths_compile_no_write_program(faults):
+    # Every write program was compiled when the pair formed (DecodeInstance.warm: per decode device,
+    # head range and power-of-two chunk size): prompts of lengths never seen, up to the longest the
+    # decode side admits, compile nothing on the decode side; their tokens equal one instance's.
+    pair, exp, kw = faults
+    dec, runner = pair.decode_instance, pair.decode_llm.engine.runner
+    programs, decode_programs, dispatches = len(dec.receiver.compiled), len(runner.compiled), dec.receiver.dispatches
+    assert programs > 0 and dec.warm() == 0
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(3, 250, n)] for n in (1, 6, 29, runner.config.max_model_len - 3)]
+    out = pair.generate(prompts, max_new_tokens=2, ignore_eos=True)
+    assert len(dec.receiver.compiled) == programs and len(runner.compiled) == decode_programs
+    chunks = dec.receiver.dispatches - dispatches
+    print(f"write programs compiled at pairing: {programs}; {len(prompts)} new lengths: 0 compiled, {chunks} run")
+    assert out.tokens == pair.decode_llm.generate(prompts, max_new_tokens=2, ignore_eos=True).tokens
+
+
+def test_the_prefill_queue_batches_what_waits_and_bounds_the_wait():
+    # A stub prefill instance whose first batch takes 0.6 s: calls arriving meanwhile form the next
+    # batch (one prefill call), each answered with its own items' results in order; a call whose
+    # queue bound passed before its batch began is answered with the queue's error and never prefilled.
+    import threading
+    import time
+
+    from dcp_jax.disagg.server import PrefillQueue
+
+    class Stub:
+        def __init__(self):
+            self.batches = []
+
+        def prefill(self, items, on_result):
+            self.batches.append([it["request_id"] for it in items])
+            time.sleep(0.6 if len(self.batches) == 1 else 0.0)
+            for i, it in enumerate(items):
+                on_result(i, dict(request_id=it["request_id"], first_token=len(it["prompt_token_ids"])))
+
+    stub = Stub()
+    q = PrefillQueue(stub, queue_timeout_s=30.0)
+    q.thread.start()
+    try:
+        first = q.submit([dict(request_id="a", prompt_token_ids=[1])])
+        while not stub.batches:
+            time.sleep(0.01)
+        calls = [q.submit([dict(request_id=f"b{i}", prompt_token_ids=[1] * i),
+                           dict(request_id=f"c{i}", prompt_token_ids=[2])]) for i in range(1, 5)]
+        late = q.submit([dict(request_id="late", prompt_token_ids=[1])], queue_timeout_s=0.2)
+        assert [r["request_id"] for r in first.result(10)] == ["a"]
+        for i, call in enumerate(calls, 1):
+            assert call.result(10) == [dict(request_id=f"b{i}", first_token=i), dict(request_id=f"c{i}", first_token=1)]
+        (refused,) = late.result(10)
+        assert refused["request_id"] == "late" and refused["error"].startswith("it waited over 0.2 s in the prefill")
+        assert stub.batches == [["a"], ["b1", "c1", "b2", "c2", "b3", "c3", "b4", "c4"]]
+        assert q.stats == dict(batches=2, max_batch=8, queue_timeouts=1)
+    finally:
+        q.stop.set()
+        q.thread.join(5)
+    assert not any(t.name == "dcp-jax-prefill" and t.is_alive() for t in threading.enumerate())

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures" / "llama-gqa"
 EXP = json.loads((FIX / "expected.json").read_text())
 TIMEOUT = 3  # --transfer-timeout of both roles
+QUEUE_TIMEOUT = 5  # --prefill-queue-timeout of both roles
 
 
 def free_port() -> int:
@@ -42,7 +43,8 @@ def env() -> dict:
 
 def spawn(*args) -> subprocess.Popen:
     argv = [sys.executable, "-m", "dcp_jax.serve", "--model", str(FIX), "--max-model-len", "64",
-            "--log-level", "warning", "--transfer-timeout", str(TIMEOUT), *map(str, args)]
+            "--log-level", "warning", "--transfer-timeout", str(TIMEOUT), "--prefill-queue-timeout",
+            str(QUEUE_TIMEOUT), *map(str, args)]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
                             start_new_session=True)
 
@@ -142,12 +144,45 @@ def test_mismatch_and_absent_prefill_stop_the_decode_instance_at_start(pair):
         assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], err[-2000:]
 
 
+def test_a_burst_is_batched_at_the_prefill_instance_and_served(pair):
+    # 12 requests at once while the prefill instance is paused for longer than --transfer-timeout: the
+    # decode instance reserves pages for what its 8 slots hold and asks for those, the rest wait on its
+    # side; the time the calls wait at the prefill instance counts against --prefill-queue-timeout, not
+    # the transfer's. When it resumes, the waiting calls run as batches; every request is served
+    # exactly, and the decode instance then serves normally with every page back.
+    prompts = [EXP["prompts"][i % 3] for i in range(12)]
+    n = EXP["max_new_tokens"]
+    before = httpx.get(pair["pbase"] + "/disagg/stats", timeout=10).json()
+    start = time.monotonic()
+    os.killpg(pair["prefill"].pid, signal.SIGSTOP)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(complete, pair["dbase"], p, n) for p in prompts]
+            time.sleep(TIMEOUT + 1)
+            os.killpg(pair["prefill"].pid, signal.SIGCONT)
+            answers = [f.result() for f in futures]
+    finally:
+        os.killpg(pair["prefill"].pid, signal.SIGCONT)
+    wall = time.monotonic() - start
+    assert [ids(a) for a in answers] == [EXP["greedy"][i % 3] for i in range(12)]
+    after = httpx.get(pair["pbase"] + "/disagg/stats", timeout=10).json()
+    batches = after["batches"] - before["batches"]
+    assert after["requests"] - before["requests"] == 12 and batches < 12 and after["max_batch"] > 1
+    assert after["queue_timeouts"] == before["queue_timeouts"] and after["pending_offers"] == 0
+    print(f"burst: 12 requests served in {wall:.1f} s (prefill paused {TIMEOUT + 1} s), {batches} prefill batches, "
+          f"largest {after['max_batch']}")
+    assert wall < 10 * TIMEOUT
+    assert ids(complete(pair["dbase"], EXP["prompts"][1], n)) == EXP["greedy"][1]
+    stats = httpx.get(pair["dbase"] + "/disagg/stats", timeout=10).json()
+    assert stats["scheduler"]["pages_used"] == 0 and stats["scheduler"]["reserved"] == 0
+
+
 def test_stalled_then_dead_prefill_fails_requests_in_bounded_time(pair):
     os.killpg(pair["prefill"].pid, signal.SIGSTOP)  # stalled: alive, answers nothing
     try:
         start = time.monotonic()
         answer = complete(pair["dbase"], [9, 8, 7], 4, timeout=60, status=503)  # the server's failure: retry
-        assert time.monotonic() - start < 10 * TIMEOUT
+        assert time.monotonic() - start < 10 * TIMEOUT  # the queue's bound + the transfer's
         message = answer["error"]["message"]  # the request's one-line error, as the API reports failed requests
         assert message.startswith("the prefill instance at 127.0.0.1:") and "did not answer /disagg/prefill" in message
     finally:
@@ -169,6 +204,8 @@ def test_stalled_then_dead_prefill_fails_requests_in_bounded_time(pair):
     (["--role", "decode", "--prefill-at", "nohost"], "--prefill-at takes HOST:PORT"),
     (["--interleave", "2"], "--interleave applies to --role prefill and --role decode"),
     (["--role", "prefill", "--transfer-timeout", "0"], "--transfer-timeout must be > 0"),
+    (["--role", "decode", "--prefill-at", "h:1", "--prefill-queue-timeout", "0"],
+     "--prefill-queue-timeout must be > 0"),
     (["--role", "prefill", "--speculative", "ngram"], "--speculative is not supported with --role prefill"),
 ])
 def test_usage_errors(argv, message, capsys):

@@ -417,3 +417,34 @@ def test_prefill_chunks_share_the_token_budget():
     assert [(c.request, c.slot, c.start, c.end, c.is_last) for c in plan.prefills] == [
         (a, a.slot, 0, 7, True), (b, b.slot, 0, 5, False)]
     assert [c.token_ids for c in plan.prefills] == [a.prompt_token_ids, b.prompt_token_ids[:5]]
+
+
+# --- prompts prefilled elsewhere (prefill/decode disaggregation) --------------------------------------
+def test_reserved_prompts_hold_their_pages_until_written_or_given_back():
+    # A reservation takes a slot and the prompt's pages before the KV is computed elsewhere: it counts
+    # in pages_used, refuses what no longer fits (None, FCFS), comes back on fail or abort, and its
+    # admission writes into exactly those pages; the request then decodes as if prefilled here.
+    sched = make(dcp=1, page_size=2, num_pages=8, max_num_seqs=2)  # 7 usable pages of 2 tokens
+    a, b, c = req(0, 5, max_tokens=3), req(1, 6, max_tokens=3), req(2, 3, max_tokens=2)
+    assert sched.reserve_prefilled(a) and sched.reserve_prefilled(b)  # 3 + 3 pages, both slots
+    assert sched.stats()["pages_used"] == 6 and sched.stats()["reserved"] == 2 and not sched.has_unfinished()
+    assert sched.reserve_prefilled(c) is None  # no slot, and 1 page left for its 2
+    sched.check()
+    with pytest.raises(UserError, match="already in use"):
+        sched.reserve_prefilled(req(0, 5))
+    sched.fail(b, "its KV never came", retryable=True)  # slot and pages back at once
+    assert b.finish_reason == "error" and b.error_retryable and not b.pages and sched.stats()["pages_used"] == 3
+    assert sched.reserve_prefilled(c)
+    sched.abort(c)
+    assert sched.stats()["pages_used"] == 3 and sched.pop_finished() == [b, c]
+    pages, written = list(a.pages), []
+    dev = FakeDevice(sched)
+    for pos, tok in enumerate(a.prompt_token_ids):  # the prompt's KV, as a prefill instance sends it
+        dev.pool[0, pages[pos // 2], pos % 2] = tok
+    first = next_token(a.prompt_token_ids)
+    assert sched.admit_prefilled(a, first, -0.5, written.append) is True
+    assert written == [pages] and sched.stats()["reserved"] == 0 and a.state is RequestState.DECODING
+    drive(sched, dev)
+    assert a.output_token_ids == reference(a, 64) and sched.stats()["pages_used"] == 0
+    assert sched.reserve_prefilled(Request("x", [])) is False  # one that can never run is refused at once
+    sched.check()

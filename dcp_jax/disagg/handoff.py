@@ -28,7 +28,7 @@ def config_hash(cfg) -> str:
 
 # The handoff's wire format (what `describe`, `Offer` and `PieceSpec` carry). Both sides of a pair must
 # speak the same one: the handshake refuses another. Raise it whenever that format changes.
-PROTOCOL = 2
+PROTOCOL = 3
 
 
 def describe(engine, role: str, address: str) -> dict:
@@ -84,21 +84,43 @@ def head_ranges(info: dict) -> list[tuple[int, int]]:
     return kv_head_ranges(info["stored_kv_heads"], info["kv_replication"], info["head_shards"])
 
 
+def piece_head_ranges(source: dict, dest: dict) -> list[tuple[int, int]]:
+    """The model's kv heads [lo, hi) of the pieces a source (`describe`) cuts for a destination: each
+    destination head shard's heads, split where the source's head shards split them, each range once
+    (a head replicated over either side's tp ranks is one piece)."""
+    out = {(max(lo, a), min(hi, b)) for lo, hi in head_ranges(dest) for a, b in head_ranges(source)}
+    return sorted((lo, hi) for lo, hi in out if lo < hi)
+
+
+def chunks(n: int) -> list[tuple[int, int]]:
+    """(offset, size) of the power-of-two chunks a piece of `n` tokens travels in: its binary
+    decomposition, largest first (13 -> (0, 8), (8, 4), (12, 1)). Exact (no padding), and the decode
+    side's write programs, compiled per chunk size, number O(log max length) instead of one per length."""
+    out, offset = [], 0
+    for bit in reversed(range(max(n, 1).bit_length())):
+        if n >> bit & 1:
+            out.append((offset, 1 << bit))
+            offset += 1 << bit
+    return out
+
+
 # --- the pieces of one request's staged KV ----------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class PieceSpec:
     """One single-device piece [T, L, heads, D] of a request's KV: layer stack `stack`, array `kind`
-    (0 = k, 1 = v; MLA: 0 = latent), the T tokens that source context rank `rank` holds and destination
-    context rank `dst_rank` owns (`ReshardPlan.piece_positions()[rank][dst_rank]`, in that order), the
-    model's kv heads [head0, head0 + shape[2]) (those one destination head shard keeps)."""
+    (0 = k, 1 = v; MLA: 0 = latent), T tokens from `offset` on of those that source context rank `rank`
+    holds and destination context rank `dst_rank` owns (`ReshardPlan.piece_positions()[rank][dst_rank]`,
+    in that order; T a power of two, `chunks`), the model's kv heads [head0, head0 + shape[2]) (those
+    one destination head shard keeps)."""
 
     stack: int
     kind: int
     rank: int
     dst_rank: int
     head0: int
+    offset: int
     shape: tuple[int, ...]
     dtype: str
 
@@ -112,7 +134,7 @@ class PieceSpec:
     @classmethod
     def from_json(cls, d: dict) -> "PieceSpec":
         return cls(int(d["stack"]), int(d["kind"]), int(d["rank"]), int(d["dst_rank"]), int(d["head0"]),
-                   tuple(int(x) for x in d["shape"]), str(d["dtype"]))
+                   int(d["offset"]), tuple(int(x) for x in d["shape"]), str(d["dtype"]))
 
 
 @dataclasses.dataclass

@@ -7,8 +7,9 @@
 The KV moves through `jax.experimental.transfer` exactly as between two processes (each side has its
 own TransferServer; the decode side connects to the prefill side's address), so this is the two-process
 pair minus HTTP. Each side is an `LLM` with its one engine, paired once; `generate` prefills every
-prompt on the prefill side (one batch), pulls each one's KV, admits the requests into the decode side's
-pool as their KV lands and pages allow, and decodes them with continuous batching.
+prompt the decode side has reserved a slot and pages for on the prefill side (one batch: all of them
+when the pool holds them), pulls each one's KV, writes it into those pages and decodes with continuous
+batching; the rest are prefilled as pages free up.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class DisaggregatedLLM:
         self.prefill = PrefillInstance(prefill.engine, self.prefill_port)
         self.decode_instance = DecodeInstance(decode.engine, LocalPrefill(self.prefill), self.decode_port,
                                               timeout_s=timeout_s)
+        self.decode_instance.warm()  # the decode programs and every write program, once
 
     @classmethod
     def load(cls, model_dir, *, prefill: dict | None = None, decode: dict | None = None, dtype: str = "float32",
@@ -96,30 +98,31 @@ class DisaggregatedLLM:
         t0 = time.perf_counter()
         for r in requests:
             r.arrival_time = time.monotonic()
-        landed = dec.fetch_many(requests)
-        prefill_s = time.perf_counter() - t0
-        backlog, first = collections.deque(), {}
-        for r, got in zip(requests, landed):
-            if isinstance(got, TransferError):
-                sched.fail(r, str(got), retryable=True)
-                sched.pop_finished()
-            else:
-                backlog.append((r, got))
-        while backlog or sched.has_unfinished():
+        waiting, backlog, first, landed, prefill_s = collections.deque(requests), collections.deque(), {}, [], 0.0
+        while waiting or backlog or sched.has_unfinished():
+            batch = dec.reserve_ready(waiting)  # what the pool has pages for now: one prefill batch
+            if batch:
+                tf = time.perf_counter()
+                for r, got in zip(batch, dec.fetch_many(batch)):
+                    if isinstance(got, TransferError):
+                        sched.fail(r, str(got), retryable=True)  # its reservation back
+                    else:
+                        backlog.append((r, got))
+                        landed.append(got)
+                prefill_s += time.perf_counter() - tf
             for r in dec.admit_ready(backlog):
                 first[r.request_id] = time.perf_counter() - t0
             if sched.has_unfinished():
                 eng.step()
-            elif backlog:
-                raise RuntimeError("a landed request fits no empty pool")  # validate() refuses those first
+            elif waiting and not batch:
+                raise RuntimeError("a request fits no empty pool")  # validate() refuses those first
             sched.pop_finished()
         wall = time.perf_counter() - t0
         stats = {k: dec.stats[k] - stats0[k] for k in ("transfer_bytes", "transfer_s", "write_s", "transfers")}
         timing = {k: eng.timing[k] - timing0[k] for k in timing0}
         stats["stage_s"] = pre.stats["stage_s"] - stage0  # gathering the pieces on the prefill side
         # the most KV one decode device held for one request's handoff (pulled pieces and their copies)
-        stats["max_device_bytes"] = max((max(g.device_bytes.values(), default=0) for g in landed
-                                         if not isinstance(g, TransferError)), default=0)
+        stats["max_device_bytes"] = max((max(g.device_bytes.values(), default=0) for g in landed), default=0)
         p_mesh, d_mesh = pre.engine.runner.mesh, eng.runner.mesh
         stats.update(
             prefill=dict(tp=p_mesh.shape[mesh_lib.TP], dcp=p_mesh.shape[mesh_lib.DCP],
@@ -128,5 +131,5 @@ class DisaggregatedLLM:
                         interleave=eng.layout.interleave, page_size=eng.layout.page_size),
             max_seq_len=eng.config.max_model_len, compile_s=compile_s, wall_s=wall,
             **request_stats(requests, first, timing), **eng.kv_bytes())
-        stats["prefill_s"] = prefill_s  # the prefill side's batch, with the pulls (not the decode side's)
+        stats["prefill_s"] = prefill_s  # the prefill side's batches, with the pulls (not the decode side's)
         return generation(requests, stats, None if self.tokenizer is None else self.decode)

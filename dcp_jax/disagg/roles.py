@@ -3,7 +3,8 @@
     decode instance (the client's)                    prefill instance
     ------------------------------                    ----------------
     pair():      handshake  ───────────────────────►  info(): identity, cache geometry, placement
-                 refuses a mismatch (one line)
+                 refuses a mismatch (one line); warm(): compile every write program
+    reserve_ready(): a slot and the prompt's pages for r (between engine steps, FCFS)
     fetch(r):    prefill(r, this side's placement) ►  prefill(): run the prompt through its engine
                                                       (max_tokens=1: the first token is sampled here),
                                                       cut the KV into pieces per decode rank and head
@@ -13,16 +14,18 @@
                  keeps it (bounded wait)  ◄═════════  TransferServer (jax.experimental.transfer)
                  release(uuid) ────────────────────►  forget the offer (unreleased ones are drained
                                                       after the offer timeout)
-    admit(r):    take a slot and pages, each device writes its own pieces into its pages, record
-                 the first token; then the request decodes with every other one
+    admit(r):    each device writes its own pieces into the reserved pages, record the first token;
+                 then the request decodes with every other one
 
 The prefill side samples the first token (as vLLM's prefill instances do) rather than the decode side
 recomputing the last prompt token: the prompt's last row runs once, the decode side needs no prefill
 program, and the first token is ready as soon as the prefill is. Sampling keys come from (seed,
 position), so the token is the one a single instance would sample.
 
-A request holds decode-side pages only once its KV has landed: a stalled or dead prefill instance
-fails the request (TransferError) without ever taking pages from the requests that are decoding.
+The decode side asks for a prefill only once it has pages for the KV (`reserve_ready`), so what is
+on the way counts in its pool and landed KV never waits; a stalled or dead prefill instance fails the
+request (TransferError) within its deadline and the reservation comes back. A write that fails fails
+that request alone (`admit_ready`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import time
 
 from dcp_jax.disagg.handoff import Offer, check_pairing, describe, head_ranges, new_uuid, placement, src_layout
 from dcp_jax.disagg.transfer import Receiver, Stager, TransferError, TransferPort
+from dcp_jax.errors import UserError
 from dcp_jax.sampling import SamplingParams
 from dcp_jax.serving.request import Request
 
@@ -58,10 +62,11 @@ class PrefillInstance:
     def info(self) -> dict:
         return describe(self.engine.runner, "prefill", self.port.address)
 
-    def prefill(self, items: list[dict]) -> list[dict]:
-        """Prefill every item (request_item's fields); per item, an Offer's JSON or {"request_id", "error"}.
-        Each item's KV is cut for the decode placement it names ("decode"; one like this instance's if
-        none); an unusable placement refuses that item."""
+    def prefill(self, items: list[dict], on_result=None) -> list[dict]:
+        """Prefill every item (request_item's fields) in one batch; per item, an Offer's JSON or
+        {"request_id", "error"}. Each item's KV is cut for the decode placement it names ("decode"; one
+        like this instance's if none); an unusable placement refuses that item. `on_result(i, result)`
+        is called for item i as soon as its result is known (before the batch ends)."""
         with self.lock:
             eng, sched = self.engine, self.engine.scheduler
             eng.runner.allocate()
@@ -75,46 +80,61 @@ class PrefillInstance:
                         raise ValueError("more kv heads than the model's")
                 except (KeyError, TypeError, ValueError) as e:
                     reqs.append((it["request_id"], f"the request names no usable decode placement: {e!r}"))
+                    if on_result is not None:
+                        on_result(len(reqs) - 1, dict(request_id=it["request_id"], error=reqs[-1][1]))
                     continue
-                sampling = SamplingParams(float(it.get("temperature", 0.0)), int(it.get("top_k", 0)),
-                                          float(it.get("top_p", 1.0)))
-                r = Request(f"p{new_uuid()}", it["prompt_token_ids"], sampling=sampling, seed=int(it.get("seed", 0)),
-                            max_tokens=1, ignore_eos=True)
+                try:  # one malformed item is refused alone: it shares the batch with other callers' items
+                    sampling = SamplingParams(float(it.get("temperature", 0.0)), int(it.get("top_k", 0)),
+                                              float(it.get("top_p", 1.0)))
+                    r = Request(f"p{new_uuid()}", [int(t) for t in it["prompt_token_ids"]], sampling=sampling,
+                                seed=int(it.get("seed", 0)), max_tokens=1, ignore_eos=True)
+                except (TypeError, ValueError) as e:  # UserError included
+                    reqs.append((it["request_id"], f"the request is malformed: {e}"))
+                    if on_result is not None:
+                        on_result(len(reqs) - 1, dict(request_id=it["request_id"], error=reqs[-1][1]))
+                    continue
                 reqs.append((it["request_id"], r))
                 dests[r.request_id] = dest
-                sched.add_request(r)
+                sched.add_request(r)  # one that can never run is finished at once, its error answered below
             t0 = time.perf_counter()
+            index = {r.request_id: i for i, (_, r) in enumerate(reqs) if not isinstance(r, str)}
             while sched.has_unfinished():
                 plan = eng.step()
                 for c in plan.prefills:
                     r = c.request
                     if not c.is_last or not r.output_token_ids:
                         continue
-                    ts = time.perf_counter()
-                    arrays, specs = self.stager.stage(plan.block_table[c.slot], c.end,  # before the next step
-                                                      dests[r.request_id])
-                    uuid = new_uuid()
-                    self.port.offer(uuid, arrays)
+                    ts, i = time.perf_counter(), index[r.request_id]
+                    try:  # (the gather reads the pool, donates nothing: a failure here is this item's alone)
+                        arrays, specs = self.stager.stage(plan.block_table[c.slot], c.end,  # before the next step
+                                                          dests[r.request_id])
+                        uuid = new_uuid()
+                        self.port.offer(uuid, arrays)
+                    except Exception as e:  # noqa: BLE001 - this item fails, the batch goes on
+                        results[r.request_id] = dict(request_id=reqs[i][0], error=f"staging its KV failed: "
+                                                     f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+                    else:
+                        results[r.request_id] = Offer(reqs[i][0], uuid, c.end, r.output_token_ids[0],
+                                                      r.output_logprobs[0], specs, time.perf_counter() - t0).to_json()
+                        self.stats["offered_bytes"] += sum(s.nbytes for s in specs)
+                        self.stats["requests"] += 1
+                        self.stats["prompt_tokens"] += c.end
                     self.stats["stage_s"] += time.perf_counter() - ts
-                    results[r.request_id] = Offer("", uuid, c.end, r.output_token_ids[0], r.output_logprobs[0], specs,
-                                                  time.perf_counter() - t0)
-                    self.stats["offered_bytes"] += sum(s.nbytes for s in specs)
+                    if on_result is not None:
+                        on_result(i, results[r.request_id])
                 sched.pop_finished()
             sched.pop_finished()
             self.stats["prefill_s"] += time.perf_counter() - t0
             out = []
-            for rid, r in reqs:
+            for i, (rid, r) in enumerate(reqs):
                 if isinstance(r, str):
                     out.append(dict(request_id=rid, error=r))
-                    continue
-                offer = results.get(r.request_id)
-                if offer is None:
+                elif r.request_id in results:
+                    out.append(results[r.request_id])
+                else:  # its prefill failed (a failed step) or it was refused
                     out.append(dict(request_id=rid, error=r.error or f"the prefill ended with {r.finish_reason}"))
-                    continue
-                offer.request_id = rid
-                self.stats["requests"] += 1
-                self.stats["prompt_tokens"] += offer.length
-                out.append(offer.to_json())
+                    if on_result is not None:
+                        on_result(i, out[-1])
             return out
 
     def release(self, uuid: int, pulled: bool) -> bool:
@@ -163,6 +183,15 @@ class DecodeInstance:
 
     def info(self) -> dict:
         return describe(self.engine.runner, "decode", self.port.address)
+
+    def warm(self) -> int:
+        """Compile what decoding runs and allocate the pool, then every write program a prompt this
+        instance admits can need (`Receiver.warm`), so no prompt length compiles anything in the engine
+        thread while others decode. Returns the write programs compiled."""
+        runner = self.engine.runner
+        runner.step_program()
+        runner.allocate()
+        return self.receiver.warm(runner.config.max_model_len - 1)
 
     def fetch_many(self, requests: list[Request]) -> list[Landed | TransferError]:
         """Prefill `requests` on the prefill instance (one batch) and pull each one's KV. Blocking, every
@@ -229,11 +258,34 @@ class DecodeInstance:
             landed.pieces = []  # the staged copies can go
         return ok
 
+    def reserve_ready(self, waiting) -> list[Request]:
+        """Between engine steps: reserve a slot and the prompt's pages (`Scheduler.reserve_prefilled`)
+        for requests from the front of `waiting` (a deque, first come first served) while the pool
+        allows; returns those reserved, to be fetched. So the decode side asks for (and pulls) only KV
+        it has pages for, and what is on the way counts in its pool. A request cancelled meanwhile, or
+        one that can never run (finished with its reason), leaves the queue."""
+        sched, reserved = self.engine.scheduler, []
+        while waiting:
+            request = waiting[0]
+            if not request.is_finished:
+                try:
+                    ok = sched.reserve_prefilled(request)
+                except UserError as e:  # a duplicate id: this request fails, the others go on
+                    sched.fail(request, f"the request was refused: {e}")
+                    ok = False
+                if ok is None:
+                    break
+                if ok:
+                    reserved.append(request)
+            waiting.popleft()
+        return reserved
+
     def admit_ready(self, backlog) -> list[Request]:
         """Admit landed requests from the front of `backlog` (a deque of (Request, Landed), in landing
-        order) while slots and pages allow, between engine steps; returns those admitted. A request
-        cancelled meanwhile is dropped; one whose KV cannot be written fails alone (finish_reason
-        "error", retryable) and is collected with the scheduler's finished; if the write lost the pool,
+        order), between engine steps; returns those admitted. A reserved request (`reserve_ready`) goes
+        in at once, one without a reservation while slots and pages allow. A request cancelled meanwhile
+        is dropped; one whose KV cannot be written fails alone (finish_reason "error", retryable; its
+        slot and pages back) and is collected with the scheduler's finished; if the write lost the pool,
         the engine rebuilds it (`ServingEngine.recover_pools`)."""
         sched, admitted = self.engine.scheduler, []
         while backlog:

@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import queue
 import threading
+import time
 
 from dcp_jax.disagg.roles import DecodeInstance, PrefillInstance
 from dcp_jax.disagg.transfer import TransferError, TransferPort
@@ -27,15 +29,85 @@ from dcp_jax.serving.async_engine import AsyncEngine
 # --- the prefill side's control channel ---------------------------------------------------------------
 
 
-def make_prefill_app(instance: PrefillInstance, reap_every_s: float = 0.5):
-    """The prefill instance's FastAPI app. Prefills run one batch at a time on one worker thread; a
-    reaper drains offers the decode side never released (it went away) after the offer timeout."""
+class PrefillQueue:
+    """The prefill role's one worker: the items of every /disagg/prefill call wait here, and when a
+    batch ends everything waiting runs as the next one (one `PrefillInstance.prefill` call: the engine
+    batches them under its slots and token budget). A call is answered as soon as its own items are
+    done. Items that waited in the queue longer than their call's bound (`queue_timeout_s`, the decode
+    side's --prefill-queue-timeout) are answered with an error and never prefilled: nobody would pull
+    them. The queue's bound is separate from the transfer's: a burst waits here, it does not eat into
+    the time the decode side gives each pull."""
+
+    def __init__(self, instance: PrefillInstance, queue_timeout_s: float = 60.0):
+        self.instance, self.queue_timeout_s = instance, queue_timeout_s
+        self.calls: queue.Queue = queue.Queue()  # (items, deadline, bound, Future)
+        self.stats = dict(batches=0, max_batch=0, queue_timeouts=0)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="dcp-jax-prefill", daemon=True)
+
+    def submit(self, items: list[dict], queue_timeout_s: float | None = None) -> concurrent.futures.Future:
+        """Queue one call's items; the Future's result is their results, in order (or the batch's exception)."""
+        bound = self.queue_timeout_s if queue_timeout_s is None else float(queue_timeout_s)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self.calls.put((items, time.monotonic() + bound, bound, done))
+        return done
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                calls = [self.calls.get(timeout=0.5)]
+            except queue.Empty:
+                continue
+            while True:  # everything that waits joins this batch
+                try:
+                    calls.append(self.calls.get_nowait())
+                except queue.Empty:
+                    break
+            self.run_batch(calls)
+
+    def run_batch(self, calls: list) -> None:
+        now, live = time.monotonic(), []
+        for items, deadline, bound, done in calls:
+            if now <= deadline:
+                live.append((items, done))
+                continue
+            self.stats["queue_timeouts"] += len(items)
+            done.set_result([dict(request_id=it.get("request_id"), error=f"it waited over {bound:g} s in the prefill "
+                                  "instance's queue (the decode side's --prefill-queue-timeout)") for it in items])
+        if not live:
+            return
+        flat = [(it, c) for c, (items, _) in enumerate(live) for it in items]
+        results: list[list] = [[None] * len(items) for items, _ in live]
+        first = [sum(len(items) for items, _ in live[:c]) for c in range(len(live))]
+        left = [len(items) for items, _ in live]
+
+        def on_result(i: int, result: dict) -> None:  # answer a call once its last item is done
+            c = flat[i][1]
+            results[c][i - first[c]] = result
+            left[c] -= 1
+            if left[c] == 0:
+                live[c][1].set_result(results[c])
+
+        self.stats["batches"] += 1
+        self.stats["max_batch"] = max(self.stats["max_batch"], len(flat))
+        try:
+            self.instance.prefill([it for it, _ in flat], on_result)
+        except Exception as e:  # noqa: BLE001 - every call still waiting gets the batch's failure
+            for _, done in live:
+                if not done.done():
+                    done.set_exception(e)
+
+
+def make_prefill_app(instance: PrefillInstance, reap_every_s: float = 0.5, queue_timeout_s: float = 60.0):
+    """The prefill instance's FastAPI app. Prefills run in batches on one worker (`PrefillQueue`:
+    calls that arrive while a batch runs form the next one); a reaper drains offers the decode side
+    never released (it went away) after the offer timeout."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
-    worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp-jax-prefill")
+    worker = PrefillQueue(instance, queue_timeout_s)
     stop = threading.Event()
 
     def reap():
@@ -46,9 +118,10 @@ def make_prefill_app(instance: PrefillInstance, reap_every_s: float = 0.5):
     async def lifespan(app):
         reaper = threading.Thread(target=reap, name="dcp-jax-reaper", daemon=True)
         reaper.start()
+        worker.thread.start()
         yield
         stop.set()
-        worker.shutdown(wait=False, cancel_futures=True)
+        worker.stop.set()
 
     app = FastAPI(title="dcp_jax prefill instance", lifespan=lifespan)
 
@@ -65,9 +138,11 @@ def make_prefill_app(instance: PrefillInstance, reap_every_s: float = 0.5):
         items = body.get("items")
         if not isinstance(items, list) or not all(isinstance(i, dict) and "prompt_token_ids" in i for i in items):
             return JSONResponse({"error": "give {'items': [{'request_id', 'prompt_token_ids', ...}]}"}, 400)
-        loop = asyncio.get_running_loop()
+        bound = body.get("queue_timeout_s")
+        if bound is not None and not (isinstance(bound, (int, float)) and bound > 0):
+            return JSONResponse({"error": f"queue_timeout_s must be a number > 0, got {bound!r}"}, 400)
         try:
-            offers = await loop.run_in_executor(worker, instance.prefill, items)
+            offers = await asyncio.wrap_future(worker.submit(items, bound))
         except Exception as e:  # noqa: BLE001 - one line back to the decode side, never a traceback
             return JSONResponse({"error": f"the prefill failed: {type(e).__name__}: {e}"}, 500)
         return {"offers": offers}
@@ -81,19 +156,25 @@ def make_prefill_app(instance: PrefillInstance, reap_every_s: float = 0.5):
 
     @app.get("/disagg/stats")
     async def stats():
-        return dict(instance.stats, pending_offers=instance.port.num_pending(), dropped_offers=instance.port.dropped)
+        return dict(instance.stats, **worker.stats, pending_offers=instance.port.num_pending(),
+                    dropped_offers=instance.port.dropped)
 
     return app
 
 
 class HttpPrefill:
-    """The decode side's handle on a prefill instance at HOST:PORT (httpx; every call time-bounded)."""
+    """The decode side's handle on a prefill instance at HOST:PORT (httpx; every call time-bounded). A
+    prefill call waits up to `queue_timeout_s` (its items' time in the prefill instance's queue, which
+    that side enforces) plus `timeout_s` (the prefill itself; the pull has its own `timeout_s` after)."""
 
-    def __init__(self, address: str, timeout_s: float = 60.0):
+    def __init__(self, address: str, timeout_s: float = 60.0, queue_timeout_s: float = 60.0):
         import httpx
 
-        self.address = address
-        self.client = httpx.Client(base_url=f"http://{address}", timeout=timeout_s)
+        self.address, self.queue_timeout_s = address, queue_timeout_s
+        # a fresh connection per call: a pooled idle one can be closed by the server's keep-alive timer
+        # just as a call goes out on it (connection reset), and a prefill call is not safe to resend
+        self.client = httpx.Client(base_url=f"http://{address}", timeout=timeout_s,
+                                   limits=httpx.Limits(max_keepalive_connections=0))
         self.httpx = httpx
 
     def call(self, method: str, path: str, timeout_s: float | None = None, **kw) -> dict:
@@ -121,7 +202,8 @@ class HttpPrefill:
                             "`python -m dcp_jax.serve --role prefill` and give its --host:--port to --prefill-at") from None
 
     def prefill(self, items: list[dict], timeout_s: float) -> list[dict]:
-        return self.call("POST", "/disagg/prefill", timeout_s=timeout_s, json={"items": items})["offers"]
+        body = {"items": items, "queue_timeout_s": self.queue_timeout_s}
+        return self.call("POST", "/disagg/prefill", timeout_s=self.queue_timeout_s + timeout_s, json=body)["offers"]
 
     def release(self, uuid: int, pulled: bool) -> None:
         self.call("POST", "/disagg/release", timeout_s=10, json={"uuid": uuid, "pulled": pulled})
@@ -131,14 +213,16 @@ class HttpPrefill:
 
 
 class DisaggAsyncEngine(AsyncEngine):
-    """`AsyncEngine` whose requests are prefilled remotely: a submitted request is fetched (prefill +
-    pull, bounded by the decode instance's timeout) on a helper thread; when its KV has landed the
-    engine thread admits it between steps (pages permitting, in arrival order). A request whose fetch
-    fails finishes with finish_reason "error" and the TransferError's line; the others go on."""
+    """`AsyncEngine` whose requests are prefilled remotely: a submitted request waits (first come,
+    first served) until the engine thread has reserved a slot and its prompt's pages, then is fetched
+    (prefill + pull, each bounded) on a helper thread; when its KV has landed the engine thread writes
+    it into those pages between steps. A request whose fetch fails finishes with finish_reason "error"
+    and the TransferError's line, its reservation back; the others go on."""
 
     def __init__(self, engine, decode: DecodeInstance, **kw):
         super().__init__(engine, **kw)
         self.decode = decode
+        self.waiting: collections.deque = collections.deque()  # Requests waiting for a reservation (FCFS)
         self.backlog: collections.deque = collections.deque()  # (Request, Landed), in landing order
 
     def fetch(self, tracked) -> None:
@@ -150,16 +234,29 @@ class DisaggAsyncEngine(AsyncEngine):
         except Exception as e:  # noqa: BLE001 - one request fails, the server goes on
             self.commands.put(("failed", (tracked, f"the KV transfer failed: {type(e).__name__}: {e}")))
 
+    def fetch_ready(self) -> None:
+        """Fetch every waiting request the pool now has a slot and pages for (reserved first)."""
+        for r in self.decode.reserve_ready(self.waiting):
+            threading.Thread(target=self.fetch, args=(self.tracked[r.request_id],), name="dcp-jax-fetch",
+                             daemon=True).start()
+
     def drain(self, block: bool) -> None:
-        self.decode.admit_ready(self.backlog)  # landed earlier, waiting for pages
+        self.decode.admit_ready(self.backlog)
+        self.fetch_ready()  # pages freed by the last step or command
         super().drain(block)
 
     def handle(self, kind: str, arg) -> None:
         sched = self.engine.scheduler
         if kind == "add":
             self.tracked[arg.request.request_id] = arg
-            if not sched.refuse(arg.request):  # a refused one is never sent to the prefill instance
-                threading.Thread(target=self.fetch, args=(arg,), name="dcp-jax-fetch", daemon=True).start()
+            try:
+                refused = sched.refuse(arg.request)  # a refused one is never sent to the prefill instance
+            except Exception as e:  # noqa: BLE001 - e.g. a duplicate id: this request fails, the engine goes on
+                sched.fail(arg.request, f"the request was refused: {e}")
+                refused = True
+            if not refused:
+                self.waiting.append(arg.request)
+                self.fetch_ready()
         elif kind == "landed":
             tracked, landed = arg
             self.backlog.append((tracked.request, landed))
@@ -172,15 +269,16 @@ class DisaggAsyncEngine(AsyncEngine):
 
 
 def make_decode_app(model_dir, *, prefill_at: str, timeout_s: float, served_model_name, max_pending,
-                    host: str = "127.0.0.1", **llm_kw):
+                    host: str = "127.0.0.1", queue_timeout_s: float = 60.0, **llm_kw):
     """Load, pair with the prefill instance at `prefill_at` (UserError if that fails), compile, and
-    return (FastAPI app, LLM, DecodeInstance). `llm_kw`: as `dcp_jax.launch.load_llm`."""
+    return (FastAPI app, LLM, DecodeInstance). `timeout_s` bounds each prefill and each pull,
+    `queue_timeout_s` a request's wait in the prefill instance's queue. `llm_kw`: as
+    `dcp_jax.launch.load_llm`."""
     llm, path, embedded = load_llm(model_dir, **llm_kw)
     engine = llm.engine
-    engine.runner.decode_program()
-    engine.runner.allocate()
     port = TransferPort(llm.mesh.devices.flat[0], host=host)
-    decode = DecodeInstance(engine, HttpPrefill(prefill_at, timeout_s), port, timeout_s=timeout_s)
+    decode = DecodeInstance(engine, HttpPrefill(prefill_at, timeout_s, queue_timeout_s), port, timeout_s=timeout_s)
+    decode.warm()  # before the port opens: no request compiles a program in the engine thread
     runner = DisaggAsyncEngine(engine, decode, max_pending=max_pending)
     app = openai_app(runner, llm, path, embedded, served_model_name)
 
@@ -191,15 +289,17 @@ def make_decode_app(model_dir, *, prefill_at: str, timeout_s: float, served_mode
     return app, llm, decode
 
 
-def make_prefill(model_dir, *, timeout_s: float, host: str = "127.0.0.1", **llm_kw):
-    """Load and compile the prefill role: (FastAPI app, LLM, PrefillInstance)."""
+def make_prefill(model_dir, *, timeout_s: float, host: str = "127.0.0.1", queue_timeout_s: float = 60.0,
+                 **llm_kw):
+    """Load and compile the prefill role: (FastAPI app, LLM, PrefillInstance). `timeout_s`: how long an
+    offer waits to be pulled; `queue_timeout_s`: the queue bound of calls that name none."""
     llm, _, _ = load_llm(model_dir, **llm_kw)
     engine = llm.engine
     engine.runner.prefill_program()
     engine.runner.allocate()
     port = TransferPort(llm.mesh.devices.flat[0], host=host, offer_timeout_s=timeout_s)
     instance = PrefillInstance(engine, port)
-    return make_prefill_app(instance), llm, instance
+    return make_prefill_app(instance, queue_timeout_s=queue_timeout_s), llm, instance
 
 
 def run_role(args, llm_kw: dict) -> int:
@@ -212,12 +312,14 @@ def run_role(args, llm_kw: dict) -> int:
     llm_kw = dict(llm_kw, interleave=args.interleave)
     try:
         if args.role == "prefill":
-            app, llm, inst = make_prefill(args.model, timeout_s=args.transfer_timeout, host=args.host, **llm_kw)
+            app, llm, inst = make_prefill(args.model, timeout_s=args.transfer_timeout, host=args.host,
+                                          queue_timeout_s=args.prefill_queue_timeout, **llm_kw)
             what = f"prefill instance (KV transfer server {inst.port.address})"
         else:
             app, llm, inst = make_decode_app(args.model, prefill_at=args.prefill_at, timeout_s=args.transfer_timeout,
                                              served_model_name=args.served_model_name,
-                                             max_pending=args.max_pending, host=args.host, **llm_kw)
+                                             max_pending=args.max_pending, host=args.host,
+                                             queue_timeout_s=args.prefill_queue_timeout, **llm_kw)
             src = inst.source
             what = (f"decode instance paired with the prefill instance at {args.prefill_at} "
                     f"(tp={src['tp']} x dcp={src['dcp']}, interleave {src['interleave']}, page {src['page_size']})")

@@ -6,15 +6,16 @@
                    (source rank, destination rank, destination head shard's heads) on the source device
                    holding them: the tokens that source rank holds and that destination rank owns, in
                    the order the destination writes them (`ReshardPlan.piece_positions`), padded with
-                   zeros to every slot of the source's blocks (sizes depend on the number of blocks only);
-                   a kv head replicated over source tp ranks is taken once, a head several destination
-                   shards keep is offered once; offered under a uuid            [TransferServer.await_pull]
+                   zeros to every slot of the source's blocks (sizes depend on the number of blocks only),
+                   sent in power-of-two chunks (`handoff.chunks`); a kv head replicated over source tp
+                   ranks is taken once, a head several destination shards keep is offered once; offered
+                   under a uuid                                                 [TransferServer.await_pull]
     decode side:   pulls each piece onto the device of its destination rank that keeps its heads
                    (copies it to that rank's other devices keeping the same head, where tp > kv heads),
                    within a deadline                                                               [pull]
-                   then each device's own program writes its pieces' tokens into its pages of the
-                   request (its pool shard donated; padding dropped); the pool is reassembled from
-                   the shards without a copy                                       [jit per device]
+                   then each device's own programs write its pieces' tokens into its pages of the
+                   request, one chunk of every pool array each (its pool shard donated; padding
+                   dropped); the pool is reassembled from the shards without a copy [jit per device]
 
 So no decode device ever holds more of a prompt than its own tokens of its own heads, plus the zero
 padding of the source's last block (under one source page per source rank); the bytes pulled are the
@@ -28,10 +29,11 @@ destination's placement (ranks, interleave, page size, tp), the destination scat
 pages. The pieces of different destination ranks differ in size (the tokens each pair of ranks shares:
 e.g. round-robin over 2 ranks on both sides sends nothing from rank 0 to rank 1), so one program over
 the destination mesh could take them only padded to the largest, which would pull and hold more than
-each rank's share: the write programs are per device instead (compiled once per device and number of
-source blocks). The library's `timeout` arguments bounded nothing in our probes: a pull of a uuid
-nobody offers, or from a process that died before the pull, waits forever; a source dying mid-pull
-fails the pull at once. So every wait here runs under our own deadline (polling `is_ready`; an
+each rank's share: the write programs are per device instead, one per (device, head range, chunk
+size), O(log max length) per device, all compiled when the pair forms (`Receiver.warm`). The
+library's `timeout` arguments bounded nothing in our probes: a pull of a uuid nobody offers, or from
+a process that died before the pull, waits forever; a source dying mid-pull fails the pull at once.
+So every wait here runs under our own deadline (polling `is_ready`; an
 abandoned pull blocks no thread), and an offer nobody pulls is drained by the prefill side pulling it
 from itself (one pull consumes an offer).
 
@@ -52,7 +54,7 @@ from jax.experimental import transfer as jax_transfer
 from jax.sharding import SingleDeviceSharding
 
 from dcp_jax import mesh as mesh_lib
-from dcp_jax.disagg.handoff import PieceSpec, head_ranges, src_layout
+from dcp_jax.disagg.handoff import PieceSpec, chunks, describe, head_ranges, piece_head_ranges, src_layout
 from dcp_jax.layout import PagedLayout, kv_head_sources, reshard_plan
 
 
@@ -157,11 +159,12 @@ class Stager:
                             continue
                         seen.add((rank, lo))
                         j = int(np.argmax(mine == lo))  # its first stored copy of head lo
-                        data = shard.data
-                        if (n, hi - lo) != (data.shape[0], data.shape[2]):
-                            data = data[:n, :, j:j + hi - lo]
-                        arrays.append(data)
-                        specs.append(PieceSpec(s, k, rank, r, lo, tuple(data.shape), str(data.dtype)))
+                        for offset, size in chunks(n):  # power-of-two chunks: O(log n) write programs
+                            data = shard.data
+                            if (offset, size, hi - lo) != (0, data.shape[0], data.shape[2]):
+                                data = data[offset:offset + size, :, j:j + hi - lo]
+                            arrays.append(data)
+                            specs.append(PieceSpec(s, k, rank, r, lo, offset, tuple(data.shape), str(data.dtype)))
         jax.block_until_ready(arrays)
         return arrays, specs
 
@@ -175,13 +178,16 @@ class Receiver:
     pieces it holds; the pool is reassembled from the shards without a copy. A device never holds more
     of the prompt than its own tokens of its own heads (plus the padding of the source's last block).
     Pieces differ in size from rank to rank (the tokens each pair of ranks shares), which a single
-    program over the mesh could only take padded to the largest, so the programs are per device:
-    one compiled per (device, the shapes of its pieces), i.e. per number of source blocks."""
+    program over the mesh could only take padded to the largest, so the programs are per device; a
+    piece travels in power-of-two chunks (`chunks`), and one program writes one chunk of every pool
+    array: one per (device, head range, chunk size), all compiled by `warm` when the pair forms, so
+    no prompt length compiles anything while requests decode."""
 
     def __init__(self, runner, source: dict):
         self.engine, self.source = runner, source  # a ModelRunner: its pools, layout and mesh
         self.src = src_layout(source)
         self.compiled: dict = {}
+        self.dispatches = 0  # write programs run (one per device and chunk of its pieces)
         model = runner.model
         pages = runner.config.num_pages
         heads_of = kv_head_sources(model.kv_heads, model.kv_replication)
@@ -206,6 +212,30 @@ class Receiver:
     def pull_devices(self, specs: list[PieceSpec]) -> list:
         """Where each piece lands when pulled: the first device that keeps it."""
         return [self.targets(s)[0] for s in specs]
+
+    def chunk_meta(self, head0: int, heads: int, size: int) -> tuple[tuple, tuple]:
+        """A write program's key past the device: (pool array, head0, piece shape) of one chunk of
+        `size` tokens of kv heads [head0, head0 + heads) of every pool array, and the index lengths."""
+        leaves = jax.tree.leaves(self.engine.pool_spec().target)
+        meta = tuple((g, head0, (size, leaf.shape[0], heads, leaf.shape[-1])) for g, leaf in enumerate(leaves))
+        return meta, (size,) * len(leaves)
+
+    def warm(self, max_length: int) -> int:
+        """Compile every write program a prompt of up to `max_length` tokens can need: per device, per
+        head range of the pieces it keeps, per chunk size up to its largest piece. Returns how many were
+        compiled (none when done already)."""
+        before = len(self.compiled)
+        blocks = self.src.blocks_for(max_length)
+        sizes = reshard_plan(self.src, self.engine.layout, blocks * self.src.tokens_per_block).piece_sizes()
+        ranges = piece_head_ranges(self.source, describe(self.engine, "decode", ""))
+        for dev, rank, mine in self.devices:
+            most = int(sizes[:, rank].max())
+            for lo, hi in ranges:
+                if not all(h in mine for h in range(lo, hi)):
+                    continue
+                for bit in range(most.bit_length()):
+                    self.write_program(dev, *self.chunk_meta(lo, hi - lo, 1 << bit))
+        return len(self.compiled) - before
 
     def write_program(self, device, meta: tuple, index_len: tuple):
         """(this device's pool shards, its pieces, page [T] and slot [T] per piece) -> pool shards: piece
@@ -260,10 +290,11 @@ class Receiver:
         groups = [(s, k) for s, stack in enumerate(eng.pool_spec().target) for k in range(len(stack))]
         held: dict = {d: [] for d, _, _ in self.devices}  # device -> [(spec, array, page, slot)]
         for piece, spec in zip(pieces, specs):
-            pos = positions[spec.rank][spec.dst_rank] if spec.rank < len(positions) else []
-            if len(pos) != spec.shape[0]:
-                raise TransferError(f"a piece of {spec.shape[0]} tokens from rank {spec.rank} to rank "
-                                    f"{spec.dst_rank}, where the placements give {len(pos)}")
+            pos = positions[spec.rank][spec.dst_rank] if spec.rank < len(positions) else np.zeros(0, np.int64)
+            if spec.offset + spec.shape[0] > len(pos) or spec.shape[0] & (spec.shape[0] - 1):
+                raise TransferError(f"a piece of {spec.shape[0]} tokens from offset {spec.offset} of rank {spec.rank}'s "
+                                    f"to rank {spec.dst_rank}, where the placements give {len(pos)}")
+            pos = pos[spec.offset:spec.offset + spec.shape[0]]
             keep = pos < length
             page = lay.page_of(table_row, pos, keep, missing=pages)
             slot = lay.page_slot_of(pos)
@@ -273,14 +304,25 @@ class Receiver:
         placed = {d.id: sum(sh.data.nbytes for _, a, _, _ in held[d] for sh in a.addressable_shards if sh.device == d)
                   for d in held}
 
-        def write(dev, shards):  # this device's pool shards (donated to its program) -> the new ones
-            items = held[dev]
-            if not items:
-                return shards
-            meta = tuple((groups.index((s.stack, s.kind)), s.head0, s.shape) for s, _, _, _ in items)
-            program = self.write_program(dev, meta, tuple(len(p) for _, _, p, _ in items))
-            return program(shards, tuple(a for _, a, _, _ in items), tuple(p for _, _, p, _ in items),
-                           tuple(s for _, _, _, s in items))
+        def write(dev, shards):  # this device's pool shards (donated to each program) -> the new ones
+            chunked: dict = {}  # one chunk of every pool array: (source rank, head0, offset) -> {array: item}
+            for item in held[dev]:
+                s = item[0]
+                chunked.setdefault((s.rank, s.head0, s.offset), {})[groups.index((s.stack, s.kind))] = item
+            for (_, head0, _), by_group in chunked.items():
+                if sorted(by_group) != list(range(len(groups))):
+                    raise TransferError(f"the prefill instance sent a chunk of {len(by_group)} of the "
+                                        f"{len(groups)} pool arrays")
+                items = [by_group[g] for g in range(len(groups))]
+                meta, index_len = self.chunk_meta(head0, items[0][0].shape[2], items[0][0].shape[0])
+                if [s.shape for s, _, _, _ in items] != [shape for _, _, shape in meta]:
+                    raise TransferError(f"the prefill instance sent pieces of shapes {[s.shape for s, _, _, _ in items]} "
+                                        f"where this pool takes {[shape for _, _, shape in meta]}")
+                program = self.write_program(dev, meta, index_len)
+                shards = program(shards, tuple(a for _, a, _, _ in items), tuple(p for _, _, p, _ in items),
+                                 tuple(s for _, _, _, s in items))
+                self.dispatches += 1
+            return shards
 
         eng.write_pool_shards(write)
         return placed

@@ -12,6 +12,7 @@ except ImportError as e:  # pragma: no cover - the message names the fix
 STAT_GAUGES = (
     ("running", "num_requests_running", "Requests holding a decode slot"),
     ("waiting", "num_requests_waiting", "Requests queued in the scheduler"),
+    ("reserved", "num_requests_reserved", "Requests whose KV is on the way from a prefill instance (slot and pages held)"),
     ("preemptions", "num_preemptions", "Preemptions since the start (cumulative)"),
     ("pages_used", "kv_pages_used", "KV pages in use (per context rank)"),
     ("pages_total", "kv_pages_total", "Usable KV pages (per context rank)"),

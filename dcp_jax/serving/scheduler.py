@@ -29,7 +29,6 @@ first). See docs/SERVING.md.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -39,69 +38,10 @@ import numpy as np
 from dcp_jax.errors import UserError
 from dcp_jax.kv.manager import NULL_PAGE, KVCacheManager
 from dcp_jax.serving.config import SchedulerConfig
+from dcp_jax.serving.plan import PrefillChunk, SchedulePlan
 from dcp_jax.serving.request import Request, RequestState
 
 __all__ = ["NULL_PAGE", "PrefillChunk", "SchedulePlan", "Scheduler", "SchedulerConfig"]
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillChunk:
-    """Tokens [start, start + len(token_ids)) of `request` (prompt + output so far), to write into the
-    cache through block-table row `slot`. When `is_last`, the device samples one token after the chunk's
-    last row (the request's next token) and hands it to `update_prefill`."""
-
-    request: Request
-    slot: int
-    start: int
-    token_ids: list[int]
-    is_last: bool
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.token_ids)
-
-
-@dataclasses.dataclass
-class SchedulePlan:
-    """What the device runs this iteration. Arrays are copies (safe to hand to the device).
-
-    decode_* arrays are indexed by slot; unused slots have token 0, position 0, mask False and a
-    block-table row of NULL_PAGE. Decode step k (0 <= k < decode_steps) of slot s writes the KV of
-    position decode_positions[s] + k (its pages are reserved) and samples the token after it; the input
-    of step 0 is decode_tokens[s], of step k > 0 the token sampled at step k - 1. The length (tokens in
-    cache) seen by step k is decode_positions[s] + k + 1. Every slot runs all K steps; the host
-    discards tokens sampled after a request stopped.
-
-    decode_budget[s]: the most tokens slot s may produce this iteration (its pages are reserved for
-    them). Without speculation it is K for every decoding slot; with it, min(k + 1, tokens it has left)
-    per slot: a verify step writes the KV of at most budget positions from decode_positions[s] on.
-    """
-
-    step: int
-    prefills: list[PrefillChunk]
-    decode_requests: list[Request]
-    decode_slots: list[int]
-    decode_steps: int  # K; 0 when nothing decodes
-    decode_tokens: np.ndarray  # int32 [max_num_seqs]
-    decode_positions: np.ndarray  # int32 [max_num_seqs]
-    decode_mask: np.ndarray  # bool [max_num_seqs]
-    block_table: np.ndarray  # int32 [max_num_seqs, max_blocks_per_seq]
-    decode_budget: np.ndarray  # int32 [max_num_seqs]; 0 for slots that do not decode
-    preempted: list[str]
-    prefill_applied: bool = False
-    decode_applied: bool = False
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.prefills)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.prefills and not self.decode_slots
-
-    @property
-    def applied(self) -> bool:
-        return (self.prefill_applied or not self.prefills) and (self.decode_applied or not self.decode_slots)
 
 
 class Scheduler:
@@ -122,6 +62,8 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.finished: list[Request] = []  # not yet popped
+        # prompts prefilled elsewhere whose KV is on the way: each holds a slot and its prompt's pages
+        self.reserved: dict[str, Request] = {}
         self.num_preemptions = 0
         self.last_plan: SchedulePlan | None = None
         self.step = 0
@@ -141,7 +83,7 @@ class Scheduler:
     def refuse(self, request: Request) -> bool:
         """Stamp a new request's arrival; finish it at once (finish_reason "error", collected with the
         finished) when it can never run, returning True. A duplicate id raises UserError."""
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.reserved:
             raise UserError(f"request id {request.request_id!r} is already in use: give each request a unique id")
         if request.arrival_time is None:
             request.arrival_time = self.clock()
@@ -181,9 +123,12 @@ class Scheduler:
     def end(self, request: Request, reason: str, error: str | None) -> None:
         if self.requests.get(request.request_id) is request:
             self.finish(request, reason, error=error)
-        else:  # never added, or held outside the scheduler: nothing to release
-            request.finish(reason, error=error, detokenize=self.detokenize)
-            self.finished.append(request)
+            return
+        if self.reserved.get(request.request_id) is request:  # its KV was on the way: the reservation back
+            del self.reserved[request.request_id]
+            self.kv.release(request)
+        request.finish(reason, error=error, detokenize=self.detokenize)  # otherwise held outside: nothing to free
+        self.finished.append(request)
 
     def pop_finished(self) -> list[Request]:
         """Requests finished since the last call (stop, length, abort or error)."""
@@ -390,11 +335,13 @@ class Scheduler:
         request uses are free for the pool's purposes (evicted on demand) and counted in cached_blocks.
         prefix_query_tokens / prefix_hit_tokens sum over admissions (a resumed request counts again)."""
         return dict(preemptions=self.num_preemptions, running=len(self.running), waiting=len(self.waiting),
-                    **self.kv.stats())
+                    reserved=len(self.reserved), **self.kv.stats())
 
     def check(self) -> None:
         """Assert the scheduler's invariants (tests call it after every step)."""
-        self.kv.check(self.running)
+        self.kv.check(self.running + list(self.reserved.values()))
+        for r in self.reserved.values():  # a slot and exactly its prompt's pages, nothing computed yet
+            assert r.num_computed == 0 and len(r.pages) == self.layout.blocks_for(r.num_prompt_tokens)
         for r in self.running:
             assert r.state in (RequestState.PREFILLING, RequestState.DECODING)
             if r.state is RequestState.DECODING:
@@ -404,24 +351,45 @@ class Scheduler:
         assert {r.request_id for r in self.running} | {r.request_id for r in self.waiting} == set(self.requests)
 
     # --- prefill/decode disaggregation (dcp_jax.disagg) ----------------------------------------------
+    def reserve_prefilled(self, request: Request) -> bool | None:
+        """Hold a slot and the prompt's pages for `request` before a prefill instance computes its KV
+        (which `admit_prefilled` then writes straight into them): what is on the way counts against the
+        pool like what is running. True when reserved; None when no slot or pages are free now, or
+        requests wait for recompute (FCFS: try again after a step); False when the request can never run
+        (finished, as `add_request`). `fail` and `abort` give a reservation back."""
+        if self.refuse(request):
+            return False
+        if (taken := self.take_prompt_pages(request)) is None:
+            return None
+        self.reserved[request.request_id] = taken
+        return True
+
+    def take_prompt_pages(self, request: Request) -> Request | None:
+        kv, need = self.kv, self.layout.blocks_for(request.num_prompt_tokens)
+        if self.waiting or not kv.free_slots or need > kv.num_available:
+            return None
+        kv.admit(request)
+        kv.grow(request, need)
+        return request
+
     def admit_prefilled(self, request: Request, first_token: int, first_logprob: float | None,
                         write: Callable[[list[int]], None]) -> bool | None:
         """Admit `request` straight into decoding: its prompt's KV was computed elsewhere (a prefill
-        instance) and its first token sampled there. Takes a slot and the prompt's pages, calls
-        `write(pages)` to put the KV into them (block-table order), then records the first token (which
-        may finish the request at once). Returns True when admitted, None when no slot or pages are free
-        now, or requests wait for recompute (try again after a step), False when the request can never
-        run (finished with finish_reason "error", as `add_request` does). A duplicate id raises UserError."""
-        if self.refuse(request):
+        instance) and its first token sampled there. Uses its reservation (`reserve_prefilled`) or takes
+        a slot and the prompt's pages now, calls `write(pages)` to put the KV into them (block-table
+        order), then records the first token (which may finish the request at once). Returns True when
+        admitted; without a reservation None when no slot or pages are free now, or requests wait for
+        recompute (try again after a step), False when the request can never run (finished with
+        finish_reason "error", as `add_request` does). A duplicate id raises UserError."""
+        if self.reserved.get(request.request_id) is request:
+            del self.reserved[request.request_id]
+        elif self.refuse(request):
             return False
-        kv, need = self.kv, self.layout.blocks_for(request.num_prompt_tokens)
-        if self.waiting or not kv.free_slots or need > kv.num_available:
+        elif self.take_prompt_pages(request) is None:
             return None
         request.state, request.num_computed = RequestState.DECODING, request.num_prompt_tokens
         self.requests[request.request_id] = request
         self.running.append(request)
-        kv.admit(request)
-        kv.grow(request, need)
         write(list(request.pages))
         self.append(request, first_token, first_logprob)
         return True
