@@ -37,7 +37,7 @@ def build_parser():
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="every /v1 route needs 'Authorization: Bearer KEY' (default: $DCP_JAX_API_KEY; none: open); "
-                        "/health and /metrics stay open")
+                        "/health and /metrics stay open; --role prefill/decode share it for their control channel")
     p.add_argument("--max-request-bytes", type=byte_size("--max-request-bytes"), default=None, metavar="SIZE",
                    help="the largest request body accepted (default 32MiB); larger ones get 413")
     p.add_argument("--shutdown-timeout", type=positive_float("--shutdown-timeout"), default=30.0, metavar="S",
@@ -94,13 +94,13 @@ def run(argv=None) -> int:
         print("error: the server needs the 'serve' extra: pip install 'dcp_jax[serve]'", file=sys.stderr)
         return RUN_ERROR
     llm_kw.update(tp=tp, dcp=dcp, max_num_seqs=args.max_num_seqs or 8)
-    if args.role != "single":  # dcp_jax.disagg
+    api_key = args.api_key if args.api_key is not None else os.environ.get("DCP_JAX_API_KEY") or None
+    if args.role != "single":  # dcp_jax.disagg: the two roles share the key (/v1 and the control channel)
         from dcp_jax.disagg.server import run_role
 
-        return run_role(args, llm_kw)
+        return run_role(args, llm_kw, api_key)
     from dcp_jax.launch import make_app, serve_forever
 
-    api_key = args.api_key if args.api_key is not None else os.environ.get("DCP_JAX_API_KEY") or None
     try:
         app, llm = make_app(args.model, served_model_name=args.served_model_name, max_pending=args.max_pending,
                             api_key=api_key, max_request_bytes=args.max_request_bytes, **llm_kw)

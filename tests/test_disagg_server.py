@@ -35,8 +35,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+KEY = "pair-key"  # both roles take it from DCP_JAX_API_KEY: /v1 and the control channel need it
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
 def env() -> dict:
-    e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             DCP_JAX_API_KEY=KEY)
     e["XLA_FLAGS"] = (e.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
     return e
 
@@ -90,7 +95,7 @@ def pair():
 
 def complete(base, prompt, max_tokens, timeout=60, status=200) -> dict:
     body = dict(model=FIX.name, prompt=prompt, max_tokens=max_tokens, logprobs=1, temperature=0)
-    answer = httpx.post(base + "/v1/completions", json=body, timeout=timeout)
+    answer = httpx.post(base + "/v1/completions", json=body, timeout=timeout, headers=AUTH)
     assert answer.status_code == status, answer.text
     return answer.json()
 
@@ -110,21 +115,33 @@ def test_pair_matches_transformers_and_moves_the_prompt_kv(pair):
     prompt = sum(map(len, EXP["prompts"])) * per_token
     assert prompt <= stats["transfer_bytes"] < prompt + 3 * 2 * 3 * per_token  # + under a page per source rank
     assert stats["source"]["dcp"] == 2 and stats["scheduler"]["pages_used"] == 0
-    pre = httpx.get(pair["pbase"] + "/disagg/stats", timeout=10).json()
+    pre = httpx.get(pair["pbase"] + "/disagg/stats", timeout=10, headers=AUTH).json()
     assert pre["offered_bytes"] == stats["transfer_bytes"] and pre["pending_offers"] == 0
 
 
 def test_a_decode_side_that_never_pulls_has_its_offer_dropped(pair):
     # Ask the prefill instance directly, as a decode instance would, then go away without pulling.
     items = [dict(request_id="gone", prompt_token_ids=[1, 2, 3, 4, 5])]
-    offers = httpx.post(pair["pbase"] + "/disagg/prefill", json=dict(items=items), timeout=30).json()["offers"]
+    offers = httpx.post(pair["pbase"] + "/disagg/prefill", json=dict(items=items), timeout=30,
+                        headers=AUTH).json()["offers"]
     assert offers[0]["length"] == 5 and offers[0]["pieces"]
-    stats = lambda: httpx.get(pair["pbase"] + "/disagg/stats", timeout=10).json()  # noqa: E731
+    stats = lambda: httpx.get(pair["pbase"] + "/disagg/stats", timeout=10, headers=AUTH).json()  # noqa: E731
     assert stats()["pending_offers"] == 1
     end = time.monotonic() + 10 * TIMEOUT
     while stats()["pending_offers"] and time.monotonic() < end:
         time.sleep(0.2)
     assert stats()["pending_offers"] == 0 and stats()["dropped_offers"] >= 1
+
+
+def test_the_key_guards_v1_and_the_control_channel(pair):
+    body = dict(model=FIX.name, prompt=[1, 2, 3], max_tokens=2)
+    assert httpx.post(pair["dbase"] + "/v1/completions", json=body, timeout=30).status_code == 401
+    for path in ("/disagg/handshake", "/disagg/stats"):
+        r = httpx.get(pair["pbase"] + path, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(pair["pbase"] + path, timeout=30, headers=AUTH).status_code == 200
+    assert httpx.get(pair["pbase"] + "/health", timeout=30).status_code == 200
+    assert complete(pair["dbase"], [1, 2, 3], 2)["usage"]["completion_tokens"] == 2
 
 
 def test_mismatch_and_absent_prefill_stop_the_decode_instance_at_start(pair):
@@ -152,7 +169,7 @@ def test_a_burst_is_batched_at_the_prefill_instance_and_served(pair):
     # exactly, and the decode instance then serves normally with every page back.
     prompts = [EXP["prompts"][i % 3] for i in range(12)]
     n = EXP["max_new_tokens"]
-    before = httpx.get(pair["pbase"] + "/disagg/stats", timeout=10).json()
+    before = httpx.get(pair["pbase"] + "/disagg/stats", timeout=10, headers=AUTH).json()
     start = time.monotonic()
     os.killpg(pair["prefill"].pid, signal.SIGSTOP)
     try:
@@ -165,7 +182,7 @@ def test_a_burst_is_batched_at_the_prefill_instance_and_served(pair):
         os.killpg(pair["prefill"].pid, signal.SIGCONT)
     wall = time.monotonic() - start
     assert [ids(a) for a in answers] == [EXP["greedy"][i % 3] for i in range(12)]
-    after = httpx.get(pair["pbase"] + "/disagg/stats", timeout=10).json()
+    after = httpx.get(pair["pbase"] + "/disagg/stats", timeout=10, headers=AUTH).json()
     batches = after["batches"] - before["batches"]
     assert after["requests"] - before["requests"] == 12 and batches < 12 and after["max_batch"] > 1
     assert after["queue_timeouts"] == before["queue_timeouts"] and after["pending_offers"] == 0

@@ -98,14 +98,19 @@ class PrefillQueue:
                     done.set_exception(e)
 
 
-def make_prefill_app(instance: PrefillInstance, reap_every_s: float = 0.5, queue_timeout_s: float = 60.0):
+def make_prefill_app(instance: PrefillInstance, reap_every_s: float = 0.5, queue_timeout_s: float = 60.0,
+                     api_key: str | None = None):
     """The prefill instance's FastAPI app. Prefills run in batches on one worker (`PrefillQueue`:
     calls that arrive while a batch runs form the next one); a reaper drains offers the decode side
-    never released (it went away) after the offer timeout."""
+    never released (it went away) after the offer timeout. With `api_key`, the /disagg control channel
+    answers 401 unless a call carries `Authorization: Bearer <key>` (the decode side sends it)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
+    from fastapi import Request as HTTPRequest
     from fastapi.responses import JSONResponse
+
+    from dcp_jax.serving.protocol import authorized, unauthorized
 
     worker = PrefillQueue(instance, queue_timeout_s)
     stop = threading.Event()
@@ -124,6 +129,12 @@ def make_prefill_app(instance: PrefillInstance, reap_every_s: float = 0.5, queue
         worker.stop.set()
 
     app = FastAPI(title="dcp_jax prefill instance", lifespan=lifespan)
+
+    @app.middleware("http")
+    async def key(request: HTTPRequest, call_next):
+        if request.url.path.startswith("/disagg") and not authorized(request.headers.get("authorization"), api_key):
+            return unauthorized()
+        return await call_next(request)
 
     @app.get("/health")
     async def health():
@@ -167,14 +178,16 @@ class HttpPrefill:
     prefill call waits up to `queue_timeout_s` (its items' time in the prefill instance's queue, which
     that side enforces) plus `timeout_s` (the prefill itself; the pull has its own `timeout_s` after)."""
 
-    def __init__(self, address: str, timeout_s: float = 60.0, queue_timeout_s: float = 60.0):
+    def __init__(self, address: str, timeout_s: float = 60.0, queue_timeout_s: float = 60.0,
+                 api_key: str | None = None):
         import httpx
 
         self.address, self.queue_timeout_s = address, queue_timeout_s
         # a fresh connection per call: a pooled idle one can be closed by the server's keep-alive timer
         # just as a call goes out on it (connection reset), and a prefill call is not safe to resend
         self.client = httpx.Client(base_url=f"http://{address}", timeout=timeout_s,
-                                   limits=httpx.Limits(max_keepalive_connections=0))
+                                   limits=httpx.Limits(max_keepalive_connections=0),
+                                   headers={} if api_key is None else {"Authorization": f"Bearer {api_key}"})
         self.httpx = httpx
 
     def call(self, method: str, path: str, timeout_s: float | None = None, **kw) -> dict:
@@ -269,18 +282,21 @@ class DisaggAsyncEngine(AsyncEngine):
 
 
 def make_decode_app(model_dir, *, prefill_at: str, timeout_s: float, served_model_name, max_pending,
-                    host: str = "127.0.0.1", queue_timeout_s: float = 60.0, **llm_kw):
+                    host: str = "127.0.0.1", queue_timeout_s: float = 60.0, api_key: str | None = None,
+                    max_request_bytes: int | None = None, **llm_kw):
     """Load, pair with the prefill instance at `prefill_at` (UserError if that fails), compile, and
     return (FastAPI app, LLM, DecodeInstance). `timeout_s` bounds each prefill and each pull,
-    `queue_timeout_s` a request's wait in the prefill instance's queue. `llm_kw`: as
-    `dcp_jax.launch.load_llm`."""
+    `queue_timeout_s` a request's wait in the prefill instance's queue; `api_key` guards /v1 and is sent
+    to the prefill instance's control channel. `llm_kw`: as `dcp_jax.launch.load_llm`."""
     llm, path, embedded = load_llm(model_dir, **llm_kw)
     engine = llm.engine
     port = TransferPort(llm.mesh.devices.flat[0], host=host)
-    decode = DecodeInstance(engine, HttpPrefill(prefill_at, timeout_s, queue_timeout_s), port, timeout_s=timeout_s)
+    decode = DecodeInstance(engine, HttpPrefill(prefill_at, timeout_s, queue_timeout_s, api_key), port,
+                            timeout_s=timeout_s)
     decode.warm()  # before the port opens: no request compiles a program in the engine thread
     runner = DisaggAsyncEngine(engine, decode, max_pending=max_pending)
-    app = openai_app(runner, llm, path, embedded, served_model_name)
+    app_kw = dict(api_key=api_key) | ({} if max_request_bytes is None else dict(max_request_bytes=max_request_bytes))
+    app = openai_app(runner, llm, path, embedded, served_model_name, **app_kw)
 
     @app.get("/disagg/stats")
     async def stats():  # the transfers so far, and the scheduler's snapshot after the last step
@@ -290,7 +306,7 @@ def make_decode_app(model_dir, *, prefill_at: str, timeout_s: float, served_mode
 
 
 def make_prefill(model_dir, *, timeout_s: float, host: str = "127.0.0.1", queue_timeout_s: float = 60.0,
-                 **llm_kw):
+                 api_key: str | None = None, **llm_kw):
     """Load and compile the prefill role: (FastAPI app, LLM, PrefillInstance). `timeout_s`: how long an
     offer waits to be pulled; `queue_timeout_s`: the queue bound of calls that name none."""
     llm, _, _ = load_llm(model_dir, **llm_kw)
@@ -299,12 +315,12 @@ def make_prefill(model_dir, *, timeout_s: float, host: str = "127.0.0.1", queue_
     engine.runner.allocate()
     port = TransferPort(llm.mesh.devices.flat[0], host=host, offer_timeout_s=timeout_s)
     instance = PrefillInstance(engine, port)
-    return make_prefill_app(instance, queue_timeout_s=queue_timeout_s), llm, instance
+    return make_prefill_app(instance, queue_timeout_s=queue_timeout_s, api_key=api_key), llm, instance
 
 
-def run_role(args, llm_kw: dict) -> int:
+def run_role(args, llm_kw: dict, api_key: str | None = None) -> int:
     """`python -m dcp_jax.serve --role prefill|decode ...` after the arguments were checked; `llm_kw`:
-    `load_llm`'s keywords from the shared flags."""
+    `load_llm`'s keywords from the shared flags; `api_key`: the key both roles share."""
     import sys
 
     from dcp_jax.cli import RUN_ERROR
@@ -313,13 +329,14 @@ def run_role(args, llm_kw: dict) -> int:
     try:
         if args.role == "prefill":
             app, llm, inst = make_prefill(args.model, timeout_s=args.transfer_timeout, host=args.host,
-                                          queue_timeout_s=args.prefill_queue_timeout, **llm_kw)
+                                          queue_timeout_s=args.prefill_queue_timeout, api_key=api_key, **llm_kw)
             what = f"prefill instance (KV transfer server {inst.port.address})"
         else:
             app, llm, inst = make_decode_app(args.model, prefill_at=args.prefill_at, timeout_s=args.transfer_timeout,
                                              served_model_name=args.served_model_name,
                                              max_pending=args.max_pending, host=args.host,
-                                             queue_timeout_s=args.prefill_queue_timeout, **llm_kw)
+                                             queue_timeout_s=args.prefill_queue_timeout, api_key=api_key,
+                                             max_request_bytes=args.max_request_bytes, **llm_kw)
             src = inst.source
             what = (f"decode instance paired with the prefill instance at {args.prefill_at} "
                     f"(tp={src['tp']} x dcp={src['dcp']}, interleave {src['interleave']}, page {src['page_size']})")
@@ -330,4 +347,4 @@ def run_role(args, llm_kw: dict) -> int:
     print(f"serving {llm.source} as the {what} on http://{args.host}:{args.port} (tp={llm.mesh.shape['tp']} x "
           f"dcp={llm.mesh.shape['dcp']}, interleave {lay.interleave}, page {lay.page_size})", file=sys.stderr,
           flush=True)
-    return serve_forever(app, args.host, args.port, args.log_level)
+    return serve_forever(app, args.host, args.port, args.log_level, args.shutdown_timeout)

@@ -11,7 +11,6 @@ and is answered 400 here. Every error is OpenAI's JSON shape, never a traceback.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import itertools
 import json
 import time
@@ -21,7 +20,7 @@ from dcp_jax.serving.async_engine import AsyncEngine, QueueFull
 from dcp_jax.serving.intake import DEFAULT_MAX_REQUEST_BYTES, Intake
 from dcp_jax.serving.metrics import Metrics
 from dcp_jax.serving.protocol import (APIError, ChatBody, ChatTemplate, CompletionBody, TextStream, TokenBytes,
-                                      error_response)
+                                      authorized, error_response, unauthorized)
 from dcp_jax.serving.request import Request
 
 try:
@@ -47,7 +46,6 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
     created = int(time.time())
     intake = Intake(model_name=model_name, max_model_len=max_model_len, tokenizer=tokenizer,
                     max_request_bytes=max_request_bytes)
-    expected = None if api_key is None else f"Bearer {api_key}".encode()
 
     def on_step(plan, stats):
         metrics.update(stats)
@@ -68,13 +66,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
 
     @app.middleware("http")
     async def count(request: HTTPRequest, call_next):
-        if expected is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):  # constant time
-                response = error_response(401, "a valid API key is needed: send Authorization: Bearer <key>",
-                                          code="invalid_api_key")
-                metrics.requests.labels("401").inc()
-                return response
+        if request.url.path.startswith("/v1") and not authorized(request.headers.get("authorization"), api_key):
+            metrics.requests.labels("401").inc()
+            return unauthorized()
         response = await call_next(request)
         if request.url.path.startswith("/v1/") and request.method == "POST":
             metrics.requests.labels(str(response.status_code)).inc()

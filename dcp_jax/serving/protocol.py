@@ -38,6 +38,17 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
 
+def authorized(header: str | None, api_key: str | None) -> bool:
+    """Whether an Authorization header carries `Bearer <api_key>` (always, without a key); constant time."""
+    import hmac
+
+    return api_key is None or hmac.compare_digest((header or "").encode(), f"Bearer {api_key}".encode())
+
+
+def unauthorized():
+    return error_response(401, "a valid API key is needed: send Authorization: Bearer <key>", code="invalid_api_key")
+
+
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
                         status_code=status, headers={"Retry-After": "1"} if status == 503 else None)
