@@ -66,6 +66,11 @@ def metrics(base) -> dict[str, float]:
 
 def test_models_and_health(server):
     assert [m.id for m in server["client"].models.list().data] == [MODEL]
+    assert server["client"].models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):  # OpenAI's and vLLM's answer to an unknown model
+        server["client"].models.retrieve("gpt-4")
+    with pytest.raises(openai.NotFoundError):
+        server["client"].completions.create(model="x" * 10_000, prompt="hi", max_tokens=1)
     assert httpx.get(server["base"] + "/health").json() == {"status": "ok"}
     with pytest.raises(UserError, match="engine is in use"):  # the server's thread drives it
         server["served"].generate([[1, 2, 3]], max_new_tokens=2)
@@ -375,6 +380,35 @@ def test_streamed_logprob_offsets_run_on_and_token_bytes(server):
                for o in ch.choices[0].logprobs.text_offset]
     assert offsets == whole.choices[0].logprobs.text_offset
     assert offsets == list(itertools.accumulate([len(t) for t in whole.choices[0].logprobs.tokens[:-1]], initial=0))
+
+
+def test_token_bytes_are_the_tokens_own():
+    # A byte-level BPE token holding part of a UTF-8 character has its own bytes, not U+FFFD's.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from dcp_jax.serving.protocol import TokenBytes
+    from dcp_jax.weights import ByteTokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(["plain ascii words"], trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    text = "a☃b"
+    ids = tok.encode(text).ids
+    tb = TokenBytes(tok)
+    got = [tb(i, tok.decode([i])) for i in ids]
+    assert sum(got, []) == list(text.encode()) and any(tok.decode([i]).endswith("\ufffd") for i in ids)
+    assert TokenBytes(ByteTokenizer())(0xE2, "\ufffd") == [0xE2]
+
+
+def test_skip_special_tokens_false_keeps_them(server):
+    # The text of the same tokens, decoded with the special tokens kept (EOS, ignored, may be among them).
+    llm = server["llm"]
+    body = dict(model=MODEL, prompt=[5, 6, 7], max_tokens=6, temperature=0, ignore_eos=True)
+    kept = httpx.post(server["base"] + "/v1/completions", json=dict(body, skip_special_tokens=False),
+                      timeout=30).json()
+    tokens = llm.generate([[5, 6, 7]], max_new_tokens=6, ignore_eos=True).tokens[0]
+    assert kept["choices"][0]["text"] == llm.tokenizer.decode(tokens, skip_special_tokens=False)
 
 
 def test_vllm_extensions(server):
