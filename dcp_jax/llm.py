@@ -174,7 +174,8 @@ class LLM:
         else:
             budget, where = CPU_KV_BUDGET // self.mesh.devices.size, "the CPU default budget"
         pages = int(budget // page)
-        if where == "the CPU default budget":  # no more than max_num_seqs whole contexts need
+        if where == "the CPU default budget":
+            # on CPU by default, also no more pages than max_num_seqs whole contexts need
             pages = min(pages, 1 + self.max_num_seqs * layout.blocks_for(max_model_len))
         if pages < 2:
             raise UserError(f"a KV budget of {budget:,} bytes per device holds {max(pages, 0)} pages of "

@@ -402,7 +402,16 @@ def test_token_bytes_are_the_tokens_own():
 
 
 def test_skip_special_tokens_false_keeps_them(server):
-    # The text of the same tokens, decoded with the special tokens kept (EOS, ignored, may be among them).
+    # The request's text is decoded with skip_special_tokens as it asks (a detokenizer that says which
+    # way it was called: this fails if the flag is dropped anywhere between the body and the text)...
+    from dcp_jax.serving.request import Request
+
+    seen = lambda ids, skip_special_tokens=True: f"skip={skip_special_tokens}"  # noqa: E731
+    for flag in (True, False):
+        r = Request("s", [5, 6, 7], max_tokens=1, skip_special_tokens=flag)
+        r.append_token(9, 0.0, max_model_len=64, detokenize=seen)
+        assert r.text == f"skip={flag}"
+    # ...and through the server, the text of the same tokens decoded with the special tokens kept
     llm = server["llm"]
     body = dict(model=MODEL, prompt=[5, 6, 7], max_tokens=6, temperature=0, ignore_eos=True)
     kept = httpx.post(server["base"] + "/v1/completions", json=dict(body, skip_special_tokens=False),

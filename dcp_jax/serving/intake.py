@@ -11,6 +11,7 @@ and every parameter this server does not implement (refused by name, never silen
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import time
@@ -71,7 +72,7 @@ class Intake:
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
         self.model_name, self.max_model_len, self.tokenizer = model_name, max_model_len, tokenizer
         self.max_request_bytes = max_request_bytes
-        self.ids = iter(range(2**62))
+        self.ids = itertools.count()
         # the most characters one token can stand for: a text prompt longer than this many per token
         # of the context cannot fit, whatever it tokenizes to
         vocab = tokenizer.get_vocab() if tokenizer is not None and hasattr(tokenizer, "get_vocab") else None

@@ -104,11 +104,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
         return error_response(500, f"internal error: {type(e).__name__}", "server_error")
 
     # --- helpers ---------------------------------------------------------------------------------------
-    def detokenize(ids, skip_special_tokens: bool = True) -> str:
-        return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    if tokenizer is None:
-        detokenize = None
+    detokenize = None if tokenizer is None else (
+        lambda ids, skip_special_tokens=True: tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
     token_bytes = None if tokenizer is None else TokenBytes(tokenizer)
 
     def submit(request: Request) -> asyncio.Queue:
