@@ -30,6 +30,7 @@ from dcp_jax import mesh as mesh_lib
 from dcp_jax.layout import KVLayout, PagedLayout
 from pallas_kernels.attention import api as kernels
 from pallas_kernels.attention.common import check_inputs, merge_partials, merge_weights
+from pallas_kernels.attention.ragged import RaggedTiles
 
 COMBINES = ("auto", "scatter", "psum", "all_to_all")
 
@@ -58,6 +59,18 @@ def resolve_combine(local_heads: int, num_shards: int, combine: str = "auto") ->
     return divisible if combine == "auto" else combine != "psum"
 
 
+def check_ragged(q, q_pos, kv_len, block_table, ragged: RaggedTiles) -> None:
+    """Shape checks of a ragged batch (static): one flat row of N tokens, R sequences."""
+    if block_table is None:
+        raise ValueError("a ragged batch reads a paged pool: pass its block_table [R, blocks]")
+    n = q.shape[1]
+    if q.shape[0] != 1 or q_pos.shape != (1, n) or ragged.where.shape != (n,) or ragged.token_row.shape != (n,):
+        raise ValueError(f"a ragged batch is one flat row: q [1, N, H, D] and q_pos, where, token_row of N "
+                         f"tokens; got q {q.shape}, q_pos {q_pos.shape}, where {ragged.where.shape}")
+    if kv_len.shape != block_table.shape[:1]:
+        raise ValueError(f"kv_len {kv_len.shape} and block_table {block_table.shape} disagree on the rows")
+
+
 def dcp_attention(
     q,
     k_cache,
@@ -76,6 +89,7 @@ def dcp_attention(
     v_dim: int | None = None,
     block_table=None,
     layer=None,
+    ragged: RaggedTiles | None = None,
     **kernel_options,
 ):
     """Exact attention of queries over a KV cache sharded along the sequence.
@@ -92,6 +106,10 @@ def dcp_attention(
         same replicated table.
       layer: a scalar (may be traced): the caches are the stacked caches of scanned layers [L, ...]
         and layer `layer` is attended, read in place by the kernel.
+      ragged: a ragged batch (`pallas_kernels.attention.ragged`, paged only): q [1, N, H, Dk] and q_pos
+        [1, N] are the tokens of R sequences laid end to end, kv_len [R] and block_table [R, NB] per
+        sequence, and the tiles say which tokens belong to which sequence. The combine is per (token,
+        head), so it runs on the flat batch unchanged.
       combine: "auto" (psum_scatter when heads divide, else psum), "scatter", "psum" or "all_to_all".
       return_lse: also return the merged LSE [B, T, H] (float32).
     Returns:
@@ -100,7 +118,11 @@ def dcp_attention(
     paged, stacked = block_table is not None, layer is not None
     one = (lambda c: c) if not stacked else (lambda c: None if c is None else jax.ShapeDtypeStruct(c.shape[1:], c.dtype))
     k1 = one(k_cache)
-    check_inputs(q, k1, one(v_cache), q_pos, None, kv_len, v_dim, block_table)
+    if ragged is not None:
+        check_ragged(q, q_pos, kv_len, block_table, ragged)
+        check_inputs(q, k1, one(v_cache), q_pos, None, jnp.zeros((1,), jnp.int32), v_dim, block_table[:1])
+    else:
+        check_inputs(q, k1, one(v_cache), q_pos, None, kv_len, v_dim, block_table)
     n_heads_shards = mesh_lib.axis_size(mesh, head_axes)
     n_ctx = mesh_lib.axis_size(mesh, context_axes)
     h, kh = q.shape[2], k1.shape[1]
@@ -136,10 +158,14 @@ def dcp_attention(
         v = None if shared_v else rest.pop(0)
         q_pos, kv_len, *extra = rest
         rank = lax.axis_index(context_axes) if context_axes else 0
-        o, lse = kernels.attention(
-            q, k, v, q_pos, layout.slice_positions(rank), kv_len, scale=scale, impl=impl, v_dim=v_dim,
-            block_table=extra[0] if paged else None, layer=extra[-1] if stacked else None, **kernel_options
-        )
+        table = extra.pop(0) if paged else None
+        opts = dict(scale=scale, impl=impl, v_dim=v_dim, layer=extra.pop(0) if stacked else None, **kernel_options)
+        if ragged is not None:  # one flat row of tokens: [N, ...] in, [1, N, ...] out
+            o, lse = kernels.ragged_attention(q[0], k, v, q_pos[0], layout.slice_positions(rank), kv_len, table,
+                                              extra.pop(0), **opts)
+            o, lse = o[None], lse[None]
+        else:
+            o, lse = kernels.attention(q, k, v, q_pos, layout.slice_positions(rank), kv_len, block_table=table, **opts)
         if not context_axes:  # one whole copy of the cache: nothing to combine
             return o, (lse if exchanged else lse[None])
         if exchanged:
@@ -163,7 +189,8 @@ def dcp_attention(
 
     cache_spec = (mesh_lib.kv_pool_spec if paged else mesh_lib.kv_cache_spec)(head_axes, context_axes, stacked)
     caches = (k_cache,) if shared_v else (k_cache, v_cache)
-    extras = ((block_table,) if paged else ()) + ((jnp.asarray(layer, jnp.int32),) if stacked else ())
+    extras = (((block_table,) if paged else ()) + ((jnp.asarray(layer, jnp.int32),) if stacked else ())
+              + ((ragged,) if ragged is not None else ()))
     out, lse = jax.shard_map(
         body,
         mesh=mesh,
@@ -195,6 +222,7 @@ def write_kv(
     context_axes: tuple[str, ...] = (mesh_lib.DCP,),
     block_table=None,
     layer=None,
+    ragged: RaggedTiles | None = None,
 ):
     """Write new tokens' entries into the cache shards that own their positions, in place.
 
@@ -205,7 +233,8 @@ def write_kv(
     Paged (`block_table` [B, blocks] with a `PagedLayout`): caches are pools [N·pages, K, page, D_i]
     and position t of sequence b goes to page block_table[b, block_of(t)], slot page_slot_of(t).
     `layer` (scalar, may be traced): the caches are stacked over layers [L, ...]; only that layer is
-    written, in place.
+    written, in place. `ragged` (paged only): positions [1, N] are the tokens of R sequences laid end to
+    end, block_table [R, blocks], and token i goes through row `ragged.token_row[i]` of it.
     """
     b, t = positions.shape
     n = len(caches)
@@ -215,13 +244,15 @@ def write_kv(
 
     def body(*args):
         cs, ns, (pos, ok, *extra) = args[:n], args[n:2 * n], args[2 * n:]
-        lead = (jnp.broadcast_to(extra[-1], (b, t)),) if stacked else ()  # the layer, for every token
+        table = extra.pop(0) if paged else None
+        lead = (jnp.broadcast_to(extra.pop(0), (b, t)),) if stacked else ()  # the layer, for every token
         rank = lax.axis_index(context_axes) if context_axes else 0
         mine = ok & (layout.rank_of(pos) == rank)
         if paged:
-            table = extra[0]
             num_pages = cs[0].shape[len(lead)]
-            page = layout.page_of(table, pos, mine, missing=num_pages)  # not mine, or past the table: dropped
+            rows = extra.pop(0).token_row[None] if ragged is not None else None
+            # not mine, or past the table: dropped
+            page = layout.page_of(table, pos, mine, missing=num_pages, rows=rows)
             return tuple(c.at[(*lead, page, slice(None), layout.page_slot_of(pos))].set(x.astype(c.dtype), mode="drop")
                          for c, x in zip(cs, ns))
         slot = jnp.where(mine, layout.slot_of(pos), layout.slots_per_shard)  # out of range: dropped
@@ -230,7 +261,10 @@ def write_kv(
                      for c, x in zip(cs, ns))
 
     cache_spec = (mesh_lib.kv_pool_spec if paged else mesh_lib.kv_cache_spec)(head_axes, context_axes, stacked)
-    extras = ((block_table,) if paged else ()) + ((jnp.asarray(layer, jnp.int32),) if stacked else ())
+    if ragged is not None and not paged:
+        raise ValueError("a ragged batch writes a paged pool: pass its block_table [R, blocks]")
+    extras = (((block_table,) if paged else ()) + ((jnp.asarray(layer, jnp.int32),) if stacked else ())
+              + ((ragged,) if ragged is not None else ()))
     return jax.shard_map(
         body,
         mesh=mesh,

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from dcp_jax import mesh as mesh_lib
 from dcp_jax.layout import KVLayout, PagedLayout
+from pallas_kernels.attention.ragged import RaggedTiles
 
 WeightSource = Callable[..., jax.Array]
 
@@ -42,6 +43,9 @@ class AttentionContext:
     block_table: jax.Array | None = None
     max_seq_len: int | None = None
     layer: jax.Array | None = None  # the layer within a scanned stack (its caches are stacked)
+    # a ragged batch (pallas_kernels.attention.ragged): the tokens are one flat row [1, N] of many
+    # sequences, block_table and lengths are per sequence [R], and the tiles say which token is whose
+    ragged: RaggedTiles | None = None
 
     @property
     def seq_len(self) -> int:
@@ -50,7 +54,8 @@ class AttentionContext:
 
     def placement(self) -> dict:
         """The keywords `attention.write_kv` and `attention.dcp_attention` take from the context."""
-        return dict(mesh=self.mesh, layout=self.layout, block_table=self.block_table, layer=self.layer)
+        return dict(mesh=self.mesh, layout=self.layout, block_table=self.block_table, layer=self.layer,
+                    ragged=self.ragged)
 
 
 LAYER = "{layer}"  # the placeholder for the layer index in the names of a scanned stack's weights

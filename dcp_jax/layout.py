@@ -190,15 +190,19 @@ class PagedLayout:
         """The slot inside its page that position t occupies on its owner."""
         return self.local_slot_of(t) % self.page_size
 
-    def page_of(self, table, t, valid=True, missing=0):
-        """The page that holds position t, through a block table: one row [NB] (t any shape) or one row
-        per sequence [B, NB] (t [B, T]). `missing` where `valid` is False or t lies past the table's
-        NB blocks (a position with no block must be dropped, never folded into the last block)."""
+    def page_of(self, table, t, valid=True, missing=0, rows=None):
+        """The page that holds position t, through a block table: one row [NB] (t any shape), one row
+        per sequence [B, NB] (t [B, T]), or with `rows` (t's shape) the table row of each position (a
+        ragged batch). `missing` where `valid` is False or t lies past the table's NB blocks (a position
+        with no block must be dropped, never folded into the last block)."""
         xp = jnp if isinstance(table, jax.Array) or isinstance(t, jax.Array) else np
         table, block = xp.asarray(table), xp.asarray(self.block_of(t))
         nb = table.shape[-1]
         clipped = xp.minimum(block, nb - 1)
-        page = table[clipped] if table.ndim == 1 else xp.take_along_axis(table, clipped, axis=-1)
+        if rows is not None:
+            page = table[rows, clipped]
+        else:
+            page = table[clipped] if table.ndim == 1 else xp.take_along_axis(table, clipped, axis=-1)
         return xp.where(valid & (block < nb), page, missing)
 
     def pool_slot(self, table_row, t):

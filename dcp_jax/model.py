@@ -248,9 +248,13 @@ class CausalLM(nnx.Module):
         cache: tuple over layer stacks of (k, v) [n, B, K, S, D] (MLA: (latent,)), or of paged pools
         [n, N·pages, K, page, D] with `ctx.block_table`. Returns (logits, cache): logits
         [B, T, V], or [B, V] at index `logits_at` [B] of each sequence when given (prefill needs only the last).
+        A ragged batch (`ctx.ragged`): tokens, positions, valid [1, N] are many sequences' tokens end to end,
+        kv_len [R] per sequence, and `logits_at` [R] indexes the flat tokens: logits [R, V].
         """
         x, new_cache = self._trunk(tokens, positions, valid, kv_len, cache, ctx, ctx.seq_len)
-        if logits_at is not None:
+        if logits_at is not None and ctx.ragged is not None:
+            x = x[0, logits_at]
+        elif logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)[:, 0]
         return self._logits(x), new_cache
 

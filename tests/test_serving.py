@@ -92,8 +92,11 @@ def test_fifty_requests_compile_each_program_once():
                     max_tokens=int(rng.integers(1, 12)), ignore_eos=True) for i in range(50)]
     result = run_requests(server, reqs, arrivals=list(np.linspace(0, 0.5, 50)))
     assert all(r.finish_reason == "length" for r in reqs)
-    assert sorted(k[0] for k in server.runner.compiled) == ["decode", "prefill"]
-    assert result["pages_used"] == 0
+    # a long mixed run compiles the decode loop and at most one ragged step per step size, each once
+    sizes = server.config.step_sizes
+    assert sizes == (12,)  # a budget of one chunk (8) + 4 slots: one size
+    assert sorted(k[0] for k in server.runner.compiled) == ["decode", "ragged"]
+    assert server.timing["ragged_steps"] > 10 and result["pages_used"] == 0
 
 
 @pytest.mark.parametrize("name,tp,dcp", [("llama-gqa", 2, 4), ("llama-gqa", 4, 2), ("deepseek-v3", 2, 4),
@@ -135,7 +138,7 @@ def test_program_size_does_not_grow_with_depth():
         llm = LLM(CausalLM(cfg, random_source(cfg, mesh), mesh), mesh, page_size=4)
         runner = llm.engine_with(max_model_len=64, prefill_chunk=8, num_pages=9).runner
         sizes[layers] = [sum(1 for line in prog.as_text().splitlines() if " = " in line)
-                         for prog in (runner.decode_program(), runner.prefill_program())]
+                         for prog in (runner.decode_program(), runner.ragged_program(16))]
     assert sizes[4] == sizes[32], sizes
 
 
@@ -172,8 +175,9 @@ def test_token_budget_and_decode_timing():
     out = llm.generate(exp["prompts"], max_new_tokens=exp["max_new_tokens"], ignore_eos=True)
     assert out.tokens == exp["greedy"]
     s = out.stats
-    assert s["decode_s"] > 0 and s["decode_tokens_per_s"] == pytest.approx(
-        (s["generated_tokens"] - len(exp["prompts"])) / s["decode_s"])
+    # decode speed: the decode loop's own tokens over its time (tokens decoded beside a prefill chunk in a
+    # ragged step are prefill's time), so at most every token after each request's first
+    assert s["decode_s"] > 0 and 0 < s["decode_tokens_per_s"] * s["decode_s"] <= s["generated_tokens"] - 3
     with pytest.raises(UserError, match="max_num_batched_tokens must be an integer >= 1"):
         load("llama-gqa", 1, 1, max_num_batched_tokens=-3)
 
@@ -205,7 +209,9 @@ def test_one_engine_for_the_life_of_an_llm():
     rng = np.random.default_rng(3)
     doc = [int(t) for t in rng.integers(0, 256, size=60)]
     first = llm.generate([doc + [1, 2, 3]], max_new_tokens=4, ignore_eos=True)
-    assert first.stats["prefix_hit_tokens"] == 0 and first.stats["new_compilations"] == 2
+    # the first call compiles the decode loop and the ragged step of every step size, once for the LLM
+    assert first.stats["prefix_hit_tokens"] == 0
+    assert first.stats["new_compilations"] == 1 + len(llm.config.step_sizes) > 2
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, secs, **kw: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)

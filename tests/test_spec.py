@@ -99,7 +99,7 @@ def test_greedy_speculation_equals_plain_decoding(name, tp, dcp, proposer):
     assert result["spec_drafted_tokens"] > 0 and result["pages_used"] == 0
     if proposer == "oracle":  # every acceptance length occurred
         assert 0 < result["spec_accepted_tokens"] < result["spec_drafted_tokens"]
-    assert sorted(k[0] for k in server.runner.compiled) == ["prefill", "verify"]
+    assert sorted({k[0] for k in server.runner.compiled}) == ["ragged", "verify"]
 
 
 @pytest.mark.parametrize("proposer", ["oracle", "layer-skip"])

@@ -89,7 +89,7 @@ class DisaggregatedLLM:
         pre, dec = self.prefill, self.decode_instance
         eng, sched = dec.engine, dec.engine.scheduler
         tc = time.perf_counter()
-        pre.engine.runner.prefill_program()
+        pre.engine.runner.compile_all(decode=False)
         eng.runner.decode_program()
         eng.runner.allocate()
         compile_s = time.perf_counter() - tc

@@ -311,8 +311,7 @@ def make_prefill(model_dir, *, timeout_s: float, host: str = "127.0.0.1", queue_
     offer waits to be pulled; `queue_timeout_s`: the queue bound of calls that name none."""
     llm, _, _ = load_llm(model_dir, **llm_kw)
     engine = llm.engine
-    engine.runner.prefill_program()
-    engine.runner.allocate()
+    engine.runner.compile_all(decode=False)
     port = TransferPort(llm.mesh.devices.flat[0], host=host, offer_timeout_s=timeout_s)
     instance = PrefillInstance(engine, port)
     return make_prefill_app(instance, queue_timeout_s=queue_timeout_s, api_key=api_key), llm, instance

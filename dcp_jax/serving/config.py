@@ -37,12 +37,25 @@ def check_positive_ints(obj, names, least: dict | None = None) -> None:
                             + (" (page 0 is the reserved null page)" if name == "num_pages" else ""))
 
 
+def step_sizes(budget: int, smallest: int = 16, fine_from: int = 128) -> tuple[int, ...]:
+    """The token counts a ragged step is padded to, up to `budget`: powers of two from `smallest`, from
+    `fine_from` on also 1.5 times them (a large step is padded by at most a third), then the budget
+    itself. A step of n tokens runs the smallest size >= n; each size is one compiled program."""
+    out, p = [], smallest
+    while p < budget:
+        out += [p] + ([p * 3 // 2] if p >= fine_from else [])
+        p *= 2
+    return tuple(q for q in out if q < budget) + (budget,)
+
+
 @dataclasses.dataclass(frozen=True)
 class ServingConfig:
     """Shapes that fix the compiled programs: pages per context rank (the null page included), page
     size, slots, the model context, the prefill chunk and the decode steps per program call; and the
-    scheduler's prefill token budget per iteration (`max_num_batched_tokens`, default one chunk:
-    prefill and decode interleave finely; larger prefills more requests before the next decode steps)."""
+    token budget of one iteration (`max_num_batched_tokens`: its decode tokens and prefill chunks
+    together; default `prefill_chunk` + `max_num_seqs`, so an iteration in which every slot decodes
+    still prefills a chunk). `ragged_tile`: the query tokens of one tile of a prefill chunk in the
+    ragged step (pallas_kernels/attention/ragged.py)."""
 
     num_pages: int
     page_size: int
@@ -52,21 +65,32 @@ class ServingConfig:
     decode_steps: int = 8
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = False
+    ragged_tile: int = 16
 
     def __post_init__(self):
         check_positive_ints(self, ("num_pages", "page_size", "max_num_seqs", "max_model_len", "prefill_chunk",
-                                   "decode_steps"), least=dict(num_pages=2, max_model_len=2))
+                                   "decode_steps", "ragged_tile"), least=dict(num_pages=2, max_model_len=2))
         if self.max_num_batched_tokens is not None:
             check_positive_ints(self, ("max_num_batched_tokens",))
         if not isinstance(self.enable_prefix_caching, bool):
             raise UserError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+
+    @property
+    def token_budget(self) -> int:
+        """The most tokens one iteration runs (decode tokens and prefill chunks)."""
+        return self.max_num_batched_tokens or self.prefill_chunk + self.max_num_seqs
+
+    @property
+    def step_sizes(self) -> tuple[int, ...]:
+        """The token counts a ragged step is padded to (`step_sizes`)."""
+        return step_sizes(self.token_budget)
 
     def scheduler_config(self, layout: PagedLayout, *, eos_token_ids=(), vocab_size: int | None = None,
                          num_speculative_tokens: int = 0) -> "SchedulerConfig":
         """The scheduler's view of this configuration on `layout`, with the model's stop ids and vocabulary."""
         return SchedulerConfig(layout=layout, num_pages=self.num_pages, max_model_len=self.max_model_len,
                                max_num_seqs=self.max_num_seqs,
-                               max_num_batched_tokens=self.max_num_batched_tokens or self.prefill_chunk,
+                               max_num_batched_tokens=self.token_budget,
                                decode_steps=self.decode_steps, eos_token_ids=tuple(eos_token_ids),
                                vocab_size=vocab_size, enable_prefix_caching=self.enable_prefix_caching,
                                num_speculative_tokens=num_speculative_tokens)
@@ -77,8 +101,10 @@ class SchedulerConfig:
     """Sizes that fix the device programs' shapes, and the scheduling knobs (the scheduler's view).
 
     num_pages counts the whole pool, the reserved null page included (so num_pages - 1 are usable).
-    max_num_batched_tokens bounds the prefill tokens of one iteration (summed over every request's
-    chunk); decode runs in its own [max_num_seqs, decode_steps] program and is not charged to it.
+    max_num_batched_tokens bounds the tokens of one iteration: the prefill chunks, and (without
+    speculation) the one token of each decoding request that runs beside them in the same ragged step.
+    An iteration with nothing to prefill runs the [max_num_seqs, decode_steps] decode loop instead (a
+    speculative verify step runs apart and is not charged).
     """
 
     layout: PagedLayout

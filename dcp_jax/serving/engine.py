@@ -29,7 +29,7 @@ from dcp_jax.mesh import host
 from dcp_jax.sampling import SamplingRows
 from dcp_jax.serving.config import ServingConfig
 from dcp_jax.serving.request import Request
-from dcp_jax.serving.runner import ModelRunner, StepInputs
+from dcp_jax.serving.runner import ModelRunner, RaggedInputs, StepInputs
 from dcp_jax.serving.scheduler import SchedulePlan, Scheduler
 from dcp_jax.spec.proposers import NgramProposer, SpeculativeConfig
 
@@ -51,7 +51,9 @@ class ServingEngine:
         # verify steps (row by row): drafts proposed, drafts accepted, steps; the tokens they made
         self.spec_counts = dict(spec_drafted_tokens=0, spec_accepted_tokens=0, spec_verify_steps=0)
         # time in the device programs (results on the host) and the tokens they produced for requests
-        self.timing = dict(prefill_s=0.0, prefill_tokens=0, decode_s=0.0, decode_tokens=0, decode_steps=0)
+        # rows_computed / rows_useful: tokens the ragged steps ran (padded to a step size) / needed
+        self.timing = dict(prefill_s=0.0, prefill_tokens=0, decode_s=0.0, decode_tokens=0, decode_steps=0,
+                           ragged_steps=0, rows_computed=0, rows_useful=0)
         self.num_failed_steps = self.num_pool_resets = 0
         # held by whoever drives the engine (an AsyncEngine's thread, an LLM.generate call): one at a time
         self.lock = threading.Lock()
@@ -93,40 +95,47 @@ class ServingEngine:
         return True
 
     def run(self, plan: SchedulePlan, on_prefill=None) -> None:
-        """Run a plan's prefill chunks, then its decode iteration, applying each part's results."""
-        sched, runner = self.scheduler, self.runner
+        """Run a plan and apply its results: one ragged step over its prefill chunks and (without
+        speculation) its decode rows, one token each; or, with nothing to prefill, the K-step decode loop;
+        with speculation, the verify step after the ragged step's prefills."""
         if plan.prefills:
-            t0 = time.perf_counter()
-            c = self.config.prefill_chunk  # one compiled shape: a shorter piece is padded
-            eos = sched.config.eos_token_ids
-            program, caches = runner.prefill_program(), runner.allocate()
-            sampled, logprobs = [], []
-            for chunk in plan.prefills:
-                tok = lp = None
-                row = plan.block_table[chunk.slot][None]
-                for start in range(chunk.start, chunk.end, c):
-                    ids = chunk.request.token_ids(start, min(start + c, chunk.end))
-                    tokens = np.zeros((1, c), np.int32)
-                    tokens[0, :len(ids)] = ids
-                    positions = np.arange(start, start + c, dtype=np.int32)[None]
-                    valid = np.arange(c)[None] < len(ids)
-                    inputs = StepInputs(tokens, positions, valid, np.asarray([start + len(ids)], np.int32), row,
-                                        SamplingRows.of([chunk.request], eos))
-                    # the pools are donated: if this raises after donating them, `recover` sees them deleted
-                    caches, tok, lp = program(runner.weights, caches, inputs, np.asarray([len(ids) - 1], np.int32))
-                    runner.caches = caches
-                    if on_prefill is not None:
-                        on_prefill(len(ids))
-                if chunk.is_last:
-                    tok, lp = int(host(tok)[0]), float(host(lp)[0])
-                sampled.append(tok if chunk.is_last else None)
-                logprobs.append(lp if chunk.is_last else None)
-            jax.block_until_ready(caches)
-            self.timing["prefill_s"] += time.perf_counter() - t0
-            self.timing["prefill_tokens"] += plan.num_prefill_tokens
-            sched.update_prefill(plan, sampled, logprobs)
-        if plan.decode_slots:
+            self.ragged_iteration(plan, on_prefill)
+        if plan.decode_slots and not plan.decode_applied:
             self.decode_iteration(plan)
+
+    def ragged_iteration(self, plan: SchedulePlan, on_prefill=None) -> None:
+        """One ragged step: the plan's prefill chunks and, unless a verify step follows (speculation),
+        its decode rows (plan.decode_steps is then 1), in one program call padded to a step size."""
+        t0 = time.perf_counter()
+        sched, runner = self.scheduler, self.runner
+        with_decode = self.speculative is None and bool(plan.decode_slots)
+        rows = []
+        if with_decode:
+            rows += [(slot, r, int(plan.decode_positions[slot]), [int(plan.decode_tokens[slot])])
+                     for r, slot in zip(plan.decode_requests, plan.decode_slots)]
+        rows += [(c.slot, c.request, c.start, c.token_ids) for c in plan.prefills]
+        tokens = sum(len(ids) for *_, ids in rows)
+        n = runner.step_size(tokens)
+        inputs = RaggedInputs.build(rows, n, self.config.max_num_seqs, plan.block_table, self.config.ragged_tile,
+                                    sched.config.eos_token_ids)
+        program, caches = runner.ragged_program(n), runner.allocate()
+        # the pools are donated: if this raises after donating them, `recover` sees them deleted
+        caches, tok, lp = program(runner.weights, caches, inputs)
+        runner.caches = caches
+        tok, lp = host(tok), host(lp)
+        self.timing["ragged_steps"] += 1
+        self.timing["rows_computed"] += n
+        self.timing["rows_useful"] += tokens
+        if on_prefill is not None:
+            for c in plan.prefills:
+                on_prefill(len(c.token_ids))
+        dt = time.perf_counter() - t0
+        self.timing["prefill_s"] += dt
+        self.timing["prefill_tokens"] += plan.num_prefill_tokens
+        sched.update_prefill(plan, [int(tok[c.slot]) if c.is_last else None for c in plan.prefills],
+                             [float(lp[c.slot]) if c.is_last else None for c in plan.prefills])
+        if with_decode:  # (decode_s and decode_tokens count the decode loop alone: the step is prefill's time)
+            sched.update_decode(plan, tok[:, None], lp[:, None])
 
     def decode_iteration(self, plan: SchedulePlan) -> None:
         """Run and apply a plan's decode iteration: up to K steps of the decode loop, or, with

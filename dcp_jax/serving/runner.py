@@ -40,6 +40,7 @@ from dcp_jax.sampling import SamplingRows, sample_rows
 from dcp_jax.serving.config import ServingConfig
 from dcp_jax.spec import verify as spec_verify
 from dcp_jax.spec.proposers import SpeculativeConfig
+from pallas_kernels.attention import ragged
 
 
 @jax.tree_util.register_dataclass
@@ -83,6 +84,52 @@ class StepInputs:
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         return cls(i32(rows, tokens), i32(rows, tokens), jax.ShapeDtypeStruct((rows, tokens), jnp.bool_), i32(rows),
                    i32(rows, blocks), SamplingRows.spec(rows))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RaggedInputs:
+    """One ragged step: the tokens of many rows (decode rows and prefill chunks) end to end, by name.
+
+    tokens, positions int32 [N]; valid bool [N] (padding past the last row False: nothing written);
+    kv_len int32 [S] (tokens in cache once the row is written; 0 for a slot with nothing this step);
+    block_table int32 [S, blocks]; sampling: SamplingRows [S]; logits_at int32 [S]: the flat index of each
+    row's last token, whose logits are sampled; tiles: how the tokens are cut per row
+    (pallas_kernels.attention.ragged). Rows are slots: row s reads and writes block-table row s.
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    valid: jax.Array
+    kv_len: jax.Array
+    block_table: jax.Array
+    sampling: SamplingRows
+    logits_at: jax.Array
+    tiles: ragged.RaggedTiles
+
+    @classmethod
+    def spec(cls, n: int, rows: int, blocks: int, tile: int) -> "RaggedInputs":
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        return cls(i32(n), i32(n), jax.ShapeDtypeStruct((n,), jnp.bool_), i32(rows), i32(rows, blocks),
+                   SamplingRows.spec(rows), i32(rows),
+                   ragged.RaggedTiles.spec(n, ragged.group_shapes(n, rows, tile)))
+
+    @classmethod
+    def build(cls, rows, n: int, slots: int, block_table, tile: int, eos_token_ids=()) -> "RaggedInputs":
+        """Host arrays for `rows`: (slot, request, first position, token ids) each, laid end to end and
+        padded to `n` tokens; the row of a slot samples the token after its last one."""
+        tokens, positions, valid = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, bool)
+        kv_len, logits_at = np.zeros(slots, np.int32), np.zeros(slots, np.int32)
+        by_slot, starts, lens, slot_ids, at = [None] * slots, [], [], [], 0
+        for slot, request, start, ids in rows:
+            m = len(ids)
+            tokens[at:at + m], positions[at:at + m], valid[at:at + m] = ids, np.arange(start, start + m), True
+            kv_len[slot], logits_at[slot], by_slot[slot] = start + m, at + m - 1, request
+            starts.append(at), lens.append(m), slot_ids.append(slot)
+            at += m
+        tiles = ragged.plan(starts, lens, slot_ids, n, ragged.group_shapes(n, slots, tile))
+        return cls(tokens, positions, valid, kv_len, np.asarray(block_table, np.int32),
+                   SamplingRows.of(by_slot, eos_token_ids), logits_at, tiles)
 
 
 class ModelRunner:
@@ -191,15 +238,18 @@ class ModelRunner:
         return AttentionContext(self.mesh, layout or self.layout, self.impl, self.combine, block_table=block_table,
                                 max_seq_len=self.config.max_model_len)
 
-    def prefill(self, weights: Weights, caches: Caches, step: StepInputs, last):
+    def ragged_step(self, weights: Weights, caches: Caches, step: RaggedInputs):
+        """One ragged step: every row's tokens written and attended in one forward over the flat batch,
+        the token after each row's last one sampled. Returns (caches, tokens [S], logprobs [S])."""
+        flat = (step.tokens[None], step.positions[None], step.valid[None], step.kv_len)
         draft_pools = caches.draft
-        if self.draft is not None:  # the draft model's cache takes the same chunk
+        if self.draft is not None:  # the draft model's cache takes the same tokens
             draft = nnx.merge(self.draft_graphdef, weights.draft)
-            _, draft_pools = draft(step.tokens, step.positions, step.valid, step.kv_len, draft_pools,
-                                   self.context(step.block_table, self.draft_layout), logits_at=last)
+            ctx = dataclasses.replace(self.context(step.block_table, self.draft_layout), ragged=step.tiles)
+            _, draft_pools = draft(*flat, draft_pools, ctx, logits_at=step.logits_at)
         model = nnx.merge(self.graphdef, weights.target)
-        logits, pools = model(step.tokens, step.positions, step.valid, step.kv_len, caches.target,
-                              self.context(step.block_table), logits_at=last)
+        ctx = dataclasses.replace(self.context(step.block_table), ragged=step.tiles)
+        logits, pools = model(*flat, caches.target, ctx, logits_at=step.logits_at)
         tok, lp = sample_rows(logits, step.sampling, step.kv_len)  # the new token's position is kv_len
         return Caches(pools, draft_pools), tok, lp
 
@@ -283,12 +333,16 @@ class ModelRunner:
             self.compiled[key] = jitted.lower(*args).compile()
         return self.compiled[key]
 
-    def prefill_program(self):
-        """The compiled prefill of one request's chunk of `prefill_chunk` tokens: (weights, caches,
-        StepInputs [1, C], last row [1]) -> (caches, token [1], logprob [1])."""
-        c, nb = self.config.prefill_chunk, self.max_blocks_per_seq
-        return self.program("prefill", self.prefill, self.weights, self.pool_spec(), StepInputs.spec(1, c, nb),
-                            jax.ShapeDtypeStruct((1,), jnp.int32))
+    def ragged_program(self, n: int):
+        """The compiled ragged step of `n` tokens (one of `config.step_sizes`) over every slot:
+        (weights, caches, RaggedInputs) -> (caches, tokens [S], logprobs [S])."""
+        s, nb = self.config.max_num_seqs, self.max_blocks_per_seq
+        return self.program("ragged", self.ragged_step, self.weights, self.pool_spec(),
+                            RaggedInputs.spec(n, s, nb, self.config.ragged_tile))
+
+    def step_size(self, tokens: int) -> int:
+        """The smallest step size that holds `tokens` tokens."""
+        return next(n for n in self.config.step_sizes if n >= tokens)
 
     def decode_program(self):
         """The compiled decode loop over every slot: (weights, caches, StepInputs [S, 1] (the tokens and
@@ -312,10 +366,14 @@ class ModelRunner:
         """The program a decode iteration runs: the verify step with speculation, else the decode loop."""
         return self.decode_program() if self.speculative is None else self.verify_program()
 
-    def compile_all(self) -> None:
-        """Compile every program this runner runs and allocate the pools (before serving starts)."""
-        self.prefill_program()
-        self.step_program()
+    def compile_all(self, step_sizes=None, decode: bool = True) -> None:
+        """Compile the decode (or verify) program (unless not `decode`: a prefill-only role) and the
+        ragged step of each of `step_sizes` (default: every size, what a server does before it serves),
+        and allocate the pools."""
+        if decode:
+            self.step_program()
+        for n in self.config.step_sizes if step_sizes is None else step_sizes:
+            self.ragged_program(n)
         self.allocate()
 
 

@@ -4,7 +4,7 @@
 the Pallas GPU kernel (flash-decoding).
 """
 
-from pallas_kernels.attention.api import IMPLEMENTATIONS, attention, default_impl
+from pallas_kernels.attention.api import IMPLEMENTATIONS, attention, default_impl, ragged_attention
 from pallas_kernels.attention.common import SlotPositions, check_inputs, merge_partials, merge_weights
 
 __all__ = [
@@ -15,4 +15,5 @@ __all__ = [
     "default_impl",
     "merge_partials",
     "merge_weights",
+    "ragged_attention",
 ]

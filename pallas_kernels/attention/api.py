@@ -6,7 +6,7 @@ import functools
 
 import jax
 
-from pallas_kernels.attention import reference, triton
+from pallas_kernels.attention import ragged, reference, triton
 from pallas_kernels.attention.common import check_inputs, default_scale
 
 IMPLEMENTATIONS = ("reference", "pallas", "pallas_interpret")
@@ -64,3 +64,21 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float | None = None, imp
     else:
         fn = functools.partial(triton.attention, interpret=impl == "pallas_interpret", **kernel_options)
     return fn(q, k, v, q_pos, kv_pos, kv_len, scale=scale, v_dim=v_dim, block_table=block_table, layer=layer)
+
+
+def ragged_attention(q, k, v, q_pos, kv_pos, kv_len, block_table, tiles: ragged.RaggedTiles, *,
+                     scale: float | None = None, impl: str | None = None, v_dim: int | None = None, layer=None,
+                     **kernel_options):
+    """Attention of a ragged batch (`pallas_kernels.attention.ragged`): the query tokens of many sequences
+    laid end to end, each attending its own sequence's pages.
+
+    q [N, H, Dk] flat; q_pos [N] each token's position; kv_len [R] and block_table [R, NB] per sequence
+    (row); tiles: which tokens form each tile and the row it reads. k, v, kv_pos, scale, impl, v_dim,
+    layer and the kernel options as `attention` (paged). Returns (o [N, H, Dv] in q.dtype, lse [N, H]
+    float32). Each tile runs as one block of `attention`, so every implementation serves the ragged batch.
+    """
+    def attend(qg, pos, lengths, table):
+        return attention(qg, k, v, pos, kv_pos, lengths, scale=scale, impl=impl, v_dim=v_dim, block_table=table,
+                         layer=layer, **kernel_options)
+
+    return ragged.attention(attend, q, q_pos, kv_len, block_table, tiles)

@@ -1,0 +1,114 @@
+"""Attention over a ragged batch (pallas_kernels/attention/ragged.py): the tiling on the host, and the
+reference and the Pallas kernel (interpret mode) against float64 NumPy over mixes of decode rows, chunk
+rows after a cached prefix, whole prompts and empty rows."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.attention import SlotPositions, ragged, ragged_attention
+from tests.test_kernels import PALLAS, TOL, to_pages
+from tests.util import assert_lse_close, dense_attention, rel_err
+
+
+def layout_rows(lens):
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int32)
+    return starts, np.asarray(lens, np.int32)
+
+
+def test_plan_tiles_never_straddle_rows_and_every_token_maps_back():
+    lens = [1, 0, 37, 1, 5, 16, 1]  # decode rows, an empty row, chunks that do and do not fill a tile
+    starts, lens = layout_rows(lens)
+    rows = np.asarray([4, 0, 2, 6, 1, 3, 5])
+    n = 64
+    shapes = ragged.group_shapes(n, rows=8, tile=8)
+    tiles = ragged.plan(starts, lens, rows, n, shapes)
+    assert [g.index.shape for g in tiles.groups] == [tuple(s) for s in shapes]
+    row_of = np.full(n, -1)
+    for s, m, r in zip(starts, lens, rows):
+        row_of[s:s + m] = r
+    np.testing.assert_array_equal(tiles.token_row[row_of >= 0], row_of[row_of >= 0])
+    flat_index = np.concatenate([g.index.reshape(-1) for g in tiles.groups])
+    flat_row = np.concatenate([np.repeat(g.row, g.index.shape[1]) for g in tiles.groups])
+    for g in tiles.groups:
+        for idx, r in zip(g.index, g.row):
+            assert set(row_of[idx]) == {r}  # a tile holds one row's tokens only
+    real = np.flatnonzero(row_of >= 0)
+    np.testing.assert_array_equal(flat_index[tiles.where[real]], real)  # each token's output is its own
+    np.testing.assert_array_equal(flat_row[tiles.where[real]], row_of[real])
+    # decode rows (one token) are decode tiles; the 37-token chunk is 5 prefill tiles of 8
+    assert sorted(tiles.groups[0].row[:3].tolist()) == [4, 5, 6]
+    assert (tiles.groups[1].row == 2).sum() >= 5
+
+
+def test_plan_refuses_an_overfull_group():
+    starts, lens = layout_rows([30, 30])
+    with pytest.raises(ValueError, match="prefill tiles"):
+        ragged.plan(starts, lens, [0, 1], 60, ((1, 1), (2, 8)))
+
+
+def ragged_case(dtype, h, kh, dk, dv, page, runs, seed=0):
+    """Five sequences over one paged slice: a decode row deep in its context, a chunk after a cached
+    prefix, a whole short prompt, an empty row (nothing to run) and a second decode row; flat q."""
+    rng = np.random.default_rng(seed)
+    kv_pos = SlotPositions(*runs)
+    nb = 6
+    s = nb * page  # slots per sequence in this slice
+    end = int(kv_pos.at(s - 1)) + 1
+    lengths = np.asarray([end, min(end, 70), 9, 0, 3], np.int32)
+    q_lens = [1, 23, 9, 0, 1]
+    kv = rng.standard_normal((5, kh, s, dk)), rng.standard_normal((5, kh, s, dv))
+    k_pool, table = to_pages(jnp.asarray(kv[0], dtype), page, seed=seed)
+    v_pool, _ = to_pages(jnp.asarray(kv[1], dtype), page, seed=seed)
+    starts, lens = layout_rows(q_lens)
+    n = 40  # 34 tokens, padded
+    q = rng.standard_normal((n, h, dk))
+    q_pos = np.zeros(n, np.int32)
+    for s0, m, length in zip(starts, lens, lengths):
+        q_pos[s0:s0 + m] = length - m + np.arange(m)
+    return dict(q=jnp.asarray(q, dtype), k=k_pool, v=v_pool, q_pos=jnp.asarray(q_pos), kv_pos=kv_pos,
+                kv_len=jnp.asarray(lengths), block_table=table), (kv, starts, lens, lengths)
+
+
+def check_ragged(o, lse, x, dense, tol):
+    (k, v), starts, lens, lengths = dense
+    assert not np.isnan(np.asarray(o, np.float32)).any()
+    scale = 1.0 / np.sqrt(x["q"].shape[-1])
+    slots = x["kv_pos"].at(np.arange(k.shape[2]))
+    for r, (s0, m) in enumerate(zip(starts, lens)):
+        if m == 0:
+            continue
+        q = np.asarray(x["q"][s0:s0 + m], np.float32)[None]
+        ref_o, ref_lse = dense_attention(q, k[r:r + 1], v[r:r + 1], np.asarray(x["q_pos"][s0:s0 + m])[None],
+                                         lengths[r:r + 1], scale, kv_pos=slots)
+        assert rel_err(o[s0:s0 + m], ref_o[0]) <= tol, (r, rel_err(o[s0:s0 + m], ref_o[0]))
+        assert_lse_close(lse[s0:s0 + m], ref_lse[0], tol)
+
+
+@pytest.mark.parametrize("impl,opts", [("reference", dict(block_k=16, block_k_masked=8)), ("reference", {}),
+                                       (PALLAS, dict(block_k=16))])
+@pytest.mark.parametrize("h,kh,dk,dv,page,runs,dtype,tile", [
+    (8, 2, 16, 16, 16, (0, 1, 2), jnp.float32, 8),     # a dcp shard (every 2nd position), GQA 4
+    (4, 4, 16, 8, 16, (2, 2, 8), jnp.float32, 16),     # interleaved shard, MHA, Dk != Dv
+    (8, 2, 16, 16, 16, (0, 1, 1), jnp.bfloat16, 4),    # one device, bf16
+])
+def test_ragged_matches_float64(impl, opts, h, kh, dk, dv, page, runs, dtype, tile):
+    x, dense = ragged_case(dtype, h, kh, dk, dv, page, runs)
+    starts, lens = dense[1], dense[2]
+    tiles = ragged.plan(starts, lens, np.arange(5), x["q"].shape[0],
+                        ragged.group_shapes(x["q"].shape[0], rows=5, tile=tile))
+    o, lse = jax.jit(lambda x, t: ragged_attention(**x, tiles=t, impl=impl, **opts))(x, tiles)
+    assert o.shape == x["q"].shape[:2] + (dv,) and lse.dtype == jnp.float32
+    check_ragged(o, lse, x, dense, TOL[dtype])
+
+
+@pytest.mark.parametrize("impl", ["reference", PALLAS])
+def test_ragged_values_shared_with_keys(impl):
+    # MLA's latent: one kv head, values = the keys' first v_dim features.
+    x, ((k, v), starts, lens, lengths) = ragged_case(jnp.float32, 8, 1, 24, 24, 16, (1, 1, 4))
+    v = k[..., :16]
+    x = dict(x, v=None)
+    tiles = ragged.plan(starts, lens, np.arange(5), 40, ragged.group_shapes(40, rows=5, tile=8))
+    o, lse = ragged_attention(**x, tiles=tiles, impl=impl, v_dim=16)
+    check_ragged(o, lse, x, ((k, v), starts, lens, lengths), 1e-5)
