@@ -1,34 +1,44 @@
-"""Serving on CPU: continuous batching against the static-batch baseline, and long-request capacity vs dcp.
+"""Serving on CPU: the ragged step against the code it replaced and against transformers' continuous
+batching, workload by workload; and long-request capacity vs dcp.
 
-Two measurements on one random-weight float32 Llama checkpoint:
+Workloads (random-weight float32 Llama checkpoints, random ids, greedy, ignore_eos: each request produces
+exactly its max_tokens; prompt and output lengths log-uniform in their ranges):
 
-  serving   N requests with mixed prompt lengths (log-uniform, default 64 to 16K) and output lengths
-            (log-uniform, default 8 to 128), random ids, greedy, ignore_eos (each request produces
-            exactly its max_tokens). Three runs on one mesh, in one interpreter, on the same model:
-              continuous, all at once   `LLM.engine` + `run_requests`: paged pool, S slots, chunked
-                                        prefill, K-step decode; every request arrives at t=0
-              continuous, Poisson       the same engine, requests arriving at a Poisson rate near its
-                                        measured request throughput (`--load` times it), seeded
-              static, all at once       the old dense `Engine.generate`: the same requests in arrival
-                                        order in fixed batches of S, each padded to its longest prompt
-                                        and run for its longest max_tokens, one batch after the other
-            Output tokens/s = useful output tokens / wall; TTFT and TPOT (time per output token after
-            the first) p50/p99 per request; pages in use sampled after every scheduler step. Each
-            request's greedy tokens under continuous batching must equal its first max_tokens tokens
-            from the static run: a mismatch is reported and the script exits with status 1.
+  short   256 requests of 16..128 prompt tokens and 32 output tokens, all at once (chat-shaped traffic;
+          a 30M-parameter Llama)
+  mixed   24 requests of 32..2,048 prompt and 8..128 output tokens, all at once and Poisson arrivals at
+          about the burst's request rate (`--load` times it; the same rate for every code under test)
+  long    32 requests of 64..16K prompt and 8..128 output tokens, all at once, and the old dense engine's
+          static batches (each padded to its longest prompt and run for its longest output)
+
+Each workload runs in a fresh interpreter per code under test, on one mesh (S slots, the same token
+budget, page size and K):
+  ours          this checkout: one ragged step per iteration (decode tokens and prefill chunks of many
+                requests under one budget, padded to a step size), the K-step decode loop when nothing
+                prefills
+  --baseline R  the same script's worker over git revision R of the package (a temporary worktree on
+                PYTHONPATH): e.g. the one-request-chunk-per-call engine the ragged step replaced
+  transformers  `model.generate_batch`'s paged continuous-batching manager on the same checkpoint (per
+                request max_new_tokens; --transformers PYTHON: an interpreter with torch and transformers)
+Output tokens/s = useful output tokens / wall; TTFT and TPOT (time per output token after the first)
+p50/p99 per request; rows computed / useful: the token rows the device programs ran (ragged steps padded
+to their step size, prefill chunks to the compiled chunk, decode loops every slot for K steps) over the
+rows the requests needed (prompt tokens + output tokens after the first). Every run's greedy tokens must
+equal ours (and the static run's): a mismatch is reported and the script exits with status 1.
+
+Compilation and warm-up are excluded on every side: our programs are compiled ahead and exercised by a
+warm-up run; transformers' manager serves a warm-up batch first; the dense engine's stats["compile_s"] is
+subtracted from each static batch.
+
   capacity  the same per-device KV budget (bytes) on a dcp=1 mesh and a dcp=N mesh, each in its own
             interpreter: many long requests all at once with many slots; the peak number of requests
             decoding in the same step (each with its whole prompt in the cache) and kv_capacity_tokens.
 
-Compilation is excluded on both sides: the serving engine's two programs are compiled ahead of time
-and exercised by a small warm-up run before the timed runs; the dense engine compiles each batch shape
-inside `generate` and reports it as stats["compile_s"], which is subtracted from that batch's wall time.
-
 Each mesh runs in an interpreter that sees exactly tp·dcp simulated CPU devices (XLA's CPU thread
 pool is max(cores, devices); see scripts/bench_decode.py).
 
-    python scripts/bench_serving.py                 # 32 requests, 64..16K prompts; capacity 1x1 vs 1x4
-    python scripts/bench_serving.py --quick --json  # tiny checkpoint, 12 requests of 16..512 tokens
+    python scripts/bench_serving.py --baseline dd67113~1 --transformers auto   # the three workloads
+    python scripts/bench_serving.py --quick --json                           # tiny checkpoint, seconds
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import subprocess
 import sys
@@ -54,18 +65,31 @@ MODELS = {
                   intermediate_size=768, vocab_size=1024, max_position_embeddings=32768),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=192, vocab_size=256, max_position_embeddings=4096),
+    # about 30M parameters: the chat-shaped comparison with transformers
+    "chat": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                 intermediate_size=1536, vocab_size=4096, max_position_embeddings=8192),
+}
+
+# Workloads (see the docstring): model, requests, prompt and output ranges, and which runs they get.
+WORKLOADS = {
+    "short": dict(model="chat", requests=256, prompt=(16, 128), output=(32, 32), poisson=False, static=False),
+    "mixed": dict(model="chat", requests=24, prompt=(32, 2048), output=(8, 128), poisson=True, static=False),
+    "long": dict(model="bench", requests=32, prompt=(64, 16384), output=(8, 128), poisson=False, static=True),
+}
+QUICK_WORKLOADS = {
+    "short": dict(model="tiny", requests=48, prompt=(8, 64), output=(12, 12), poisson=False, static=False),
+    "mixed": dict(model="tiny", requests=12, prompt=(16, 256), output=(4, 32), poisson=True, static=False),
+    "long": dict(model="tiny", requests=8, prompt=(16, 512), output=(4, 16), poisson=False, static=True),
 }
 
 # Sizes of the default and the --quick run (command-line flags override them one by one).
 DEFAULTS = dict(
-    model="bench", requests=32, prompt_min=64, prompt_max=16384, output_min=8, output_max=128,
-    max_num_seqs=8, prefill_chunk=256, page_size=64, decode_steps=8,
+    model="bench", max_num_seqs=8, prefill_chunk=256, page_size=64, decode_steps=8, max_num_batched_tokens=2048,
     cap_requests=16, cap_prompt=4064, cap_output=32, cap_page_size=64, cap_fit=3, cap_chunk=4096,
     client_requests=32, client_prompt=(64, 2048), client_output=(8, 64), client_concurrency=[1, 4, 16],
 )
 QUICK = dict(
-    model="tiny", requests=12, prompt_min=16, prompt_max=512, output_min=4, output_max=32,
-    max_num_seqs=4, prefill_chunk=128, page_size=16, decode_steps=8,
+    model="tiny", max_num_seqs=4, prefill_chunk=128, page_size=16, decode_steps=8, max_num_batched_tokens=256,
     cap_requests=10, cap_prompt=240, cap_output=16, cap_page_size=16, cap_fit=2, cap_chunk=256,
     client_requests=8, client_prompt=(16, 256), client_output=(4, 16), client_concurrency=[1, 4],
 )
@@ -129,18 +153,21 @@ def load_llm(spec: dict, **kw):
 
 
 def continuous_run(server, workload: list[dict], arrivals=None) -> dict:
-    """Serve `workload` through `server`; per-request times and tokens, pages in use, work done."""
+    """Serve `workload` through `server`; per-request times and tokens, pages in use, rows computed. Runs
+    against whichever dcp_jax is imported (this checkout, or a --baseline revision's public API)."""
     from dcp_jax.serving.engine import run_requests
     from dcp_jax.serving.request import Request
 
     reqs = [Request(w["id"], w["prompt"], max_tokens=w["max_tokens"], ignore_eos=True) for w in workload]
     finished: dict[str, float] = {}
-    pages, active, work = [], [], dict(prefill_calls=0, prefill_tokens=0, decode_steps=0)
+    pages, active = [], []
+    ragged = "rows_computed" in server.timing  # the ragged step's engine counts its own rows
+    timing0 = dict(server.timing)
+    work = dict(prefill_calls=0, loop_steps=0)
     chunk, slots = server.config.prefill_chunk, server.config.max_num_seqs
 
     def on_prefill(n):
         work["prefill_calls"] += 1
-        work["prefill_tokens"] += n
 
     def on_step(plan):
         t = time.perf_counter()
@@ -149,7 +176,8 @@ def continuous_run(server, workload: list[dict], arrivals=None) -> dict:
                 finished[r.request_id] = t
         pages.append(server.scheduler.stats()["pages_used"])
         active.append(len(plan.decode_slots) + len(plan.prefills))
-        work["decode_steps"] += plan.decode_steps  # the program runs every slot for K steps
+        if not (ragged and plan.prefills):  # a decode loop ran: every slot for K steps
+            work["loop_steps"] += plan.decode_steps
 
     result = run_requests(server, reqs, arrivals=arrivals, on_step=on_step, on_prefill=on_prefill)
     per = []
@@ -163,23 +191,22 @@ def continuous_run(server, workload: list[dict], arrivals=None) -> dict:
         per.append(dict(id=r.request_id, prompt_tokens=r.num_prompt_tokens, output_tokens=n, ttft_s=ttft,
                         tpot_s=(end - first_abs) / (n - 1) if n > 1 else None, latency_s=end - r.arrival_time,
                         preemptions=r.num_preemptions, tokens=list(r.output_token_ids)))
-    out_tokens = sum(p["output_tokens"] for p in per)
+    step_rows = (server.timing["rows_computed"] - timing0["rows_computed"] if ragged
+                 else work["prefill_calls"] * chunk)
     return dict(
-        wall_s=result["wall_s"], requests=per, output_tokens=out_tokens,
+        wall_s=result["wall_s"], requests=per, output_tokens=sum(p["output_tokens"] for p in per),
         pages_used_max=max(pages), pages_used_mean=float(np.mean(pages)), pages_total=result["pages_total"],
         kv_capacity_tokens=result["kv_capacity_tokens"], preemptions=result["preemptions"], steps=len(pages),
-        peak_active=max(active),
-        # work the device did: prefill pieces are padded to the compiled chunk, decode runs every slot
-        prefill_tokens_computed=work["prefill_calls"] * chunk, prefill_tokens_useful=work["prefill_tokens"],
-        decode_tokens_computed=work["decode_steps"] * slots,
-        decode_tokens_useful=out_tokens - len(per))
+        peak_active=max(active), rows_computed=step_rows + work["loop_steps"] * slots,
+        ragged_steps=server.timing["ragged_steps"] - timing0["ragged_steps"] if ragged else 0,
+        prefill_calls=0 if ragged else work["prefill_calls"], loop_steps=work["loop_steps"])
 
 
 def static_run(engine, workload: list[dict], batch: int, prefill_chunk: int) -> dict:
     """The dense engine over `workload` in arrival order, `batch` requests at a time, each batch padded to
     its longest prompt and run for its longest max_tokens. Compile time (stats["compile_s"]) is
     subtracted from each batch's wall time; requests all arrive at t=0."""
-    per, clock, computed = [], 0.0, dict(prefill=0, decode=0)
+    per, clock, computed = [], 0.0, 0
     for b0 in range(0, len(workload), batch):
         group = workload[b0:b0 + batch]
         longest = max(len(w["prompt"]) for w in group)
@@ -190,8 +217,7 @@ def static_run(engine, workload: list[dict], batch: int, prefill_chunk: int) -> 
         run_s = time.perf_counter() - t - gen.stats["compile_s"]
         ttft, decode_s = gen.stats["ttft_s"], gen.stats["decode_s"]
         chunk = min(prefill_chunk, longest)
-        computed["prefill"] += len(group) * math.ceil(longest / chunk) * chunk
-        computed["decode"] += len(group) * (steps - 1)
+        computed += len(group) * (math.ceil(longest / chunk) * chunk + steps - 1)
         for w, tokens in zip(group, gen.tokens):
             m = w["max_tokens"]
             per_token = decode_s / (steps - 1) if steps > 1 else None
@@ -201,22 +227,22 @@ def static_run(engine, workload: list[dict], batch: int, prefill_chunk: int) -> 
         log(f"  static batch {b0 // batch}: {len(group)} x {longest} prompt tokens, {steps} steps: "
             f"{run_s:.2f} s (+ {gen.stats['compile_s']:.1f} s compile)")
         clock += run_s
-    out_tokens = sum(p["output_tokens"] for p in per)
-    return dict(wall_s=clock, requests=per, output_tokens=out_tokens,
-                prefill_tokens_computed=computed["prefill"],
-                prefill_tokens_useful=sum(len(w["prompt"]) for w in workload),
-                decode_tokens_computed=computed["decode"], decode_tokens_useful=out_tokens - len(per))
+    return dict(wall_s=clock, requests=per, output_tokens=sum(p["output_tokens"] for p in per),
+                rows_computed=computed)
 
 
 def serving_worker(spec: dict) -> dict:
+    """One workload on one code under test: the burst, then (if asked) Poisson arrivals and static batches."""
     s = spec["max_num_seqs"]
     workload = spec["workload"]
     max_model_len = max(len(w["prompt"]) + w["max_tokens"] for w in workload)
     budget = spec.get("kv_cache_memory")
     llm = load_llm(spec, max_num_seqs=s, page_size=spec["page_size"], decode_steps=spec["decode_steps"],
-                   kv_cache_memory=budget, max_model_len=max_model_len, prefill_chunk=spec["prefill_chunk"])
+                   kv_cache_memory=budget, max_model_len=max_model_len, prefill_chunk=spec["prefill_chunk"],
+                   max_num_batched_tokens=spec["max_num_batched_tokens"])
     import jax
 
+    import dcp_jax
     from dcp_jax.dense import Engine
     from dcp_jax.serving.engine import run_requests
     from dcp_jax.serving.request import Request
@@ -225,28 +251,73 @@ def serving_worker(spec: dict) -> dict:
     pages = 1 + s * llm.paged_layout().blocks_for(max_model_len)
     server = llm.engine if budget is not None or llm.config.num_pages == pages else llm.engine_with(num_pages=pages)
     tc = time.perf_counter()
-    server.runner.compile_all()  # the prefill and decode programs, and the pool
+    server.runner.compile_all()  # every program (each step size), and the pool
     compile_s = time.perf_counter() - tc
-    # warm-up (not timed): both programs run once, two prefill pieces and two decode calls
+    # warm-up (not timed): a long prompt and short ones arriving while it decodes
     warm = [Request("warm", [3] * (spec["prefill_chunk"] + 1), max_tokens=2 * spec["decode_steps"] + 1,
-                    ignore_eos=True)]
-    run_requests(server, warm)
-    log(f"  serving engine: {len(jax.devices())} devices, compile {compile_s:.1f} s, pool "
-        f"{server.scheduler.stats()['pages_total']} pages")
-
+                    ignore_eos=True)] + [Request(f"warm{i}", [4] * 20, max_tokens=4, ignore_eos=True) for i in range(3)]
+    run_requests(server, warm, arrivals=[0, 0.01, 0.02, 0.03])
+    log(f"  {spec['code']}: {len(jax.devices())} devices, compile {compile_s:.1f} s, pool "
+        f"{server.scheduler.stats()['pages_total']} pages ({Path(dcp_jax.__file__).parent})")
+    runs = {}
     t = time.perf_counter()
-    burst = continuous_run(server, workload)
-    log(f"  continuous, all at once: {burst['wall_s']:.2f} s ({time.perf_counter() - t:.0f} s)")
-    rate = spec["rate"] or spec["load"] * len(workload) / burst["wall_s"]
-    arrivals = poisson_arrivals(len(workload), rate, spec["seed"] + 1)
-    poisson = continuous_run(server, workload, arrivals)
-    poisson["rate_rps"] = rate
-    log(f"  continuous, Poisson {rate:.2f} req/s: {poisson['wall_s']:.2f} s")
-    dense = Engine(llm.model, llm.mesh, interleave=llm.interleave, impl=llm.impl)  # the static baseline
-    static = static_run(dense, workload, s, spec["prefill_chunk"])
-    log(f"  static: {static['wall_s']:.2f} s")
-    return dict(devices=len(jax.devices()), compile_s=compile_s, max_model_len=max_model_len,
-                burst=burst, poisson=poisson, static=static)
+    runs["burst"] = continuous_run(server, workload)
+    log(f"  {spec['code']}, all at once: {runs['burst']['wall_s']:.2f} s ({time.perf_counter() - t:.0f} s)")
+    rate = None
+    if spec["poisson"]:
+        rate = spec["rate"] or spec["load"] * len(workload) / runs["burst"]["wall_s"]
+        runs["poisson"] = continuous_run(server, workload, poisson_arrivals(len(workload), rate, spec["seed"] + 1))
+        runs["poisson"]["rate_rps"] = rate
+        log(f"  {spec['code']}, Poisson {rate:.2f} req/s: {runs['poisson']['wall_s']:.2f} s")
+    if spec["static"]:
+        dense = Engine(llm.model, llm.mesh, interleave=llm.interleave, impl=llm.impl)  # the static baseline
+        runs["static"] = static_run(dense, workload, s, spec["prefill_chunk"])
+        log(f"  static: {runs['static']['wall_s']:.2f} s")
+    return dict(devices=len(jax.devices()), compile_s=compile_s, max_model_len=max_model_len, runs=runs, rate=rate,
+                package=str(Path(dcp_jax.__file__).parent))
+
+
+def transformers_worker(spec: dict) -> dict:
+    """The workload through transformers' continuous batching (`init_continuous_batching`, the manager
+    `generate_batch` runs): every request added at once with its own max_new_tokens, greedy, no EOS;
+    a warm-up batch first (not timed). Needs torch and transformers, not JAX."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = AutoModelForCausalLM.from_pretrained(spec["checkpoint"], dtype=torch.float32).eval()
+    workload = spec["workload"]
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max(w["max_tokens"] for w in workload),
+                           eos_token_id=-1, pad_token_id=0)
+    cbc = ContinuousBatchingConfig(max_batch_tokens=spec["max_num_batched_tokens"],
+                                   max_requests_per_batch=spec["max_num_seqs"])
+
+    def serve(items):
+        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cbc)
+        manager.start()
+        try:
+            t0 = time.perf_counter()
+            ids = {manager.add_request(w["prompt"], request_id=w["id"], max_new_tokens=w["max_tokens"]): w["id"]
+                   for w in items}
+            out, wall = {}, None
+            while len(out) < len(ids):
+                res = manager.get_result(timeout=1.0)
+                if res is not None and res.is_finished():
+                    out[ids[res.request_id]] = list(res.generated_tokens)
+                if time.perf_counter() - t0 > 3600:
+                    raise SystemExit("error: transformers did not finish the workload within an hour")
+            wall = time.perf_counter() - t0
+        finally:
+            manager.stop(block=True)
+        return out, wall
+
+    with torch.inference_mode():
+        serve([dict(w, id=f"warm{i}") for i, w in enumerate(workload[:min(8, len(workload))])])
+        tokens, wall = serve(workload)
+    per = [dict(id=w["id"], output_tokens=len(tokens[w["id"]]), tokens=tokens[w["id"]]) for w in workload]
+    return dict(runs=dict(burst=dict(wall_s=wall, requests=per, output_tokens=sum(p["output_tokens"] for p in per))),
+                torch=torch.__version__, transformers=transformers.__version__)
 
 
 def capacity_worker(spec: dict) -> dict:
@@ -284,35 +355,62 @@ def capacity_worker(spec: dict) -> dict:
                 requests=len(reqs), tokens=[list(r.output_token_ids) for r in reqs])
 
 
-def run_worker(kind: str, spec: dict) -> dict:
+def run_worker(kind: str, spec: dict, python: str | None = None, package: Path | None = None) -> dict:
     """`kind`'s worker in a fresh interpreter (this script with --worker), which asks for exactly its
-    mesh's devices before JAX starts."""
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", kind],
-                          input=json.dumps(spec), stdout=subprocess.PIPE, text=True)
+    mesh's devices before JAX starts. `python`: another interpreter (transformers'); `package`: a checkout
+    whose dcp_jax the worker imports instead of this one (--baseline)."""
+    env = dict(os.environ)
+    if package is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(package)] + [p for p in [env.get("PYTHONPATH")] if p])
+    proc = subprocess.run([python or sys.executable, str(Path(__file__).resolve()), "--worker", kind],
+                          input=json.dumps(spec), stdout=subprocess.PIPE, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode or not lines:
-        raise SystemExit(f"error: the {kind} run on tp={spec['tp']} dcp={spec['dcp']} failed "
-                         f"(exit {proc.returncode}); its error is printed above")
+        raise SystemExit(f"error: the {kind} run ({spec.get('code', '')} tp={spec.get('tp')} dcp={spec.get('dcp')}) "
+                         f"failed (exit {proc.returncode}); its error is printed above")
     return json.loads(lines[-1])
 
 
+class Worktree:
+    """A temporary `git worktree` of revision `rev` of this repository (removed on exit)."""
+
+    def __init__(self, rev: str):
+        self.rev, self.tmp = rev, tempfile.TemporaryDirectory(prefix="bench_serving.baseline.")
+        self.path = Path(self.tmp.name) / "tree"
+        repo = Path(__file__).resolve().parent.parent
+        proc = subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", str(self.path), rev],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            self.tmp.cleanup()
+            raise SystemExit(f"error: --baseline {rev}: git worktree failed: {proc.stderr.strip().splitlines()[-1]}")
+        self.repo = repo
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        subprocess.run(["git", "-C", str(self.repo), "worktree", "remove", "--force", str(self.path)],
+                       capture_output=True)
+        self.tmp.cleanup()
+
+
 # --- the report ------------------------------------------------------------------------------------
-def serving_row(name: str, run: dict, reference: dict) -> dict:
+def serving_row(workload: str, code: str, arrivals: str, run: dict, reference: dict, needed: int) -> dict:
+    """One row of the table: `run` (a worker's run) against `reference` (ours, all at once) tokens;
+    `needed`: the rows the workload's requests need (prompt tokens + output tokens after the first)."""
     per = run["requests"]
     ref = {p["id"]: p["tokens"] for p in reference["requests"]}
-    ttft, tpot = [p["ttft_s"] for p in per], [p["tpot_s"] for p in per]
+    ttft, tpot = [p.get("ttft_s") for p in per], [p.get("tpot_s") for p in per]
     row = dict(
-        run=name, requests=len(per), output_tokens=run["output_tokens"], wall_s=run["wall_s"],
-        output_tokens_per_s=run["output_tokens"] / run["wall_s"],
+        workload=workload, code=code, arrivals=arrivals, requests=len(per), output_tokens=run["output_tokens"],
+        wall_s=run["wall_s"], output_tokens_per_s=run["output_tokens"] / run["wall_s"],
         ttft_p50_s=pct(ttft, 50), ttft_p99_s=pct(ttft, 99), tpot_p50_s=pct(tpot, 50), tpot_p99_s=pct(tpot, 99),
-        latency_p50_s=pct([p["latency_s"] for p in per], 50), latency_p99_s=pct([p["latency_s"] for p in per], 99),
-        pages_used_max=run.get("pages_used_max"), pages_used_mean=run.get("pages_used_mean"),
-        pages_total=run.get("pages_total"), kv_capacity_tokens=run.get("kv_capacity_tokens"),
+        pages_used_max=run.get("pages_used_max"), pages_total=run.get("pages_total"),
         preemptions=run.get("preemptions"), rate_rps=run.get("rate_rps"),
-        prefill_tokens_computed=run["prefill_tokens_computed"], prefill_tokens_useful=run["prefill_tokens_useful"],
-        decode_tokens_computed=run["decode_tokens_computed"], decode_tokens_useful=run["decode_tokens_useful"],
-        exact_tokens=all(p["tokens"] == ref[p["id"]] for p in per),
-    )
+        rows_computed=run.get("rows_computed"), rows_useful=needed,
+        rows_ratio=run["rows_computed"] / needed if run.get("rows_computed") else None,
+        ragged_steps=run.get("ragged_steps"), prefill_calls=run.get("prefill_calls"), loop_steps=run.get("loop_steps"),
+        exact_tokens=all(p["tokens"] == ref[p["id"]] for p in per))
     row["mismatched"] = [p["id"] for p in per if p["tokens"] != ref[p["id"]]]
     return row
 
@@ -323,34 +421,31 @@ def fmt(x, spec, scale=1.0):
 
 def table(report: dict) -> str:
     rows, cap, ratios = report["rows"], report["capacity_rows"], report["ratios"]
-    w = report["workload"]
-    out = [f"serving: {w['requests']} requests, prompts {w['prompt_min']}..{w['prompt_max']} "
-           f"(total {w['prompt_tokens']}, mean {w['prompt_tokens'] / w['requests']:.0f}), outputs "
-           f"{w['output_min']}..{w['output_max']} (total {w['output_tokens']}); mesh tp={report['mesh'][0]} "
-           f"dcp={report['mesh'][1]}, {report['max_num_seqs']} slots, prefill chunk {report['prefill_chunk']}, "
-           f"page {report['page_size']}, K={report['decode_steps']}"]
-    head = (f"{'run':<26} {'wall_s':>7} {'out_tok/s':>9} {'ttft p50/p99 s':>15} {'tpot p50/p99 ms':>16} "
-            f"{'pages max/mean/total':>21} {'preempt':>7} {'prefill comp/useful':>20} {'decode comp/useful':>19} exact")
-    out += [head, "-" * len(head)]
+    out = [f"mesh tp={report['mesh'][0]} dcp={report['mesh'][1]}, {report['max_num_seqs']} slots, token budget "
+           f"{report['max_num_batched_tokens']}, prefill chunk {report['prefill_chunk']}, page {report['page_size']}, "
+           f"K={report['decode_steps']}"]
+    for name, w in report["workloads"].items():
+        out.append(f"{name}: {w['requests']} requests, prompts {w['prompt'][0]}..{w['prompt'][1]} (total "
+                   f"{w['prompt_tokens']}), outputs {w['output'][0]}..{w['output'][1]} (total {w['output_tokens']}); "
+                   f"model {w['model']} ({w['params'] / 1e6:.1f}M parameters)")
+    head = (f"{'workload':<8} {'code':<22} {'arrivals':<8} {'wall_s':>7} {'out_tok/s':>9} {'ttft p50/p99 s':>15} "
+            f"{'tpot p50/p99 ms':>16} {'rows comp/useful':>20} {'ratio':>6} exact")
+    out += ["", head, "-" * len(head)]
     for r in rows:
-        pages = (f"{r['pages_used_max']}/{r['pages_used_mean']:.0f}/{r['pages_total']}"
-                 if r["pages_total"] is not None else "- (dense)")
-        prefill = f"{r['prefill_tokens_computed']}/{r['prefill_tokens_useful']}"
-        decode = f"{r['decode_tokens_computed']}/{r['decode_tokens_useful']}"
         tpot = f"{fmt(r['tpot_p50_s'], '.1f', 1e3)}/{fmt(r['tpot_p99_s'], '.1f', 1e3)}"
-        out.append(
-            f"{r['run']:<26} {r['wall_s']:>7.2f} {r['output_tokens_per_s']:>9.1f} "
-            f"{fmt(r['ttft_p50_s'], '.2f') + '/' + fmt(r['ttft_p99_s'], '.2f'):>15} {tpot:>16} {pages:>21} "
-            f"{fmt(r['preemptions'], 'd'):>7} {prefill:>20} {decode:>19} {r['exact_tokens']}")
-    out.append(f"continuous (all at once) / static output tokens/s: {ratios['throughput_speedup']:.2f}x; "
-               f"Poisson / static: {ratios['poisson_vs_static']:.2f}x; exact tokens: {report['exact_tokens']}")
-    out.append("wall excludes compilation (serving: compiled ahead + warm-up run; static: each batch's "
-               "stats['compile_s'] subtracted); static TTFT = batch start + its ttft_s, all requests at t=0;\n"
-               "Poisson TTFT from each arrival; pages sampled after every scheduler step; comp/useful = tokens "
-               "the device computed (padding included) / tokens requests needed")
-    c = report["capacity"]
+        ttft = fmt(r["ttft_p50_s"], ".2f") + "/" + fmt(r["ttft_p99_s"], ".2f")
+        comp = f"{fmt(r['rows_computed'], 'd')}/{r['rows_useful']}"
+        out.append(f"{r['workload']:<8} {r['code'][:22]:<22} {r['arrivals']:<8} {r['wall_s']:>7.2f} "
+                   f"{r['output_tokens_per_s']:>9.1f} {ttft:>15} {tpot:>16} {comp:>20} {fmt(r['rows_ratio'], '.2f'):>6} "
+                   f"{r['exact_tokens']}")
+    out.append("rows comp/useful: token rows the programs ran (padding and idle slots included) / prompt tokens + "
+               "output tokens after each first; exact: greedy tokens equal ours (all at once)")
+    for key, value in ratios.items():
+        if key.startswith("ours/") or key.endswith("tpot_p99/p50"):
+            out.append(f"  {key}: {value:.2f}x")
     if not cap:
         return "\n".join(out)
+    c = report["capacity"]
     out.append("")
     out.append(f"capacity: {c['requests']} requests of {c['prompt']} prompt + {c['output']} output tokens at once, "
                f"{c['max_num_seqs']} slots, page {c['page_size']}, the same KV budget of {c['budget_bytes']:,} "
@@ -450,7 +545,7 @@ def client_mode(args, size: dict) -> int:
     try:
         if args.client == "auto":
             tmp = tempfile.TemporaryDirectory(prefix="bench_serving.") if args.checkpoint is None else None
-            checkpoint = ensure_checkpoint(Path(tmp.name) / size["model"] if tmp else args.checkpoint, size["model"])
+            checkpoint = ensure_checkpoint((args.checkpoint or Path(tmp.name)) / size["model"], size["model"])
             vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
             base, stop = start_server(checkpoint, size, *args.mesh, max_model_len=p_hi + o_hi + 1)
             model = "bench"
@@ -492,17 +587,18 @@ def client_mode(args, size: dict) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny checkpoint, 12 requests of 16..512 tokens (< 60 s)")
+    p.add_argument("--quick", action="store_true", help="tiny checkpoint, small workloads (a minute or two)")
     p.add_argument("--json", action="store_true", help="print one JSON object (rows, capacity_rows, ratios)")
     p.add_argument("--checkpoint", type=Path, default=None,
-                   help="HF Llama checkpoint dir, created when missing (default: a temp dir, deleted after)")
+                   help="directory of the generated HF Llama checkpoints, one per model, created when missing "
+                        "(default: a temp dir, deleted after)")
     p.add_argument("--mesh", type=parse_mesh, default=(1, 1), help="TPxDCP mesh of the serving runs (default 1x1)")
     p.add_argument("--dcp", type=int, default=4, help="the capacity run's dcp mesh, against dcp=1 (default 4)")
-    p.add_argument("--requests", type=int, help="requests in the serving workload (default 32; quick 12)")
+    p.add_argument("--requests", type=int, help="requests of each workload run (default: the workload's)")
     p.add_argument("--prompt-range", type=lambda s: tuple(int(x) for x in s.split(",")),
-                   help="MIN,MAX prompt tokens, log-uniform (default 64,16384; quick 16,512)")
+                   help="MIN,MAX prompt tokens, log-uniform, of each workload run (default: the workload's)")
     p.add_argument("--output-range", type=lambda s: tuple(int(x) for x in s.split(",")),
-                   help="MIN,MAX output tokens, log-uniform (default 8,128; quick 4,32)")
+                   help="MIN,MAX output tokens, log-uniform, of each workload run (default: the workload's)")
     p.add_argument("--max-num-seqs", type=int, help="slots of the serving engine = static batch size (default 8)")
     p.add_argument("--prefill-chunk", type=int, help="prefill chunk of both engines (default 256; quick 128)")
     p.add_argument("--page-size", type=int, help="slots per page of the serving runs (default 64; quick 16)")
@@ -523,11 +619,20 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="client mode: comma-separated concurrency levels (default 1,4,16; quick 1,4)")
     p.add_argument("--vocab", type=int, default=256, help="client mode with a URL: ids are drawn below this")
-    p.add_argument("--worker", choices=["serving", "capacity"], help=argparse.SUPPRESS)
+    p.add_argument("--workloads", type=lambda s: s.split(","), default=None,
+                   help="comma-separated workloads to run: short, mixed, long (default all)")
+    p.add_argument("--max-num-batched-tokens", type=int, help="token budget of an iteration (default 2048; quick 256)")
+    p.add_argument("--baseline", default=None, metavar="REV",
+                   help="also run each workload on git revision REV of the package (a temporary worktree)")
+    p.add_argument("--transformers", default=None, metavar="PYTHON|auto",
+                   help="also run the short and mixed workloads through transformers' continuous batching in "
+                        "PYTHON, an interpreter with torch and transformers ('auto': this one)")
+    p.add_argument("--worker", choices=["serving", "capacity", "transformers"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         spec = json.load(sys.stdin)
-        print(json.dumps(serving_worker(spec) if args.worker == "serving" else capacity_worker(spec)))
+        worker = dict(serving=serving_worker, capacity=capacity_worker, transformers=transformers_worker)[args.worker]
+        print(json.dumps(worker(spec)))
         return 0
 
     command = shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(
@@ -536,35 +641,80 @@ def main(argv=None) -> int:
         log(f"$ {command}")
     else:
         print(f"$ {command}", flush=True)
-    size = sizes(args, DEFAULTS, QUICK, ("requests", "max_num_seqs", "prefill_chunk", "page_size", "decode_steps"))
-    if args.prompt_range:
-        size["prompt_min"], size["prompt_max"] = args.prompt_range
-    if args.output_range:
-        size["output_min"], size["output_max"] = args.output_range
-    if size["output_min"] < 2:
-        p.error("outputs must be >= 2 tokens (TPOT needs a token after the first)")
+    size = sizes(args, DEFAULTS, QUICK, ("requests", "max_num_seqs", "prefill_chunk", "page_size", "decode_steps",
+                                         "max_num_batched_tokens"))
     if args.client is not None:
         return client_mode(args, size)
     tp, dcp = args.mesh
+    table_w = QUICK_WORKLOADS if args.quick else WORKLOADS
+    names = args.workloads or list(table_w)
+    for name in names:
+        if name not in table_w:
+            p.error(f"--workloads: unknown workload {name!r}; choose from {', '.join(table_w)}")
+    workloads = {}
+    for name in names:
+        w = dict(table_w[name])
+        if args.requests:
+            w["requests"] = args.requests
+        w["prompt"] = args.prompt_range or w["prompt"]
+        w["output"] = args.output_range or w["output"]
+        if w["output"][0] < 2:
+            p.error("outputs must be >= 2 tokens (TPOT needs a token after the first)")
+        workloads[name] = w
+    transformers_python = args.transformers
+    if transformers_python == "auto":
+        transformers_python = sys.executable
+    sizes_kw = {k: size[k] for k in ("max_num_seqs", "prefill_chunk", "page_size", "decode_steps",
+                                      "max_num_batched_tokens")}
 
-    tmp = tempfile.TemporaryDirectory(prefix="bench_serving.") if args.checkpoint is None else None
+    tmp = tempfile.TemporaryDirectory(prefix="bench_serving.")
+    root = args.checkpoint or Path(tmp.name)
+    baseline = Worktree(args.baseline) if args.baseline else None
+    rows, ratios, info = [], {}, {}
     try:
-        checkpoint = ensure_checkpoint(Path(tmp.name) / size["model"] if tmp else args.checkpoint, size["model"])
-        cfg = json.loads((checkpoint / "config.json").read_text())
-        vocab = cfg["vocab_size"]
-        workload = make_workload(size["requests"], (size["prompt_min"], size["prompt_max"]),
-                                 (size["output_min"], size["output_max"]), vocab, args.seed)
-        t0 = time.perf_counter()
-        log(f"serving: {len(workload)} requests on tp={tp} dcp={dcp} ({checkpoint})")
-        serving = run_worker("serving", dict(
-            checkpoint=str(checkpoint), tp=tp, dcp=dcp, workload=workload, max_num_seqs=size["max_num_seqs"],
-            prefill_chunk=size["prefill_chunk"], page_size=size["page_size"], decode_steps=size["decode_steps"],
-            kv_cache_memory=args.kv_cache_memory, rate=args.rate, load=args.load, seed=args.seed,
-            prefix_caching=args.prefix_caching))
-        log(f"serving done ({time.perf_counter() - t0:.0f} s)")
+        for name, w in workloads.items():
+            checkpoint = ensure_checkpoint(root / w["model"], w["model"])
+            cfg = json.loads((checkpoint / "config.json").read_text())
+            work = make_workload(w["requests"], w["prompt"], w["output"], cfg["vocab_size"], args.seed)
+            spec = dict(checkpoint=str(checkpoint), tp=tp, dcp=dcp, workload=work, kv_cache_memory=args.kv_cache_memory,
+                        rate=args.rate, load=args.load, seed=args.seed, prefix_caching=args.prefix_caching,
+                        poisson=w["poisson"], static=w["static"], **sizes_kw)
+            needed = sum(len(x["prompt"]) + x["max_tokens"] - 1 for x in work)
+            info[name] = dict(w, prompt_tokens=sum(len(x["prompt"]) for x in work),
+                              output_tokens=sum(x["max_tokens"] for x in work), params=param_count(cfg),
+                              prompt_lengths=[len(x["prompt"]) for x in work])
+            t0 = time.perf_counter()
+            log(f"{name}: {len(work)} requests on tp={tp} dcp={dcp} ({checkpoint})")
+            ours = run_worker("serving", dict(spec, code="ours"))
+            info[name]["compile_s"] = ours["compile_s"]
+            ref = ours["runs"]["burst"]
+            results = [("ours", ours)]
+            if baseline is not None:  # the same arrivals: ours' Poisson rate
+                results.append((f"baseline {args.baseline}", run_worker(
+                    "serving", dict(spec, code=f"baseline {args.baseline}", rate=ours["rate"]),
+                    package=baseline.path)))
+            if transformers_python and name != "long":
+                results.append(("transformers", run_worker("transformers", dict(spec, code="transformers"),
+                                                            python=transformers_python)))
+            for code, res in results:
+                for arrivals, run in res["runs"].items():
+                    rows.append(serving_row(name, code, arrivals, run, ref, needed))
+            log(f"{name} done ({time.perf_counter() - t0:.0f} s)")
+            by = {(r["code"], r["arrivals"]): r for r in rows if r["workload"] == name}
+            for (code, arrivals), r in by.items():
+                if code != "ours" and arrivals in ("burst", "poisson") and ("ours", arrivals) in by:
+                    ratios[f"ours/{code} {name} {arrivals} output tok/s"] = (
+                        by[("ours", arrivals)]["output_tokens_per_s"] / r["output_tokens_per_s"])
+            for (code, arrivals), r in by.items():
+                if arrivals == "poisson" and r["tpot_p50_s"]:
+                    ratios[f"{name} {code} poisson tpot_p99/p50"] = r["tpot_p99_s"] / r["tpot_p50_s"]
 
         capacity_rows, capacity = [], {}
         if not args.no_capacity:
+            model = (QUICK_WORKLOADS if args.quick else WORKLOADS)["long"]["model"]
+            checkpoint = ensure_checkpoint(root / model, model)
+            cfg = json.loads((checkpoint / "config.json").read_text())
+            vocab = cfg["vocab_size"]
             # the budget: pages (plus the null page) for `cap_fit` requests on a dcp=1 mesh
             n_prompt, n_out, page = size["cap_prompt"], size["cap_output"], size["cap_page_size"]
             kv_heads = max(cfg["num_key_value_heads"] // tp, 1)
@@ -591,44 +741,37 @@ def main(argv=None) -> int:
                             same_tokens=capacity_rows[0]["tokens"] == capacity_rows[-1]["tokens"])
             for r in capacity_rows:
                 del r["tokens"]
+            one, many = capacity_rows[0], capacity_rows[-1]
+            ratios["capacity_ratio"] = many["peak_decoding"] / max(one["peak_decoding"], 1)
+            ratios["kv_capacity_ratio"] = many["kv_capacity_tokens"] / one["kv_capacity_tokens"]
     finally:
-        if tmp is not None:
-            tmp.cleanup()
+        if baseline is not None:
+            baseline.__exit__()
+        tmp.cleanup()
 
-    static = serving["static"]
-    rows = [serving_row("continuous, all at once", serving["burst"], static),
-            serving_row("continuous, Poisson", serving["poisson"], static),
-            serving_row("static batches, all at once", static, static)]
-    exact = rows[0]["exact_tokens"] and rows[1]["exact_tokens"]
-    ratios = dict(throughput_speedup=rows[0]["output_tokens_per_s"] / rows[2]["output_tokens_per_s"],
-                  poisson_vs_static=rows[1]["output_tokens_per_s"] / rows[2]["output_tokens_per_s"])
-    if capacity_rows:
-        one, many = capacity_rows[0], capacity_rows[-1]
-        ratios["capacity_ratio"] = many["peak_decoding"] / max(one["peak_decoding"], 1)
-        ratios["kv_capacity_ratio"] = many["kv_capacity_tokens"] / one["kv_capacity_tokens"]
-    report = dict(
-        command=command, mesh=[tp, dcp], devices=serving["devices"], model=cfg, quick=args.quick,
-        max_num_seqs=size["max_num_seqs"], prefill_chunk=size["prefill_chunk"], page_size=size["page_size"],
-        decode_steps=size["decode_steps"], max_model_len=serving["max_model_len"],
-        serving_compile_s=serving["compile_s"],
-        workload=dict(requests=len(workload), seed=args.seed, prompt_min=size["prompt_min"],
-                      prompt_max=size["prompt_max"], output_min=size["output_min"], output_max=size["output_max"],
-                      prompt_tokens=sum(len(w["prompt"]) for w in workload),
-                      output_tokens=sum(w["max_tokens"] for w in workload),
-                      prompt_lengths=[len(w["prompt"]) for w in workload],
-                      output_lengths=[w["max_tokens"] for w in workload]),
-        rows=rows, capacity=capacity, capacity_rows=capacity_rows, ratios=ratios, exact_tokens=exact,
-        timing_note="compile excluded: serving programs compiled ahead and warmed up; static: stats['compile_s'] "
-                    "subtracted per batch")
+    exact = all(r["exact_tokens"] for r in rows)
+    report = dict(command=command, mesh=[tp, dcp], quick=args.quick, workloads=info, rows=rows,
+                  capacity=capacity, capacity_rows=capacity_rows, ratios=ratios, exact_tokens=exact,
+                  baseline=args.baseline, **sizes_kw,
+                  timing_note="compile excluded: programs compiled ahead and warmed up (transformers: a warm-up "
+                              "batch); static: stats['compile_s'] subtracted per batch")
     if args.json:
         print(json.dumps(report))
     else:
         print(table(report))
     if not exact:
-        bad = sorted(set(rows[0]["mismatched"]) | set(rows[1]["mismatched"]))
-        log(f"FAIL: continuous-batching tokens differ from the static baseline's for {bad}")
+        bad = sorted({(r["workload"], r["code"], r["arrivals"]) for r in rows if not r["exact_tokens"]})
+        log(f"FAIL: greedy tokens differ from ours (all at once) in {bad}")
         return 1
     return 0
+
+
+def param_count(cfg: dict) -> int:
+    """Parameters of a random_llama checkpoint from its config."""
+    e, i, v, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    d = cfg["head_dim"]
+    h, k = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    return 2 * v * e + layers * (2 * h * e + 2 * k * e + 3 * i * e + 2 * e) + e
 
 
 if __name__ == "__main__":

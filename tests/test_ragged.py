@@ -112,3 +112,36 @@ def test_ragged_values_shared_with_keys(impl):
     tiles = ragged.plan(starts, lens, np.arange(5), 40, ragged.group_shapes(40, rows=5, tile=8))
     o, lse = ragged_attention(**x, tiles=tiles, impl=impl, v_dim=16)
     check_ragged(o, lse, x, ((k, v), starts, lens, lengths), 1e-5)
+
+
+def test_ragged_kernel_lowers_for_cuda_without_copying_the_cache():
+    # A ragged step of 8 decode rows and two prefill chunks (300 and 45 tokens) over a paged, layer-stacked
+    # pool, lowered for CUDA: each tile group is one Triton call reading the pool as it is; only q (a few
+    # rows) is gathered into tiles, nothing pool- or cache-sized is padded, sliced or copied.
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    from tests.test_kernels import large_copies
+
+    n, rows, h, kh, d, page, pages, layers = 384, 10, 32, 8, 128, 64, 4096, 4
+    shapes = ragged.group_shapes(n, rows, 16)
+    starts, lens = layout_rows([1] * 8 + [300, 45])
+    tiles = ragged.plan(starts, lens, np.arange(rows), n, shapes)
+    pool = jax.ShapeDtypeStruct((layers, pages, kh, page, d), jnp.bfloat16)
+    args = (jax.ShapeDtypeStruct((n, h, d), jnp.bfloat16), pool, pool, jax.ShapeDtypeStruct((n,), jnp.int32),
+            jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32),
+            jax.ShapeDtypeStruct((rows, 256), jnp.int32), jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tiles),
+            jax.ShapeDtypeStruct((), jnp.int32))
+
+    def f(q, k, v, q_pos, start, kv_len, table, t, layer):
+        return ragged_attention(q, k, v, q_pos, SlotPositions(start, 1, 2), kv_len, table, t, impl="pallas",
+                                layer=layer)
+
+    gpu = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=None, platform="gpu"))
+    with jax.sharding.use_abstract_mesh(gpu):
+        text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
+    calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+    assert len(calls) == 2  # the decode tiles and the prefill tiles
+    assert all("%arg1" in c and "%arg2" in c for c in calls)  # the pools themselves
+    assert large_copies(text, pages * kh * page * d // 2) == []

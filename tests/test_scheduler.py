@@ -148,6 +148,57 @@ def test_token_budget_and_contiguous_chunks():
         assert r.output_token_ids == reference(r, 64)
 
 
+def test_one_token_budget_for_decode_rows_and_prefill_chunks():
+    # An iteration that prefills is one ragged step: each decoding request runs one token in it, charged
+    # to the budget beside the chunks; with nothing to prefill, the K-step decode loop runs instead.
+    sched = make(max_num_batched_tokens=10, max_num_seqs=4, decode_steps=4)
+    dev = FakeDevice(sched)
+    a = sched.add_request(req(0, 3, max_tokens=30))
+    dev.run(plan := sched.schedule())
+    assert plan.num_prefill_tokens == 3 and not plan.decode_slots
+    dev.run(plan := sched.schedule())
+    assert plan.decode_steps == 4 and not plan.prefills  # nothing to prefill: the decode loop
+    b, c = sched.add_request(req(1, 30, max_tokens=5)), sched.add_request(req(2, 4, max_tokens=5))
+    mixed = []
+    while b.state is not RequestState.DECODING or c.state is not RequestState.DECODING:
+        plan = sched.schedule()
+        assert plan.prefills and plan.decode_steps == 1  # decode rows ride along, one token each
+        assert plan.num_prefill_tokens + len(plan.decode_slots) <= 10
+        mixed.append(plan)
+        dev.run(plan)
+        sched.check()
+    assert max(p.num_prefill_tokens + len(p.decode_slots) for p in mixed) == 10  # the budget is spent
+    assert [ch.request.request_id for p in mixed for ch in p.prefills][:2] == ["r1", "r1"]  # oldest first
+    dev.run(plan := sched.schedule())
+    assert plan.decode_steps == 4 and not plan.prefills
+    drive(sched, dev)
+    assert [r.output_token_ids for r in (a, b, c)] == [reference(r, 64) for r in (a, b, c)]
+
+
+def test_a_waiting_request_that_cannot_be_admitted_keeps_the_decode_loop():
+    # No free slot (or no pages) for the waiting head: nothing can prefill, so the decode loop's K steps
+    # run instead of one-token steps.
+    sched = make(max_num_seqs=1, decode_steps=4)
+    dev = FakeDevice(sched)
+    first = sched.add_request(req(0, 5, max_tokens=9))
+    dev.run(sched.schedule())
+    second = sched.add_request(req(1, 5, max_tokens=3))
+    dev.run(plan := sched.schedule())
+    assert plan.decode_steps == 4 and not plan.prefills and second.state is RequestState.WAITING
+    drive(sched, dev)
+    assert [r.output_token_ids for r in (first, second)] == [reference(r, 64) for r in (first, second)]
+    # pages: the decoding request holds the whole pool (2 usable pages); the waiting one gets none yet
+    sched = make(dcp=1, page_size=4, num_pages=1 + 2, decode_steps=2, max_num_seqs=2)
+    dev = FakeDevice(sched)
+    first = sched.add_request(req(0, 6, max_tokens=3))
+    dev.run(sched.schedule())
+    big = sched.add_request(req(1, 7, max_tokens=1))
+    dev.run(plan := sched.schedule())
+    assert not plan.prefills and plan.decode_steps == 2 and big.state is RequestState.WAITING
+    drive(sched, dev)
+    assert [r.output_token_ids for r in (first, big)] == [reference(r, 64) for r in (first, big)]
+
+
 # --- decode ------------------------------------------------------------------------------------------
 def test_decode_reserves_pages_for_all_k_steps():
     sched = make(dcp=2, page_size=2, decode_steps=6, max_model_len=200)  # 4 tokens per block

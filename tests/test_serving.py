@@ -58,6 +58,32 @@ def test_preemption_and_arrivals_keep_every_request_exact(tp, dcp, interleave):
     assert server.scheduler.stats()["pages_used"] == 0  # every page back (cached ones are evictable)
 
 
+@pytest.mark.parametrize("name,tp,dcp", [("llama-gqa", 1, 1), ("llama-gqa", 2, 4), ("llama-gqa", 1, 3),
+                                          ("deepseek-v3", 2, 4)])
+def test_ragged_steps_mix_decode_rows_and_chunks_exactly(name, tp, dcp):
+    # Requests arrive while others decode, some sharing a cached prefix: iterations run decode rows and
+    # prefill chunks of several requests (whole prompts, cached-prefix tails, chunks of a long prompt) in
+    # one ragged step. Every request's greedy tokens equal what it gets alone.
+    rng = np.random.default_rng(5)
+    doc = [int(t) for t in rng.integers(0, 256, size=24)]
+    prompts = [doc + [1, 2], list(rng.integers(0, 256, size=40)), [7, 7, 7], doc + [3], list(rng.integers(0, 256, 9)),
+               doc + [4, 5, 6]]
+    lengths = [10, 6, 12, 7, 9, 5]
+    llm = load(name, tp, dcp, page_size=2, max_num_seqs=4, decode_steps=4, max_model_len=64)
+    solo = [alone(llm, p, n) for p, n in zip(prompts, lengths)]
+    server = llm.engine_with(max_model_len=64, prefill_chunk=16, num_pages=64)
+    reqs = [Request(f"m{i}", p, max_tokens=n, ignore_eos=True) for i, (p, n) in enumerate(zip(prompts, lengths))]
+    kinds = []
+    run_requests(server, reqs, arrivals=[0, 0.02, 0.04, 0.06, 0.06, 0.08],
+                 on_step=lambda p: kinds.append((len(p.prefills), len(p.decode_slots), p.decode_steps)))
+    assert [r.output_token_ids for r in reqs] == solo
+    assert any(pre >= 1 and dec >= 1 and k == 1 for pre, dec, k in kinds)  # decode rows beside chunks
+    assert any(pre == 0 and k == 4 for pre, dec, k in kinds)  # the decode loop when nothing prefills
+    assert server.scheduler.stats()["prefix_hit_tokens"] > 0
+    t = server.timing  # each ragged step ran one of the step sizes, padding included
+    assert 0 < t["rows_useful"] <= t["rows_computed"] <= t["ragged_steps"] * max(server.config.step_sizes)
+
+
 def test_sampling_is_per_request_and_survives_preemption():
     # Temperature > 0: a request's tokens depend on its seed and positions only, not on what shares the
     # batch or on being preempted and recomputed.
