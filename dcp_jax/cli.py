@@ -136,9 +136,11 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs_help: str = "req
                    help="slots per page; one block-table entry covers page-size x dcp tokens (default 64)")
     k.add_argument("--max-num-seqs", type=positive_int("--max-num-seqs"), default=None, help=max_num_seqs_help)
     k.add_argument("--max-num-batched-tokens", type=positive_int("--max-num-batched-tokens"), default=None,
-                   metavar="N", help="prompt tokens prefilled per scheduler iteration (default: one chunk)")
+                   metavar="N", help="tokens of one iteration's ragged step: a token of each decoding request "
+                                     "and the prompt chunks (default: one prefill chunk + max-num-seqs)")
     k.add_argument("--prefill-chunk", type=positive_int("--prefill-chunk"), default=None,
-                   help="prompt tokens per prefill program call (default 256 on CPU, 2048 on GPU)")
+                   help="prompt tokens an iteration prefills when every slot decodes: the default budget's share "
+                        "(default 256 on CPU, 2048 on GPU)")
     k.add_argument("--decode-steps", type=positive_int("--decode-steps"), default=8,
                    help="decode steps per program call: more is faster, fewer streams and admits more finely "
                         "(default 8)")

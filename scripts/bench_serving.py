@@ -5,7 +5,7 @@ Workloads (random-weight float32 Llama checkpoints, random ids, greedy, ignore_e
 exactly its max_tokens; prompt and output lengths log-uniform in their ranges):
 
   short   256 requests of 16..128 prompt tokens and 32 output tokens, all at once (chat-shaped traffic;
-          a 30M-parameter Llama)
+          a 30M-parameter Llama, 32 slots)
   mixed   24 requests of 32..2,048 prompt and 8..128 output tokens, all at once and Poisson arrivals at
           about the burst's request rate (`--load` times it; the same rate for every code under test)
   long    32 requests of 64..16K prompt and 8..128 output tokens, all at once, and the old dense engine's
@@ -72,12 +72,14 @@ MODELS = {
 
 # Workloads (see the docstring): model, requests, prompt and output ranges, and which runs they get.
 WORKLOADS = {
-    "short": dict(model="chat", requests=256, prompt=(16, 128), output=(32, 32), poisson=False, static=False),
+    "short": dict(model="chat", requests=256, prompt=(16, 128), output=(32, 32), poisson=False, static=False,
+                  max_num_seqs=32),
     "mixed": dict(model="chat", requests=24, prompt=(32, 2048), output=(8, 128), poisson=True, static=False),
     "long": dict(model="bench", requests=32, prompt=(64, 16384), output=(8, 128), poisson=False, static=True),
 }
 QUICK_WORKLOADS = {
-    "short": dict(model="tiny", requests=48, prompt=(8, 64), output=(12, 12), poisson=False, static=False),
+    "short": dict(model="tiny", requests=48, prompt=(8, 64), output=(12, 12), poisson=False, static=False,
+                  max_num_seqs=8),
     "mixed": dict(model="tiny", requests=12, prompt=(16, 256), output=(4, 32), poisson=True, static=False),
     "long": dict(model="tiny", requests=8, prompt=(16, 512), output=(4, 16), poisson=False, static=True),
 }
@@ -421,13 +423,13 @@ def fmt(x, spec, scale=1.0):
 
 def table(report: dict) -> str:
     rows, cap, ratios = report["rows"], report["capacity_rows"], report["ratios"]
-    out = [f"mesh tp={report['mesh'][0]} dcp={report['mesh'][1]}, {report['max_num_seqs']} slots, token budget "
+    out = [f"mesh tp={report['mesh'][0]} dcp={report['mesh'][1]}, {report['max_num_seqs']} slots (unless said), token budget "
            f"{report['max_num_batched_tokens']}, prefill chunk {report['prefill_chunk']}, page {report['page_size']}, "
            f"K={report['decode_steps']}"]
     for name, w in report["workloads"].items():
         out.append(f"{name}: {w['requests']} requests, prompts {w['prompt'][0]}..{w['prompt'][1]} (total "
                    f"{w['prompt_tokens']}), outputs {w['output'][0]}..{w['output'][1]} (total {w['output_tokens']}); "
-                   f"model {w['model']} ({w['params'] / 1e6:.1f}M parameters)")
+                   f"model {w['model']} ({w['params'] / 1e6:.1f}M parameters), {w['max_num_seqs']} slots")
     head = (f"{'workload':<8} {'code':<22} {'arrivals':<8} {'wall_s':>7} {'out_tok/s':>9} {'ttft p50/p99 s':>15} "
             f"{'tpot p50/p99 ms':>16} {'rows comp/useful':>20} {'ratio':>6} exact")
     out += ["", head, "-" * len(head)]
@@ -679,8 +681,11 @@ def main(argv=None) -> int:
             spec = dict(checkpoint=str(checkpoint), tp=tp, dcp=dcp, workload=work, kv_cache_memory=args.kv_cache_memory,
                         rate=args.rate, load=args.load, seed=args.seed, prefix_caching=args.prefix_caching,
                         poisson=w["poisson"], static=w["static"], **sizes_kw)
+            if args.max_num_seqs is None and "max_num_seqs" in w:  # the workload's own slots
+                spec["max_num_seqs"] = w["max_num_seqs"]
+            info[name] = dict(max_num_seqs=spec["max_num_seqs"])
             needed = sum(len(x["prompt"]) + x["max_tokens"] - 1 for x in work)
-            info[name] = dict(w, prompt_tokens=sum(len(x["prompt"]) for x in work),
+            info[name] = dict(w, **info[name], prompt_tokens=sum(len(x["prompt"]) for x in work),
                               output_tokens=sum(x["max_tokens"] for x in work), params=param_count(cfg),
                               prompt_lengths=[len(x["prompt"]) for x in work])
             t0 = time.perf_counter()

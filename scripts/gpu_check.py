@@ -4,7 +4,8 @@ Stages, in the order they run (most important first; each has its own time budge
 measured is kept even when it fails or runs out of time):
 
   copy            the device copy ceiling: several copy candidates on a 1 GiB buffer, the best is `copy_gbs`
-  decode_kernel   the Pallas decode kernel vs the jnp reference vs cuDNN at 8K/32K/128K keys
+  decode_kernel   the Pallas decode kernel vs the jnp reference vs cuDNN at 8K/32K/128K keys; the paged
+                  kernel vs the ragged step's decode-only tiles over the same pages (ragged_vs_paged)
   checkpoint      a random-weight bf16 Llama of 1.1B parameters, written with transformers (subprocess)
   e2e_dcp         dcp_jax LLM.generate at batch 16 × 32K prompt: TTFT, decode tokens/s, roofline
   e2e_transformers  transformers' model.generate (SDPA, bf16) on the same prompts (subprocess)
@@ -436,6 +437,33 @@ def kernel_fn(s: int, impl: str, **opts):
     return jax.jit(lambda q, k, v, qp, kl: attention(q, k, v, qp, pos, kl, impl=impl, **opts))
 
 
+def paged_vs_ragged(q, k, v, q_pos, kv_len, page: int = 64, impl: str = "pallas") -> dict:
+    """The paged decode kernel (today's serving decode) against the ragged step's decode-only tiles over
+    the same pages: the same keys as a pool of `page`-slot pages (copied once, outside the timing).
+    Returns paged_ms, ragged_decode_ms and their ratio (target <= 1.05)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.attention import SlotPositions, attention, ragged, ragged_attention
+
+    b, kh, s, d = k.shape
+    nb = s // page
+    pool = [jnp.swapaxes(x.reshape(b, kh, nb, page, d), 1, 2).reshape(b * nb, kh, page, d) for x in (k, v)]
+    table = jnp.arange(b * nb, dtype=jnp.int32).reshape(b, nb)
+    jax.block_until_ready(pool)
+    pos = SlotPositions.dense(s)
+    paged = jax.jit(lambda q, k, v, qp, kl, t: attention(q, k, v, qp, pos, kl, impl=impl, block_table=t))
+    row = dict(paged_ms=bench(paged, q, *pool, q_pos, kv_len, table) * 1e3)
+    tiles = ragged.plan(np.arange(b), np.ones(b, np.int32), np.arange(b), b, ragged.group_shapes(b, b, 32),
+                        positions=np.full(b, s - 1))
+    flat = jax.jit(lambda q, k, v, qp, kl, t, tl: ragged_attention(q[:, 0], k, v, qp[:, 0], pos, kl, t, tl,
+                                                                   impl=impl))
+    row["ragged_decode_ms"] = bench(flat, q, *pool, q_pos, kv_len, table, tiles) * 1e3
+    row["ragged_vs_paged"] = row["ragged_decode_ms"] / row["paged_ms"]
+    return row
+
+
 def _max_abs_diff(a, b) -> float:
     import jax.numpy as jnp
 
@@ -495,6 +523,11 @@ def stage_decode_kernel(rec: dict, budget_s: float, save, lengths, copy_gbs: flo
             del qv
         except Exception as e:  # noqa: BLE001
             row["pallas_verify5_error"] = first_line(e)
+        save()
+        try:  # the ragged step's decode-only tiles against the paged decode kernel, over the same pages
+            row.update(paged_vs_ragged(q, k, v, q_pos, kv_len))
+        except Exception as e:  # noqa: BLE001
+            row["ragged_decode_error"] = first_line(e)
         save()
         if "pallas" in outs:
             if "reference" in outs:

@@ -1,5 +1,5 @@
-"""Smoke test of scripts/bench_serving.py --quick --json: the report's structure, exactness and the
-capacity count (a logical count, not a timing). No wall-clock ratio is asserted."""
+"""Smoke tests of scripts/bench_serving.py --quick --json: the report's structure, exactness, the rows the
+programs computed (a logical count) and the capacity count. No wall-clock ratio is asserted."""
 
 import json
 import os
@@ -8,41 +8,45 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNS = ("continuous, all at once", "continuous, Poisson", "static batches, all at once")
+
+
+def bench(*args, timeout=300):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_serving.py"), "--quick", "--json", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_bench_serving_quick_json():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_serving.py"), "--quick", "--json"],
-                          capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = bench()
     assert "bench_serving.py --quick --json" in report["command"]
     assert report["exact_tokens"] is True
-
-    rows = {r["run"]: r for r in report["rows"]}
-    assert tuple(rows) == RUNS
-    w = report["workload"]
-    assert len(w["prompt_lengths"]) == w["requests"] and max(w["prompt_lengths"]) > 4 * min(w["prompt_lengths"])
-    for name, r in rows.items():
+    rows = {(r["workload"], r["arrivals"]): r for r in report["rows"]}
+    assert set(rows) == {("short", "burst"), ("mixed", "burst"), ("mixed", "poisson"), ("long", "burst"),
+                         ("long", "static")}
+    assert {r["code"] for r in report["rows"]} == {"ours"}
+    for (name, arrivals), r in rows.items():
+        w = report["workloads"][name]
         assert r["exact_tokens"] is True and r["mismatched"] == [], name
         assert r["requests"] == w["requests"] and r["output_tokens"] == w["output_tokens"], name
         assert r["wall_s"] > 0 and r["output_tokens_per_s"] > 0, name
-        for key in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"):
-            assert r[key] is not None and r[key] >= 0, (name, key)
-        assert r["ttft_p50_s"] <= r["ttft_p99_s"] and r["tpot_p50_s"] <= r["tpot_p99_s"], name
-        assert r["prefill_tokens_computed"] >= r["prefill_tokens_useful"] == w["prompt_tokens"], name
-        assert r["decode_tokens_computed"] >= r["decode_tokens_useful"], name
-    for name in RUNS[:2]:  # the paged pool
-        r = rows[name]
-        assert 0 < r["pages_used_max"] <= r["pages_total"] and 0 <= r["pages_used_mean"] <= r["pages_used_max"]
-        assert r["kv_capacity_tokens"] > 0
-    assert rows["continuous, Poisson"]["rate_rps"] > 0
+        assert r["rows_useful"] == w["prompt_tokens"] + w["output_tokens"] - w["requests"]
+        assert r["rows_computed"] >= r["rows_useful"], (name, arrivals)
+        if arrivals != "static":
+            for key in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"):
+                assert r[key] is not None and r[key] >= 0, (name, key)
+            assert r["ttft_p50_s"] <= r["ttft_p99_s"] and r["tpot_p50_s"] <= r["tpot_p99_s"], name
+            assert 0 < r["pages_used_max"] <= r["pages_total"]
+    # short prompts all at once: one budget over many requests' chunks and decode rows, padded to a step
+    # size: the rows computed stay within 1.3x the rows needed (the old one-chunk-per-call engine: ~3.5x)
+    short = rows[("short", "burst")]
+    assert short["ragged_steps"] > 0 and short["rows_ratio"] <= 1.3
+    assert rows[("mixed", "poisson")]["rate_rps"] > 0
 
     ratios = report["ratios"]
-    for key in ("throughput_speedup", "poisson_vs_static", "capacity_ratio", "kv_capacity_ratio"):
+    for key in ("capacity_ratio", "kv_capacity_ratio"):
         assert ratios[key] > 0, key
-
     one, many = report["capacity_rows"]
     assert (one["dcp"], many["dcp"]) == (1, 4)
     for r in (one, many):
@@ -54,6 +58,18 @@ def test_bench_serving_quick_json():
     assert many["kv_capacity_tokens"] == many["dcp"] * one["kv_capacity_tokens"]
     assert one["peak_decoding"] == report["capacity"]["fit"]
     assert ratios["capacity_ratio"] >= many["dcp"]
+
+
+def test_bench_serving_baseline_runs_another_revision():
+    # --baseline REV: the same workload on revision REV's package (a temporary git worktree on PYTHONPATH);
+    # HEAD here, so the two codes give the same tokens and the worktree is removed afterwards.
+    before = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True).stdout
+    report = bench("--workloads", "short", "--requests", "6", "--no-capacity", "--baseline", "HEAD")
+    codes = [r["code"] for r in report["rows"]]
+    assert codes == ["ours", "baseline HEAD"] and report["exact_tokens"] is True
+    assert "ours/baseline HEAD short burst output tok/s" in report["ratios"]
+    after = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True).stdout
+    assert after == before
 
 
 def test_bench_serving_client_mode_quick():

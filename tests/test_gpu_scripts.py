@@ -208,3 +208,11 @@ def test_sweep_rows_paste_into_configs(sk):
     assert key == ("decode", 128) and cfg == KernelConfig(block_q=64, block_k=128, num_warps=8, num_stages=4)
     row = sk["table_row"]("prefill", dict(block_q=128, block_k=64, num_stages=2, num_warps=4), block_q=64)
     assert re.search(r"block_q=128, block_k=64, num_warps=4, num_stages=2", row)
+
+
+def test_ragged_decode_row_runs_on_the_interpreter(gc):
+    # The GPU check's ragged-vs-paged row, on Pallas' interpreter: both kernels run over the same pages.
+    q, k, v, q_pos, kv_len = gc["decode_inputs"](128, b=2, h=4, kh=2, d=16)
+    row = gc["paged_vs_ragged"](q, k, v, q_pos, kv_len, page=16, impl="pallas_interpret")
+    assert row["paged_ms"] > 0 and row["ragged_decode_ms"] > 0
+    assert row["ragged_vs_paged"] == row["ragged_decode_ms"] / row["paged_ms"]

@@ -23,8 +23,9 @@ def test_plan_tiles_never_straddle_rows_and_every_token_maps_back():
     rows = np.asarray([4, 0, 2, 6, 1, 3, 5])
     n = 64
     shapes = ragged.group_shapes(n, rows=8, tile=8)
-    tiles = ragged.plan(starts, lens, rows, n, shapes)
-    assert [g.index.shape for g in tiles.groups] == [tuple(s) for s in shapes]
+    first_pos = np.asarray([50, 0, 3, 20, 0, 7, 9])  # each row's first position
+    tiles = ragged.plan(starts, lens, rows, n, shapes, positions=first_pos)
+    assert [g.index.shape + (g.bands,) for g in tiles.groups] == [tuple(s) for s in shapes]
     row_of = np.full(n, -1)
     for s, m, r in zip(starts, lens, rows):
         row_of[s:s + m] = r
@@ -33,19 +34,27 @@ def test_plan_tiles_never_straddle_rows_and_every_token_maps_back():
     flat_row = np.concatenate([np.repeat(g.row, g.index.shape[1]) for g in tiles.groups])
     for g in tiles.groups:
         for idx, r in zip(g.index, g.row):
-            assert set(row_of[idx]) == {r}  # a tile holds one row's tokens only
+            assert (idx >= 0).all() and set(row_of[idx]) == {r} or (idx == -1).all()  # one row's tokens, or none
     real = np.flatnonzero(row_of >= 0)
     np.testing.assert_array_equal(flat_index[tiles.where[real]], real)  # each token's output is its own
     np.testing.assert_array_equal(flat_row[tiles.where[real]], row_of[real])
     # decode rows (one token) are decode tiles; the 37-token chunk is 5 prefill tiles of 8
-    assert sorted(tiles.groups[0].row[:3].tolist()) == [4, 5, 6]
-    assert (tiles.groups[1].row == 2).sum() >= 5
+    dec, pre = tiles.groups[:2]
+    assert sorted(dec.row[dec.index[:, 0] >= 0].tolist()) == [4, 5, 6]
+    assert (pre.row[pre.index[:, 0] >= 0] == 2).sum() == 5
+    # within a group, tiles are sorted by how far they see (unused ones first)
+    pos_of = np.zeros(n, np.int64)
+    for s, m, p in zip(starts, lens, first_pos):
+        pos_of[s:s + m] = p + np.arange(m)
+    for g in tiles.groups:
+        extent = np.where(g.index >= 0, pos_of[g.index], -1).max(axis=1)
+        assert (np.diff(extent) >= 0).all() and (extent[:(g.index[:, 0] < 0).sum()] == -1).all()
 
 
 def test_plan_refuses_an_overfull_group():
     starts, lens = layout_rows([30, 30])
-    with pytest.raises(ValueError, match="prefill tiles"):
-        ragged.plan(starts, lens, [0, 1], 60, ((1, 1), (2, 8)))
+    with pytest.raises(ValueError, match="tiles of 8 tokens do not fit"):
+        ragged.plan(starts, lens, [0, 1], 60, ((1, 1, 1), (2, 8, 1)))
 
 
 def ragged_case(dtype, h, kh, dk, dv, page, runs, seed=0):
@@ -88,16 +97,18 @@ def check_ragged(o, lse, x, dense, tol):
 
 @pytest.mark.parametrize("impl,opts", [("reference", dict(block_k=16, block_k_masked=8)), ("reference", {}),
                                        (PALLAS, dict(block_k=16))])
-@pytest.mark.parametrize("h,kh,dk,dv,page,runs,dtype,tile", [
-    (8, 2, 16, 16, 16, (0, 1, 2), jnp.float32, 8),     # a dcp shard (every 2nd position), GQA 4
-    (4, 4, 16, 8, 16, (2, 2, 8), jnp.float32, 16),     # interleaved shard, MHA, Dk != Dv
-    (8, 2, 16, 16, 16, (0, 1, 1), jnp.bfloat16, 4),    # one device, bf16
+@pytest.mark.parametrize("h,kh,dk,dv,page,runs,dtype,tile,bands,long_tile", [
+    (8, 2, 16, 16, 16, (0, 1, 2), jnp.float32, 8, 1, 256),   # a dcp shard (every 2nd position), GQA 4
+    (4, 4, 16, 8, 16, (2, 2, 8), jnp.float32, 16, 2, 256),   # interleaved shard, MHA, Dk != Dv
+    (8, 2, 16, 16, 16, (0, 1, 1), jnp.bfloat16, 4, 3, 256),  # one device, bf16, tiles in 3 bands
+    (8, 2, 16, 16, 16, (0, 1, 2), jnp.float32, 4, 2, 16),    # the 23-token chunk in the long-chunk group
 ])
-def test_ragged_matches_float64(impl, opts, h, kh, dk, dv, page, runs, dtype, tile):
+def test_ragged_matches_float64(impl, opts, h, kh, dk, dv, page, runs, dtype, tile, bands, long_tile):
     x, dense = ragged_case(dtype, h, kh, dk, dv, page, runs)
     starts, lens = dense[1], dense[2]
     tiles = ragged.plan(starts, lens, np.arange(5), x["q"].shape[0],
-                        ragged.group_shapes(x["q"].shape[0], rows=5, tile=tile))
+                        ragged.group_shapes(x["q"].shape[0], rows=5, tile=tile, bands=bands, long_tile=long_tile),
+                        positions=dense[3] - np.asarray(lens))
     o, lse = jax.jit(lambda x, t: ragged_attention(**x, tiles=t, impl=impl, **opts))(x, tiles)
     assert o.shape == x["q"].shape[:2] + (dv,) and lse.dtype == jnp.float32
     check_ragged(o, lse, x, dense, TOL[dtype])
@@ -142,6 +153,6 @@ def test_ragged_kernel_lowers_for_cuda_without_copying_the_cache():
         text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
             jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
     calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
-    assert len(calls) == 2  # the decode tiles and the prefill tiles
+    assert len(shapes) == 3 and len(calls) == sum(b for _, _, b in shapes)  # one per band of each group
     assert all("%arg1" in c and "%arg2" in c for c in calls)  # the pools themselves
     assert large_copies(text, pages * kh * page * d // 2) == []

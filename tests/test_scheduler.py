@@ -149,8 +149,9 @@ def test_token_budget_and_contiguous_chunks():
 
 
 def test_one_token_budget_for_decode_rows_and_prefill_chunks():
-    # An iteration that prefills is one ragged step: each decoding request runs one token in it, charged
-    # to the budget beside the chunks; with nothing to prefill, the K-step decode loop runs instead.
+    # An iteration that prefills is one ragged step: each decoding request runs its first token in it,
+    # charged to the budget beside the chunks (its other K - 1 follow in the decode loop, pages reserved
+    # for all K); with nothing to prefill, the K-step decode loop runs alone.
     sched = make(max_num_batched_tokens=10, max_num_seqs=4, decode_steps=4)
     dev = FakeDevice(sched)
     a = sched.add_request(req(0, 3, max_tokens=30))
@@ -162,7 +163,7 @@ def test_one_token_budget_for_decode_rows_and_prefill_chunks():
     mixed = []
     while b.state is not RequestState.DECODING or c.state is not RequestState.DECODING:
         plan = sched.schedule()
-        assert plan.prefills and plan.decode_steps == 1  # decode rows ride along, one token each
+        assert plan.prefills and plan.decode_steps == 4  # decode rows ride along, one token of the budget each
         assert plan.num_prefill_tokens + len(plan.decode_slots) <= 10
         mixed.append(plan)
         dev.run(plan)

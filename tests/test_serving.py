@@ -77,7 +77,7 @@ def test_ragged_steps_mix_decode_rows_and_chunks_exactly(name, tp, dcp):
     run_requests(server, reqs, arrivals=[0, 0.02, 0.04, 0.06, 0.06, 0.08],
                  on_step=lambda p: kinds.append((len(p.prefills), len(p.decode_slots), p.decode_steps)))
     assert [r.output_token_ids for r in reqs] == solo
-    assert any(pre >= 1 and dec >= 1 and k == 1 for pre, dec, k in kinds)  # decode rows beside chunks
+    assert any(pre >= 1 and dec >= 1 for pre, dec, k in kinds)  # decode rows beside chunks
     assert any(pre == 0 and k == 4 for pre, dec, k in kinds)  # the decode loop when nothing prefills
     assert server.scheduler.stats()["prefix_hit_tokens"] > 0
     t = server.timing  # each ragged step ran one of the step sizes, padding included

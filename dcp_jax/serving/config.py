@@ -65,7 +65,7 @@ class ServingConfig:
     decode_steps: int = 8
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = False
-    ragged_tile: int = 16
+    ragged_tile: int = 32
 
     def __post_init__(self):
         check_positive_ints(self, ("num_pages", "page_size", "max_num_seqs", "max_model_len", "prefill_chunk",

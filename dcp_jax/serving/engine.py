@@ -96,8 +96,9 @@ class ServingEngine:
 
     def run(self, plan: SchedulePlan, on_prefill=None) -> None:
         """Run a plan and apply its results: one ragged step over its prefill chunks and (without
-        speculation) its decode rows, one token each; or, with nothing to prefill, the K-step decode loop;
-        with speculation, the verify step after the ragged step's prefills."""
+        speculation) its decode rows' first tokens, their other K - 1 in the decode loop after it; with
+        nothing to prefill, the K-step decode loop alone; with speculation, the verify step after the
+        ragged step's prefills."""
         if plan.prefills:
             self.ragged_iteration(plan, on_prefill)
         if plan.decode_slots and not plan.decode_applied:
@@ -105,7 +106,8 @@ class ServingEngine:
 
     def ragged_iteration(self, plan: SchedulePlan, on_prefill=None) -> None:
         """One ragged step: the plan's prefill chunks and, unless a verify step follows (speculation),
-        its decode rows (plan.decode_steps is then 1), in one program call padded to a step size."""
+        its decode rows' first tokens, in one program call padded to a step size; then the decode rows'
+        other K - 1 tokens in the decode loop, started on the device from the tokens just sampled."""
         t0 = time.perf_counter()
         sched, runner = self.scheduler, self.runner
         with_decode = self.speculative is None and bool(plan.decode_slots)
@@ -122,6 +124,9 @@ class ServingEngine:
         # the pools are donated: if this raises after donating them, `recover` sees them deleted
         caches, tok, lp = program(runner.weights, caches, inputs)
         runner.caches = caches
+        k = plan.decode_steps if with_decode else 0
+        if k > 1:  # queued behind the step (nothing comes back to the host in between)
+            more = self.decode_loop(plan, tok[:, None], plan.decode_positions + 1, k - 1)
         tok, lp = host(tok), host(lp)
         self.timing["ragged_steps"] += 1
         self.timing["rows_computed"] += n
@@ -135,7 +140,31 @@ class ServingEngine:
         sched.update_prefill(plan, [int(tok[c.slot]) if c.is_last else None for c in plan.prefills],
                              [float(lp[c.slot]) if c.is_last else None for c in plan.prefills])
         if with_decode:  # (decode_s and decode_tokens count the decode loop alone: the step is prefill's time)
-            sched.update_decode(plan, tok[:, None], lp[:, None])
+            tokens, logprobs = tok[:, None], lp[:, None]
+            if k > 1:
+                t1 = time.perf_counter()
+                out, out_lp = (host(x)[:, :k - 1] for x in more)
+                self.timing["decode_s"] += time.perf_counter() - t1
+                self.timing["decode_steps"] += k - 1
+                tokens, logprobs = np.concatenate([tokens, out], axis=1), np.concatenate([logprobs, out_lp], axis=1)
+            before = sum(len(r.output_token_ids) for r in plan.decode_requests)
+            sched.update_decode(plan, tokens, logprobs)
+            gained = sum(len(r.output_token_ids) for r in plan.decode_requests) - before
+            self.timing["decode_tokens"] += max(gained - len(plan.decode_slots), 0)  # the loop's share
+
+    def decode_loop(self, plan: SchedulePlan, tokens, positions, steps: int):
+        """Dispatch the decode loop for `steps` steps over the plan's decode slots from `tokens` [S, 1]
+        (host or device) at `positions` [S]; returns its (tokens, logprobs) [S, K] on the device."""
+        s, runner = self.config.max_num_seqs, self.runner
+        rows = [None] * s
+        for r, slot in zip(plan.decode_requests, plan.decode_slots):
+            rows[slot] = r
+        inputs = StepInputs(tokens, np.asarray(positions, np.int32)[:, None], plan.decode_mask[:, None],
+                            np.zeros(s, np.int32), plan.block_table,
+                            SamplingRows.of(rows, self.scheduler.config.eos_token_ids))
+        caches, out, out_lp = runner.step_program()(runner.weights, runner.allocate(), inputs, np.int32(steps))
+        runner.caches = caches
+        return out, out_lp
 
     def decode_iteration(self, plan: SchedulePlan) -> None:
         """Run and apply a plan's decode iteration: up to K steps of the decode loop, or, with
@@ -143,11 +172,27 @@ class ServingEngine:
         or drafted on the device by the draft model)."""
         t0 = time.perf_counter()
         before = sum(len(r.output_token_ids) for r in plan.decode_requests)
-        s = self.config.max_num_seqs
-        width = 1 if self.speculative is None else self.speculative.num_tokens + 1
+        if self.speculative is None:
+            out, out_lp = self.decode_loop(plan, plan.decode_tokens[:, None], plan.decode_positions, plan.decode_steps)
+            counts, steps = None, plan.decode_steps
+        else:
+            out, out_lp, counts = self.verify(plan)
+            steps = 1
+        k = plan.decode_steps
+        out, out_lp = host(out)[:, :k], host(out_lp)[:, :k]
+        self.timing["decode_s"] += time.perf_counter() - t0
+        self.timing["decode_steps"] += steps
+        self.scheduler.update_decode(plan, out, out_lp, counts)
+        self.timing["decode_tokens"] += sum(len(r.output_token_ids) for r in plan.decode_requests) - before
+
+    def verify(self, plan: SchedulePlan):
+        """One speculative verify step over the plan's decode slots: (tokens, logprobs) [S, k+1] on the
+        device and the count of each slot's tokens (host)."""
+        s, runner = self.config.max_num_seqs, self.runner
+        width = self.speculative.num_tokens + 1
         tokens, valid = np.zeros((s, width), np.int32), np.zeros((s, width), bool)
         tokens[:, 0], valid[:, 0] = plan.decode_tokens, plan.decode_mask
-        rows, draft_model = [None] * s, self.runner.draft is not None
+        rows, draft_model = [None] * s, runner.draft is not None
         for r, slot in zip(plan.decode_requests, plan.decode_slots):
             rows[slot] = r
             most = int(plan.decode_budget[slot]) - 1  # a verify step emits at most drafts + 1 tokens
@@ -159,25 +204,15 @@ class ServingEngine:
                 valid[slot, 1:1 + most] = True
         positions = plan.decode_positions[:, None] + np.arange(width, dtype=np.int32)[None]
         kv_len = np.where(plan.decode_mask, plan.decode_positions + valid.sum(axis=1), 0).astype(np.int32)
-        inputs = StepInputs(tokens, positions, valid, kv_len, plan.block_table, SamplingRows.of(rows, self.scheduler.config.eos_token_ids))
-        runner = self.runner
-        program, caches = runner.step_program(), runner.allocate()
-        if self.speculative is None:
-            caches, out, out_lp = program(runner.weights, caches, inputs, np.int32(plan.decode_steps))
-            counts, steps = None, plan.decode_steps
-        else:
-            caches, out, counts, out_lp = program(runner.weights, caches, inputs)
-            counts, steps = host(counts), 1
-            self.spec_counts["spec_drafted_tokens"] += int(valid[plan.decode_slots, 1:].sum())
-            self.spec_counts["spec_accepted_tokens"] += int((counts[plan.decode_slots] - 1).sum())
-            self.spec_counts["spec_verify_steps"] += len(plan.decode_slots)
+        inputs = StepInputs(tokens, positions, valid, kv_len, plan.block_table,
+                            SamplingRows.of(rows, self.scheduler.config.eos_token_ids))
+        caches, out, counts, out_lp = runner.step_program()(runner.weights, runner.allocate(), inputs)
         runner.caches = caches
-        k = plan.decode_steps
-        out, out_lp = host(out)[:, :k], host(out_lp)[:, :k]
-        self.timing["decode_s"] += time.perf_counter() - t0
-        self.timing["decode_steps"] += steps
-        self.scheduler.update_decode(plan, out, out_lp, counts)
-        self.timing["decode_tokens"] += sum(len(r.output_token_ids) for r in plan.decode_requests) - before
+        counts = host(counts)
+        self.spec_counts["spec_drafted_tokens"] += int(valid[plan.decode_slots, 1:].sum())
+        self.spec_counts["spec_accepted_tokens"] += int((counts[plan.decode_slots] - 1).sum())
+        self.spec_counts["spec_verify_steps"] += len(plan.decode_slots)
+        return out, out_lp, counts
 
     def stats(self) -> dict:
         """The scheduler's stats, plus speculation's when it is on: drafted and accepted tokens, verify

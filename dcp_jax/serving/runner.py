@@ -120,14 +120,14 @@ class RaggedInputs:
         padded to `n` tokens; the row of a slot samples the token after its last one."""
         tokens, positions, valid = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, bool)
         kv_len, logits_at = np.zeros(slots, np.int32), np.zeros(slots, np.int32)
-        by_slot, starts, lens, slot_ids, at = [None] * slots, [], [], [], 0
+        by_slot, starts, lens, slot_ids, firsts, at = [None] * slots, [], [], [], [], 0
         for slot, request, start, ids in rows:
             m = len(ids)
             tokens[at:at + m], positions[at:at + m], valid[at:at + m] = ids, np.arange(start, start + m), True
             kv_len[slot], logits_at[slot], by_slot[slot] = start + m, at + m - 1, request
-            starts.append(at), lens.append(m), slot_ids.append(slot)
+            starts.append(at), lens.append(m), slot_ids.append(slot), firsts.append(start)
             at += m
-        tiles = ragged.plan(starts, lens, slot_ids, n, ragged.group_shapes(n, slots, tile))
+        tiles = ragged.plan(starts, lens, slot_ids, n, ragged.group_shapes(n, slots, tile), positions=firsts)
         return cls(tokens, positions, valid, kv_len, np.asarray(block_table, np.int32),
                    SamplingRows.of(by_slot, eos_token_ids), logits_at, tiles)
 

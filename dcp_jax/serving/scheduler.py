@@ -157,20 +157,15 @@ class Scheduler:
         # budgets each request by its own tokens left instead.
         left = lambda r: r.tokens_left(cfg.max_model_len)  # noqa: E731
         budget = cfg.max_num_batched_tokens
-        # Without speculation, an iteration that may prefill is one ragged step: every decoding request
-        # runs one token in it, charged to the budget, beside the prefill chunks. One that cannot prefill
-        # runs the K-step decode loop instead (decided below, once the prefills are known).
-        mixed = not cfg.num_speculative_tokens and bool(decoding) and (
-            len(decoding) < len(self.running) or bool(self.waiting and self.kv.free_slots))
         if cfg.num_speculative_tokens:
             k_steps = cfg.tokens_per_decode if decoding else 0
             budget_of = lambda r: min(k_steps, left(r))  # noqa: E731
-        elif mixed:
-            k_steps, budget_of = 1, (lambda r: 1)
-            budget -= len(decoding)
         else:
             k_steps = min([cfg.decode_steps] + [left(r) for r in decoding]) if decoding else 0
             budget_of = lambda r: k_steps  # noqa: E731
+            # an iteration that prefills runs each decoding request's first token in the ragged step,
+            # beside the chunks: one token of the budget each (its other K - 1 follow in the decode loop)
+            budget -= len(decoding)
         prefills: list[PrefillChunk] = []
         decodes: list[Request] = []
         preempted: list[str] = []
@@ -225,14 +220,6 @@ class Scheduler:
             prefills.append(self.chunk(r, target))
             budget -= target - start
 
-        if mixed and decodes and not prefills and not preempted:
-            # nothing to prefill after all: the K-step decode loop, if the pool holds the extra steps
-            k_full = min([cfg.decode_steps] + [left(r) for r in decodes])
-            more = [max(kv.blocks_needed(r, r.num_computed + k_full), 0) for r in decodes]
-            if sum(more) <= kv.num_available:
-                for r, need in zip(decodes, more):
-                    kv.grow(r, need)
-                k_steps, budget_of = k_full, (lambda r: k_full)
         n = cfg.max_num_seqs
         tokens, positions, mask = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, bool)
         budgets = np.zeros(n, np.int32)
