@@ -694,9 +694,9 @@ def main(argv=None) -> int:
             info[name]["compile_s"] = ours["compile_s"]
             ref = ours["runs"]["burst"]
             results = [("ours", ours)]
-            if baseline is not None:  # the same arrivals: ours' Poisson rate
+            if baseline is not None:  # the same arrivals (ours' Poisson rate); the static run is ours already
                 results.append((f"baseline {args.baseline}", run_worker(
-                    "serving", dict(spec, code=f"baseline {args.baseline}", rate=ours["rate"]),
+                    "serving", dict(spec, code=f"baseline {args.baseline}", rate=ours["rate"], static=False),
                     package=baseline.path)))
             if transformers_python and name != "long":
                 results.append(("transformers", run_worker("transformers", dict(spec, code="transformers"),
