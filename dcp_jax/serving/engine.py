@@ -1,7 +1,9 @@
 """The serving engine: one iteration = schedule (host) -> run (the runner's programs) -> update (host).
 
     plan = scheduler.schedule()       which chunks prefill, which slots decode K steps, pages reserved
-    runner programs                   prefill chunks one by one, then the decode loop (or a verify step)
+    runner programs                   one ragged step (every decoding slot's first token and the prompt
+                                      chunks in one flat batch), then the decode loop for the other K - 1;
+                                      with nothing to prefill, the decode loop alone (or a verify step)
     scheduler.update_*(plan, ...)     tokens appended, stop rules applied, finished requests collected
 
 `ServingEngine` joins a `Scheduler` (dcp_jax.serving.scheduler: policy, plain Python) and a
@@ -22,7 +24,6 @@ from __future__ import annotations
 import threading
 import time
 
-import jax
 import numpy as np
 
 from dcp_jax.mesh import host
@@ -116,8 +117,8 @@ class ServingEngine:
             rows += [(slot, r, int(plan.decode_positions[slot]), [int(plan.decode_tokens[slot])])
                      for r, slot in zip(plan.decode_requests, plan.decode_slots)]
         rows += [(c.slot, c.request, c.start, c.token_ids) for c in plan.prefills]
-        tokens = sum(len(ids) for *_, ids in rows)
-        n = runner.step_size(tokens)
+        num_tokens = sum(len(ids) for *_, ids in rows)
+        n = runner.step_size(num_tokens)
         inputs = RaggedInputs.build(rows, n, self.config.max_num_seqs, plan.block_table, self.config.ragged_tile,
                                     sched.config.eos_token_ids)
         program, caches = runner.ragged_program(n), runner.allocate()
@@ -130,7 +131,7 @@ class ServingEngine:
         tok, lp = host(tok), host(lp)
         self.timing["ragged_steps"] += 1
         self.timing["rows_computed"] += n
-        self.timing["rows_useful"] += tokens
+        self.timing["rows_useful"] += num_tokens
         if on_prefill is not None:
             for c in plan.prefills:
                 on_prefill(len(c.token_ids))

@@ -2,15 +2,18 @@
 
     pools (per layer stack): [L, N·pages, K, page, D] (kv heads over "tp", each context rank its own pages),
                        with a draft model's pools beside them: one pytree `Caches(target, draft)`
-    prefill program:   one request's chunk [1, C] -> write its KV through its block-table row, sample
-                       the token after its last row                                      [jit, donated]
+    ragged program:    one step of N flat tokens (one of `config.step_sizes`): every row's tokens
+                       (decode rows and prompt chunks of many requests, end to end) written through
+                       its own block-table row and attended in tiles of that row
+                       (pallas_kernels.attention.ragged); the token after each row's last sampled
+                                                                                         [jit, donated]
     decode program:    every slot [S] for up to K steps in one while_loop: forward one token, write,
                        sample, record                                                    [jit, donated]
     verify program:    (speculative decoding, instead of decode) every slot's last token + k drafts
                        [S, k+1] in one forward, written; the accepted drafts + one target token come
                        back [S, k+1] with a count per slot; a draft model drafts inside it [jit, donated]
 
-Shapes depend only on the `ServingConfig` (slots, blocks per sequence, chunk length, K): requests come
+Shapes depend only on the `ServingConfig` (slots, blocks per sequence, step sizes, K): requests come
 and go with no recompilation. Sampling is per row (`dcp_jax.sampling.sample_rows`) with a key derived
 from (seed, position), so a request recomputed after preemption samples the same tokens again. Nothing
 outside this module touches the pools: disaggregation writes through `write_pool_shards`.

@@ -3,7 +3,8 @@
 vLLM-v1 style, plain Python over integers and NumPy (testable without devices). Each iteration:
 
     plan = scheduler.schedule()          # chunks to prefill, slots to decode K steps, the block table
-    ... the device runs plan.prefills (chunk by chunk) and K decode steps over plan.decode_slots ...
+    ... the device runs plan.prefills and each decode slot's first token in one ragged step, then the
+        other K - 1 decode steps (with no prefills: the K decode steps alone) ...
     scheduler.update_prefill(plan, sampled)           # if plan.prefills
     scheduler.update_decode(plan, tokens, logprobs)   # if plan.decode_slots; tokens [max_num_seqs, K]
 
@@ -11,6 +12,10 @@ Device programs have fixed shapes (`max_num_seqs` slots × `max_blocks_per_seq` 
 request owns a slot (a row of the replicated block table) and whole logical blocks of
 `page_size · dcp` tokens (`PagedLayout`). Block-table entries that name no page hold `NULL_PAGE` (0):
 page 0 of the pool is reserved, never holds a sequence's KV, and takes the writes of padded rows.
+
+One token budget per iteration (`max_num_batched_tokens`): every decoding request's first token of
+the iteration (it runs in the ragged step beside the chunks; without speculation) and the prefill
+chunks, of running requests and then of waiting ones, oldest first.
 
 Pages are reserved before the device runs: a prefill chunk gets the blocks up to its end, a decoding
 request gets the blocks for all K steps. When pages run out, the NEWEST running request is preempted:
