@@ -20,7 +20,6 @@ line on stderr.
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -228,6 +227,15 @@ class LLM:
         """Drop every cached prefix block no request holds; returns how many were dropped."""
         return self.engine.reset_prefix_cache()
 
+    def compile(self) -> float:
+        """Compile every program the engine may run (the decode or verify program and the ragged step of
+        each step size) and allocate the pool, as a server does before it serves; `generate` otherwise
+        compiles a step size the first time a step needs it. Returns the seconds spent compiling."""
+        runner = self.engine.runner
+        before = runner.compile_s
+        runner.compile_all()
+        return runner.compile_s - before
+
     def requests(self, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, prefix: str = "r") -> list[Request]:
         """`generate`'s arguments checked and made into requests (ids `prefix`0, `prefix`1, ...).
@@ -271,9 +279,11 @@ class LLM:
     def _run(self, requests: list[Request], on_chunk=None, on_token=None) -> Generation:
         """`generate` for checked `requests`, with the engine's lock held."""
         server, runner = self.engine, self.engine.runner
-        tc, compiled0 = time.perf_counter(), len(runner.compiled)
-        runner.compile_all()
-        compile_s = time.perf_counter() - tc
+        compile0, compiled0 = runner.compile_s, len(runner.compiled)
+        if not runner.compiled:  # the first call: the decode program and its first step's size ahead of
+            # the clock; other step sizes when a step first needs one (`compile()` compiles them all)
+            first = sum(r.num_prompt_tokens for r in requests[:server.config.max_num_seqs])
+            runner.compile_all(step_sizes=[runner.step_size(min(first, server.config.token_budget))])
 
         total = sum(r.num_prompt_tokens for r in requests)
         progress = dict(done=0, step=0, emitted=[0] * len(requests))
@@ -303,7 +313,7 @@ class LLM:
         stats = dict(
             tp=self.mesh.shape[mesh_lib.TP], dcp=self.mesh.shape[mesh_lib.DCP], interleave=server.layout.interleave,
             page_size=server.layout.page_size, max_seq_len=server.config.max_model_len,
-            max_num_seqs=server.config.max_num_seqs, compile_s=compile_s,
+            max_num_seqs=server.config.max_num_seqs, compile_s=runner.compile_s - compile0,
             compilations=len(runner.compiled), new_compilations=len(runner.compiled) - compiled0,
             wall_s=result["wall_s"], kv_capacity_tokens=now["kv_capacity_tokens"], kv_pages=now["pages_total"],
             kv_shards=server.layout.num_shards, preemptions=delta["preemptions"],

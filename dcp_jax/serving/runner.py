@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -161,6 +162,7 @@ class ModelRunner:
         self.shardings = Caches(pool_sharding, draft_sharding)
         self.replicated = mesh_lib.named(mesh, mesh_lib.spec())
         self.compiled: dict = {}  # (program, shape) -> executable: a test counts these
+        self.compile_s = 0.0  # seconds spent compiling them
         self.caches: Caches | None = None
 
     # --- the pool --------------------------------------------------------------------------------
@@ -332,8 +334,10 @@ class ModelRunner:
         """`fn` jitted with the pools donated and compiled for `args` (abstract), once per shape."""
         key = (name,) + tuple(np.shape(a) for a in jax.tree.leaves(args[2:]))
         if key not in self.compiled:
+            t = time.perf_counter()
             jitted = jax.jit(fn, donate_argnames=("caches",), out_shardings=(self.shardings,) + (self.replicated,) * outputs)
             self.compiled[key] = jitted.lower(*args).compile()
+            self.compile_s += time.perf_counter() - t
         return self.compiled[key]
 
     def ragged_program(self, n: int):
