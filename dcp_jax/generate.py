@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -186,6 +187,8 @@ def run(argv=None) -> int:
 
 
 _WORKER = "DCP_JAX_DISTRIBUTED_WORKER"
+# what a step's error says when a collective lost its peer (JAX's CPU collectives run on gloo over TCP)
+_PEER_LOST = re.compile(r"Gloo|Connection reset by peer|Connection closed by peer|coordination service", re.I)
 
 
 def _supervise(argv, args) -> int:
@@ -209,10 +212,14 @@ def _supervise(argv, args) -> int:
         sys.stderr.write("".join(line for line in err.splitlines(keepends=True) if not line.startswith("[Gloo]")))
         return 0
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    who = f"process {args.process_id}" if args.process_id is not None else "this process"
+    if errors and _PEER_LOST.search(errors[-1]):  # a collective failed mid-step: the peer went away
+        print(f"error: {who} stopped: a peer process stopped during a step "
+              f"({errors[-1].removeprefix('error: ')[:300]})", file=sys.stderr)
+        return RUN_ERROR
     if errors:
         print(errors[-1], file=sys.stderr)
         return child.returncode if child.returncode > 0 else RUN_ERROR
-    who = f"process {args.process_id}" if args.process_id is not None else "this process"
     how = (f"was ended by {signal.Signals(-child.returncode).name}" if child.returncode < 0
            else f"exited with status {child.returncode}")
     print(f"error: {who} {how}: a peer process stopped or never reached the coordinator "

@@ -84,3 +84,29 @@ def test_distributed_usage_errors(argv, message, capsys):
 
     assert run(["--model", str(FIX), "--prompt-ids", "1", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_collective_that_lost_its_peer_is_reported_as_the_peer(monkeypatch, capsys):
+    # A peer killed while a step's collective runs surfaces in the surviving process as a failed step
+    # (gloo's "Connection reset by peer"), not as the coordination service's abort: both end in one line
+    # that names the peer.
+    import argparse
+    import subprocess as sp
+
+    from dcp_jax import generate
+
+    class Child:
+        returncode = 1
+
+        def __init__(self, *a, **kw):
+            pass
+
+        def communicate(self):
+            return None, ("error: the step failed on the server (JaxRuntimeError: UNKNOWN: Gloo all-reduce failed: "
+                          "Read error [127.0.0.1]:5559: Connection reset by peer)\n")
+
+    monkeypatch.setattr(sp, "Popen", Child)
+    args = argparse.Namespace(process_id=0, coordinator="127.0.0.1:1", dist_timeout=10)
+    assert generate._supervise([], args) == generate.RUN_ERROR
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: process 0 stopped: a peer process stopped during a step")
