@@ -19,3 +19,4 @@ jax.config.update("jax_compilation_cache_dir",
                   os.path.join(tempfile.gettempdir(), f"dcp_jax-tests-xla-cache-{os.getuid()}"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+jax.config.update("jax_compilation_cache_max_size", 1 << 30)  # least recently used entries go past 1 GiB
