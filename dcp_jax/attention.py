@@ -66,7 +66,8 @@ def check_ragged(q, q_pos, kv_len, block_table, ragged: RaggedTiles) -> None:
     n = q.shape[1]
     if q.shape[0] != 1 or q_pos.shape != (1, n) or ragged.where.shape != (n,) or ragged.token_row.shape != (n,):
         raise ValueError(f"a ragged batch is one flat row: q [1, N, H, D] and q_pos, where, token_row of N "
-                         f"tokens; got q {q.shape}, q_pos {q_pos.shape}, where {ragged.where.shape}")
+                         f"tokens; got q {q.shape}, q_pos {q_pos.shape}, where {ragged.where.shape}, "
+                         f"token_row {ragged.token_row.shape}")
     if kv_len.shape != block_table.shape[:1]:
         raise ValueError(f"kv_len {kv_len.shape} and block_table {block_table.shape} disagree on the rows")
 
@@ -118,9 +119,8 @@ def dcp_attention(
     paged, stacked = block_table is not None, layer is not None
     one = (lambda c: c) if not stacked else (lambda c: None if c is None else jax.ShapeDtypeStruct(c.shape[1:], c.dtype))
     k1 = one(k_cache)
-    if ragged is not None:
+    if ragged is not None:  # (each tile group's call checks q, k and v against each other)
         check_ragged(q, q_pos, kv_len, block_table, ragged)
-        check_inputs(q, k1, one(v_cache), q_pos, None, jnp.zeros((1,), jnp.int32), v_dim, block_table[:1])
     else:
         check_inputs(q, k1, one(v_cache), q_pos, None, kv_len, v_dim, block_table)
     n_heads_shards = mesh_lib.axis_size(mesh, head_axes)

@@ -440,7 +440,8 @@ def kernel_fn(s: int, impl: str, **opts):
 def paged_vs_ragged(q, k, v, q_pos, kv_len, page: int = 64, impl: str = "pallas") -> dict:
     """The paged decode kernel (today's serving decode) against the ragged step's decode-only tiles over
     the same pages: the same keys as a pool of `page`-slot pages (copied once, outside the timing).
-    Returns paged_ms, ragged_decode_ms and their ratio (target <= 1.05)."""
+    Returns paged_ms, ragged_decode_ms, their ratio (target <= 1.05) and the largest difference of their
+    outputs (the same attention, so rounding only)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -461,6 +462,8 @@ def paged_vs_ragged(q, k, v, q_pos, kv_len, page: int = 64, impl: str = "pallas"
                                                                    impl=impl))
     row["ragged_decode_ms"] = bench(flat, q, *pool, q_pos, kv_len, table, tiles) * 1e3
     row["ragged_vs_paged"] = row["ragged_decode_ms"] / row["paged_ms"]
+    row["ragged_max_abs_diff"] = _max_abs_diff(flat(q, *pool, q_pos, kv_len, table, tiles)[0],
+                                               paged(q, *pool, q_pos, kv_len, table)[0][:, 0])
     return row
 
 

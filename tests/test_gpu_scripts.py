@@ -211,8 +211,9 @@ def test_sweep_rows_paste_into_configs(sk):
 
 
 def test_ragged_decode_row_runs_on_the_interpreter(gc):
-    # The GPU check's ragged-vs-paged row, on Pallas' interpreter: both kernels run over the same pages.
+    # The GPU check's ragged-vs-paged row, on Pallas' interpreter: both kernels run over the same pages
+    # and give the same attention.
     q, k, v, q_pos, kv_len = gc["decode_inputs"](128, b=2, h=4, kh=2, d=16)
     row = gc["paged_vs_ragged"](q, k, v, q_pos, kv_len, page=16, impl="pallas_interpret")
     assert row["paged_ms"] > 0 and row["ragged_decode_ms"] > 0
-    assert row["ragged_vs_paged"] == row["ragged_decode_ms"] / row["paged_ms"]
+    assert row["ragged_vs_paged"] > 0 and row["ragged_max_abs_diff"] < 2e-2  # bf16 inputs

@@ -156,3 +156,19 @@ def test_ragged_kernel_lowers_for_cuda_without_copying_the_cache():
     assert len(shapes) == 3 and len(calls) == sum(b for _, _, b in shapes)  # one per band of each group
     assert all("%arg1" in c and "%arg2" in c for c in calls)  # the pools themselves
     assert large_copies(text, pages * kh * page * d // 2) == []
+
+
+def test_the_dcp_island_refuses_a_malformed_ragged_batch():
+    from dcp_jax.attention import check_ragged
+
+    starts, lens = layout_rows([3, 1])
+    tiles = ragged.plan(starts, lens, [0, 1], 8, ragged.group_shapes(8, 2, 8))
+    q, q_pos = jnp.zeros((1, 8, 4, 16)), jnp.zeros((1, 8), jnp.int32)
+    table, kv_len = jnp.zeros((2, 4), jnp.int32), jnp.zeros(2, jnp.int32)
+    check_ragged(q, q_pos, kv_len, table, tiles)  # well formed
+    with pytest.raises(ValueError, match="reads a paged pool"):
+        check_ragged(q, q_pos, kv_len, None, tiles)
+    with pytest.raises(ValueError, match="one flat row"):
+        check_ragged(q[:, :6], q_pos[:, :6], kv_len, table, tiles)
+    with pytest.raises(ValueError, match="disagree on the rows"):
+        check_ragged(q, q_pos, kv_len[:1], table, tiles)

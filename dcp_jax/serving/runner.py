@@ -92,29 +92,24 @@ class StepInputs:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class RaggedInputs:
+class RaggedInputs(StepInputs):
     """One ragged step: the tokens of many rows (decode rows and prefill chunks) end to end, by name.
 
-    tokens, positions int32 [N]; valid bool [N] (padding past the last row False: nothing written);
-    kv_len int32 [S] (tokens in cache once the row is written; 0 for a slot with nothing this step);
-    block_table int32 [S, blocks]; sampling: SamplingRows [S]; logits_at int32 [S]: the flat index of each
-    row's last token, whose logits are sampled; tiles: how the tokens are cut per row
-    (pallas_kernels.attention.ragged). Rows are slots: row s reads and writes block-table row s.
+    The StepInputs of one flat row: tokens, positions int32 [1, N]; valid bool [1, N] (padding past the
+    last row False: nothing written); per slot (rows are slots: row s reads and writes block-table row
+    s): kv_len int32 [S] (tokens in cache once the row is written; 0 for a slot with nothing this step),
+    block_table int32 [S, blocks], sampling SamplingRows [S]; and logits_at int32 [S]: the flat index of
+    each row's last token, whose logits are sampled; tiles: how the tokens are cut per row
+    (pallas_kernels.attention.ragged).
     """
 
-    tokens: jax.Array
-    positions: jax.Array
-    valid: jax.Array
-    kv_len: jax.Array
-    block_table: jax.Array
-    sampling: SamplingRows
     logits_at: jax.Array
     tiles: ragged.RaggedTiles
 
     @classmethod
     def spec(cls, n: int, rows: int, blocks: int, tile: int) -> "RaggedInputs":
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        return cls(i32(n), i32(n), jax.ShapeDtypeStruct((n,), jnp.bool_), i32(rows), i32(rows, blocks),
+        return cls(i32(1, n), i32(1, n), jax.ShapeDtypeStruct((1, n), jnp.bool_), i32(rows), i32(rows, blocks),
                    SamplingRows.spec(rows), i32(rows),
                    ragged.RaggedTiles.spec(n, ragged.group_shapes(n, rows, tile)))
 
@@ -132,7 +127,7 @@ class RaggedInputs:
             starts.append(at), lens.append(m), slot_ids.append(slot), firsts.append(start)
             at += m
         tiles = ragged.plan(starts, lens, slot_ids, n, ragged.group_shapes(n, slots, tile), positions=firsts)
-        return cls(tokens, positions, valid, kv_len, np.asarray(block_table, np.int32),
+        return cls(tokens[None], positions[None], valid[None], kv_len, np.asarray(block_table, np.int32),
                    SamplingRows.of(by_slot, eos_token_ids), logits_at, tiles)
 
 
@@ -246,7 +241,7 @@ class ModelRunner:
     def ragged_step(self, weights: Weights, caches: Caches, step: RaggedInputs):
         """One ragged step: every row's tokens written and attended in one forward over the flat batch,
         the token after each row's last one sampled. Returns (caches, tokens [S], logprobs [S])."""
-        flat = (step.tokens[None], step.positions[None], step.valid[None], step.kv_len)
+        flat = (step.tokens, step.positions, step.valid, step.kv_len)
         draft_pools = caches.draft
         if self.draft is not None:  # the draft model's cache takes the same tokens
             draft = nnx.merge(self.draft_graphdef, weights.draft)

@@ -43,10 +43,6 @@ class TileGroup:
     # call walks about its own tiles' span, not the group's longest)
     bands: int = dataclasses.field(default=1, metadata=dict(static=True))
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.index.shape)
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
