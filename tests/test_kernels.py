@@ -13,13 +13,21 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from pallas_kernels.attention import SlotPositions, attention, configs
+from pallas_kernels.attention import reference as ref_kernel
 from pallas_kernels.attention import triton as triton_kernel
 from tests.util import assert_lse_close, dense_attention, rel_err
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 # scripts/gpu_check.sh runs these tests with the kernel compiled for the GPU instead of interpreted.
-PALLAS = ("pallas" if os.environ.get("DCP_JAX_KERNEL_TESTS_ON_DEVICE") and jax.default_backend() == "gpu"
-          else "pallas_interpret")
+# (set without a GPU, the tests run the device's shapes in the interpreter)
+ON_DEVICE = bool(os.environ.get("DCP_JAX_KERNEL_TESTS_ON_DEVICE"))
+PALLAS = "pallas" if ON_DEVICE and jax.default_backend() == "gpu" else "pallas_interpret"
+
+
+def dim(d: int) -> int:
+    """A head dim for a test that runs PALLAS: as written in the interpreter (odd dims exercise the
+    power-of-two pieces), rounded up to the compiled kernel's multiple of 16 for the device."""
+    return -(-d // configs.MIN_BLOCK) * configs.MIN_BLOCK if ON_DEVICE else d
 
 
 def make_inputs(b, t, h, kh, s, dk, dv, dtype=jnp.float32, seed=0, stride=1, runs=None):
@@ -73,10 +81,10 @@ def test_reference_matches_float64(dtype, t, h, kh, dk, dv, stride):
 
 @pytest.mark.parametrize("t,h,kh,s,dk,dv,dtype,runs,opts", [
     (1, 8, 2, 40, 16, 16, jnp.float32, (0, 1, 2), dict(block_k=16)),   # decode; 3 blocks, ragged tail
-    (16, 2, 2, 24, 8, 12, jnp.float32, (4, 4, 12), dict(block_k=16, num_splits=2)),  # prefill, Dk != Dv
+    (16, 2, 2, 24, dim(8), dim(12), jnp.float32, (4, 4, 12), dict(block_k=16, num_splits=2)),  # prefill, Dk != Dv
     (1, 8, 2, 40, 16, 16, jnp.float32, (0, 1, 2), dict(block_k=16, num_splits=3)),  # splits of visible blocks
     (3, 8, 2, 50, 16, 16, jnp.float32, (0, 1, 1), dict(block_q=16, block_k=16, num_splits=2)),  # 2 query blocks
-    (1, 4, 1, 32, 24, 16, jnp.bfloat16, (1, 1, 3), dict(block_k=16)),  # shared kv head (MLA-like)
+    (1, 4, 1, 32, dim(24), 16, jnp.bfloat16, (1, 1, 3), dict(block_k=16)),  # shared kv head (MLA-like)
 ])
 def test_pallas_interpret_matches_reference(t, h, kh, s, dk, dv, dtype, runs, opts):
     x = make_inputs(2, t, h, kh, s, dk, dv, dtype, runs=runs)
@@ -92,7 +100,8 @@ def test_pallas_interpret_matches_reference(t, h, kh, s, dk, dv, dtype, runs, op
 @pytest.mark.parametrize("impl,opts", [("reference", dict(block_k=8)), (PALLAS, dict(block_k=16))])
 def test_values_shared_with_keys(impl, opts):
     # MLA's latent cache: k is [latent | rope], v = k[..., :v_dim], passed as v=None (no copy).
-    x = make_inputs(2, 2, 8, 1, 40, 24, 16, runs=(2, 2, 8))
+    dk = dim(24)
+    x = make_inputs(2, 2, 8, 1, 40, dk, 16, runs=(2, 2, 8))
     x["v"] = x["k"][..., :16]
     o_ref, lse_ref = attention(**x, impl="reference")
     shared = dict(x, v=None)
@@ -101,7 +110,7 @@ def test_values_shared_with_keys(impl, opts):
     assert rel_err(o, o_ref) <= 1e-5
     assert_lse_close(lse, lse_ref, 1e-5)
     check_against_oracle(o, lse, x, 1e-5)
-    with pytest.raises(ValueError, match="v_dim must be in 1..24"):
+    with pytest.raises(ValueError, match=f"v_dim must be in 1..{dk}"):
         attention(**shared, impl=impl)
     with pytest.raises(ValueError, match="v_dim is only for v=None"):
         attention(**x, v_dim=16)
@@ -179,25 +188,82 @@ def test_tiled_prefill_matches_float64(b, t, h, kh, prefix, runs, dtype, opts):
 def test_block_shapes_do_not_depend_on_the_chunk(dtype, dk, dv, g):
     # Prefill configs (hence shared memory) are the same for every chunk length, and always fit.
     itemsize = jnp.dtype(dtype).itemsize
-    picks = {configs.pick(t * g, dk, dv, itemsize, shared_v=dk == 576) for t in (128, 512, 1024, 2048, 4096)}
+    picks = {configs.pick(t * g, dk, dv, itemsize, shared_v=dk == 576) for t in (256, 512, 1024, 2048, 4096)}
     assert len(picks) == 1, picks
     (phase, cfg), = picks
     assert phase == "prefill"
     assert configs.smem_bytes(cfg, dk, dv, itemsize, dk == 576) <= configs.SMEM_LIMIT
-    for rows in (1, 4, 16, 64):  # decode: every row in one block, still within shared memory
-        phase, cfg = configs.pick(rows, dk, dv, itemsize)
-        assert configs.smem_bytes(cfg, dk, dv, itemsize, False) <= configs.SMEM_LIMIT
-        assert phase == "prefill" or cfg.block_q >= rows
+    for rows in (1, 4, 16, 64, 128):  # decode: each KV tile read at most twice, within shared memory
+        phase, cfg = configs.pick(rows, dk, dv, itemsize, shared_v=dk == 576)
+        assert configs.smem_bytes(cfg, dk, dv, itemsize, dk == 576) <= configs.SMEM_LIMIT
+        assert phase == "prefill" or math.ceil(rows / cfg.block_q) <= configs.DECODE_READS
 
 
-def test_head_pieces_and_splits():
+def test_head_pieces():
     assert configs.head_pieces(576) == ((0, 512), (512, 64))
     assert configs.head_pieces(80) == ((0, 64), (64, 16))
     assert configs.head_pieces(128) == ((0, 128),)
-    assert configs.num_splits(programs=8 * 8, kv_blocks=256, sms=132) == 5   # 2 waves of 132 SMs
-    assert configs.num_splits(programs=4096, kv_blocks=256, sms=132) == 1    # a prefill grid is full
-    assert configs.num_splits(programs=1, kv_blocks=3, sms=132) == 1         # splits of >= 8 blocks
-    assert configs.num_splits(programs=1, kv_blocks=4096, sms=132) == configs.MAX_SPLITS
+
+
+def waves_used(programs, kv_blocks, splits, slots):
+    """(fraction of the wave slots the grid fills, time in units of one KV block)."""
+    waves = math.ceil(programs * splits / slots)
+    return programs * splits / (waves * slots), waves * math.ceil(kv_blocks / splits)
+
+
+def test_splits_fill_whole_waves():
+    # The GPU check's decode shape: batch 8, 32 q / 8 kv heads, d 128, bf16, 32K keys. The decode entry
+    # holds 3 programs per SM (70 KiB of shared memory each), so a wave is 396 programs; 64 programs × 6
+    # splits = 384 fill one wave (97%). The old rule (2 waves of SMs, one program each) took 5 splits:
+    # 320 programs = 2.42 waves of 132, i.e. three waves' time for 2.42 waves' work.
+    _, cfg = configs.pick(4, 128, 128, 2)
+    ctas = configs.ctas_per_sm(cfg, 128, 128, 2)
+    assert ctas == 3
+    blocks = 32768 // cfg.block_k
+    splits = configs.num_splits(programs=64, kv_blocks=blocks, sms=132, ctas=ctas)
+    assert splits == 6
+    fill, time = waves_used(64, blocks, splits, 132 * ctas)
+    assert fill >= 0.95
+    old_fill, old_time = waves_used(64, blocks, 5, 132)
+    assert old_fill < 0.85 and time * ctas < old_time  # the same work in fewer block-times per SM slot
+    # whole-wave choice against every other split count (the cost it minimises is waves × blocks per split)
+    for programs, kv_blocks, c in [(64, 512, 3), (8, 2048, 2), (24, 96, 1), (128, 4096, 2), (1, 64, 4)]:
+        best = configs.num_splits(programs, kv_blocks, sms=132, ctas=c)
+        most = min(kv_blocks // configs.MIN_BLOCKS_PER_SPLIT, configs.MAX_SPLITS)
+        assert 1 <= best <= max(most, 1)
+        assert all(waves_used(programs, kv_blocks, best, 132 * c)[1] <= waves_used(programs, kv_blocks, n, 132 * c)[1]
+                   for n in range(1, most + 1))
+    assert configs.num_splits(programs=4096, kv_blocks=256, sms=132, ctas=1) == 1  # a prefill grid is full
+    assert configs.num_splits(programs=1, kv_blocks=3, sms=132) == 1                # splits of >= 8 blocks
+    assert configs.num_splits(programs=1, kv_blocks=4096, sms=132, ctas=2) == configs.MAX_SPLITS
+
+
+@pytest.mark.parametrize("dk,dv,shared_v", [(64, 64, False), (128, 128, False), (256, 256, False), (576, 512, True)])
+def test_decode_entries_hold_several_programs_per_sm(dk, dv, shared_v):
+    # bf16 decode: 2-3 (or more) programs per SM at every row count a decode call takes, shared memory
+    # and the float32 accumulator's registers within bounds for every entry of the table.
+    for rows in (1, 4, 8, 16, 32, 64):
+        phase, cfg = configs.pick(rows, dk, dv, 2, shared_v)
+        assert phase == "decode"
+        assert configs.ctas_per_sm(cfg, dk, dv, 2, shared_v) >= 2, (rows, cfg)
+    bucket = next(d for d in (128, 256, 1024) if max(dk, dv) <= d)
+    for phase in ("decode", "prefill"):
+        cfg = configs.TABLE[(phase, bucket)]
+        assert configs.acc_regs_per_thread(cfg, dv) <= configs.MAX_ACC_REGS, (phase, cfg)
+        assert configs.smem_bytes(cfg, dk, dv, 2, shared_v) <= configs.SMEM_LIMIT, (phase, cfg)
+
+
+@pytest.mark.parametrize("heads", [16, 64, 128])
+def test_mla_decode_reads_each_latent_tile_at_most_twice(heads):
+    # DeepSeek decode: all query heads share one latent kv head, so the folded rows are the heads. At
+    # 128 heads the call stays a decode call (two query blocks of 64 rows), not the prefill entry's 4
+    # blocks of 32; one block at 64 heads or fewer.
+    phase, cfg = configs.pick(heads, 576, 512, 2, shared_v=True)
+    assert phase == "decode"
+    assert math.ceil(heads / cfg.block_q) == (1 if heads <= 64 else 2)
+    assert configs.ctas_per_sm(cfg, 576, 512, 2, True) >= 2
+    text = lower_for_cuda(2, 1, heads, 1, 4096, 576, 512, jnp.bfloat16, shared_v=True, page=64)
+    assert large_copies(text, 2 * 4096 * 576 // 2) == []
 
 
 def test_pallas_gpu_needs_head_dims_in_pieces_of_16():
@@ -227,7 +293,7 @@ def to_pages(x, page, seed=0, spare=3):
                                        ("reference", {}), (PALLAS, dict(block_k=16)), (PALLAS, {})])
 @pytest.mark.parametrize("t,h,kh,dk,dv,page,runs,dtype", [
     (1, 8, 2, 16, 16, 16, (0, 1, 2), jnp.float32),      # decode on a dcp shard, GQA 4
-    (37, 4, 2, 16, 8, 32, (2, 2, 8), jnp.float32),      # prefill chunk over an interleaved shard, Dk != Dv
+    (37, 4, 2, 32, 16, 32, (2, 2, 8), jnp.float32),     # prefill chunk over an interleaved shard, Dk != Dv
     (1, 4, 4, 16, 16, 16, (0, 1, 1), jnp.bfloat16),     # MHA, bf16
 ])
 def test_paged_matches_float64(impl, opts, t, h, kh, dk, dv, page, runs, dtype):
@@ -242,7 +308,7 @@ def test_paged_matches_float64(impl, opts, t, h, kh, dk, dv, page, runs, dtype):
 @pytest.mark.parametrize("impl", ["reference", PALLAS])
 def test_paged_values_shared_with_keys(impl):
     # MLA's latent pool: one kv head, values = the keys' first v_dim features.
-    x = make_inputs(2, 2, 8, 1, 64, 24, 16, runs=(1, 1, 4))
+    x = make_inputs(2, 2, 8, 1, 64, dim(24), 16, runs=(1, 1, 4))
     x["v"] = x["k"][..., :16]
     k_pool, table = to_pages(x["k"], 16)
     o, lse = attention(**dict(x, k=k_pool, v=None), impl=impl, v_dim=16, block_table=table)
@@ -277,6 +343,96 @@ def test_layer_of_stacked_caches_is_read_in_place(impl, paged):
     fn = jax.jit(lambda kk, vv, i: attention(**dict(x, k=kk, v=vv), impl=impl, layer=i, **extra))
     o, lse = fn(k_stack, v_stack, jnp.int32(1))
     check_against_oracle(o, lse, x, 1e-5)
+
+
+# --- what a step reads: only the last block masked, the walk over the filled part only ------------------
+
+class BlockCounter:
+    """Counts the KV blocks each program visits through a kernel's `block_probe` (interpret mode)."""
+
+    def __init__(self, module, monkeypatch):
+        self.seen = []  # (program or None, masked, start, slots)
+        monkeypatch.setattr(module, "block_probe", self)
+
+    def __call__(self, masked, *args):
+        if len(args) == 2:  # reference: (slots, start)
+            self.seen.append((None, bool(masked), int(args[1]), int(args[0])))
+        else:  # kernel: (batch, kv head, q block, split, start)
+            self.seen.append((tuple(int(a) for a in args[:4]), bool(masked), int(args[4]), None))
+
+    def programs(self):
+        out = {}
+        for prog, masked, start, _ in self.seen:
+            out.setdefault(prog, []).append((masked, start))
+        return out
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_kernel_masks_only_the_last_block_and_walks_the_filled_part(monkeypatch, paged, splits):
+    # Decode over a 512-slot slice filled to 200 (and 208: whole blocks) of it, block_k 16: each program
+    # visits only blocks holding slots < the length (13 blocks, none of the 19 empty ones), every block
+    # exactly once over the splits, and masks at most one: the one the length ends inside.
+    for length in (200, 208):
+        x = make_inputs(1, 1, 4, 2, 512, 16, 16)
+        x["kv_len"] = jnp.asarray([length], jnp.int32)
+        x["q_pos"] = jnp.asarray([[length - 1]], jnp.int32)
+        extra = {}
+        if paged:
+            k_pool, table = to_pages(x["k"], 16)
+            v_pool, _ = to_pages(x["v"], 16)
+            x, extra = dict(x, k=k_pool, v=v_pool), dict(block_table=table)
+        counter = BlockCounter(triton_kernel, monkeypatch)
+        o, _ = attention(**x, impl="pallas_interpret", block_k=16, num_splits=splits, **extra)
+        jax.block_until_ready(o)
+        by_program = counter.programs()
+        assert {p[:3] for p in by_program} == {(0, 0, 0), (0, 1, 0)}  # one query block per kv head
+        for head in (0, 1):
+            visits = [v for p, vs in by_program.items() if p[1] == head for v in vs]
+            starts = sorted(start for _, start in visits)
+            assert starts == list(range(0, length, 16)), (length, starts)  # the filled part, each block once
+            masked = [start for m, start in visits if m]
+            assert masked == ([] if length % 16 == 0 else [length // 16 * 16])
+
+
+def test_kernel_masks_only_the_diagonal_of_a_prefill_chunk(monkeypatch):
+    # A 48-token chunk after a 100-token prefix (one kv head, G = 2: 16-row query blocks of 8 tokens):
+    # each query block masks only the blocks its own 8 tokens end inside (at most 2 of 16 slots), walks
+    # nothing past its last token, and reads the prefix unmasked.
+    x = make_inputs(1, 48, 2, 1, 512, 16, 16)
+    x["kv_len"] = jnp.asarray([148], jnp.int32)
+    x["q_pos"] = jnp.asarray(100 + np.arange(48)[None], jnp.int32)
+    counter = BlockCounter(triton_kernel, monkeypatch)
+    o, lse = attention(**x, impl="pallas_interpret", block_q=16, block_k=16, num_splits=1)
+    check_against_oracle(o, lse, x, 1e-5)
+    by_program = counter.programs()
+    assert len(by_program) == 6
+    for (_, _, qb, _), visits in by_program.items():
+        first_tok, last_tok = 100 + 8 * qb, 100 + 8 * qb + 7
+        starts = sorted(s for _, s in visits)
+        assert starts == list(range(0, last_tok + 1, 16))  # up to the block holding its last token
+        masked = sorted(s for m, s in visits if m)
+        assert masked == list(range(first_tok // 16 * 16, last_tok + 1, 16)) and len(masked) <= 2
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_reference_masks_only_the_tail_and_walks_the_filled_part(monkeypatch, paged):
+    # The CPU path: decode at 300 of 1024 slots, blocks of 64 unmasked and 16 masked: 4 unmasked blocks
+    # (256 slots) and 3 masked ones (48 slots); nothing past slot 303 of the 1024 is read.
+    x = make_inputs(1, 1, 4, 2, 1024, 8, 8)
+    x["kv_len"] = jnp.asarray([300], jnp.int32)
+    x["q_pos"] = jnp.asarray([[299]], jnp.int32)
+    call = dict(x)
+    if paged:
+        (k_pool, table), (v_pool, _) = to_pages(x["k"], 16), to_pages(x["v"], 16)
+        call.update(k=k_pool, v=v_pool, block_table=table)
+    counter = BlockCounter(ref_kernel, monkeypatch)
+    o, lse = attention(**call, impl="reference", block_k=64, block_k_masked=16)
+    check_against_oracle(o, lse, x, 1e-5)
+    unmasked = sorted((s, n) for _, m, s, n in counter.seen if not m)
+    masked = sorted((s, n) for _, m, s, n in counter.seen if m)
+    assert unmasked == [(0, 64), (64, 64), (128, 64), (192, 64)]
+    assert masked == [(256, 16), (272, 16), (288, 16)]
 
 
 # --- lowering for CUDA without a GPU (the lowering convention in docs/ARCHITECTURE.md) -------------------------------------------------

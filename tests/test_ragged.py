@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.attention import SlotPositions, ragged, ragged_attention
-from tests.test_kernels import PALLAS, TOL, to_pages
+from tests.test_kernels import PALLAS, TOL, dim, to_pages
 from tests.util import assert_lse_close, dense_attention, rel_err
 
 
@@ -99,7 +99,7 @@ def check_ragged(o, lse, x, dense, tol):
                                        (PALLAS, dict(block_k=16))])
 @pytest.mark.parametrize("h,kh,dk,dv,page,runs,dtype,tile,bands,long_tile", [
     (8, 2, 16, 16, 16, (0, 1, 2), jnp.float32, 8, 1, 256),   # a dcp shard (every 2nd position), GQA 4
-    (4, 4, 16, 8, 16, (2, 2, 8), jnp.float32, 16, 2, 256),   # interleaved shard, MHA, Dk != Dv
+    (4, 4, 32, 16, 16, (2, 2, 8), jnp.float32, 16, 2, 256),  # interleaved shard, MHA, Dk != Dv
     (8, 2, 16, 16, 16, (0, 1, 1), jnp.bfloat16, 4, 3, 256),  # one device, bf16, tiles in 3 bands
     (8, 2, 16, 16, 16, (0, 1, 2), jnp.float32, 4, 2, 16),    # the 23-token chunk in the long-chunk group
 ])
@@ -117,7 +117,7 @@ def test_ragged_matches_float64(impl, opts, h, kh, dk, dv, page, runs, dtype, ti
 @pytest.mark.parametrize("impl", ["reference", PALLAS])
 def test_ragged_values_shared_with_keys(impl):
     # MLA's latent: one kv head, values = the keys' first v_dim features.
-    x, ((k, v), starts, lens, lengths) = ragged_case(jnp.float32, 8, 1, 24, 24, 16, (1, 1, 4))
+    x, ((k, v), starts, lens, lengths) = ragged_case(jnp.float32, 8, 1, dim(24), dim(24), 16, (1, 1, 4))
     v = k[..., :16]
     x = dict(x, v=None)
     tiles = ragged.plan(starts, lens, np.arange(5), 40, ragged.group_shapes(40, rows=5, tile=8))

@@ -1,19 +1,29 @@
 """Block sizes, pipelining and KV splits of the Pallas GPU kernel: one small table the wrapper picks from.
 
-A call is a *decode* call when all of its folded query rows (tokens × query heads per kv head) fit one
-query block, else a *prefill* call. The table gives, per phase and widest head dim, the query block,
-the KV block, Triton's warps and pipelining stages. Two rules keep every choice safe:
+A call is a *decode* call when its folded query rows (tokens × query heads per kv head) fit at most
+`DECODE_READS` query blocks of the decode configuration, so each KV tile is read at most that often
+(DeepSeek's 128 absorbed heads: two blocks of 64 rows), else a *prefill* call. The table gives, per
+phase and widest head dim, the query block, the KV block, Triton's warps and pipelining stages. Rules:
 
 - Shared memory depends on block sizes only, never on the chunk or the cache length: `smem_bytes`
   estimates a program's footprint (its query tile, `num_stages` buffered K/V tiles, the probability
-  tile) and `pick` shrinks stages, then the KV block, then the query block until it fits the device.
-- KV splits come from the device's SM count and the (batch × kv head × query block) grid: enough
-  programs for `WAVES` waves over the SMs, each split at least `MIN_BLOCKS_PER_SPLIT` KV blocks long
-  (counted over the whole slice; the kernel then shares out the visible ones), at most `MAX_SPLITS`. A prefill
-  call already has many query blocks and gets one split (no cross-split merge).
+  tile) and `pick` shrinks stages, then the KV block, then the query block until it fits one block's
+  limit. Decode entries are small enough for 2-3 programs (CTAs) per SM: a memory-bound call hides
+  latency with several resident programs, not with one program's deep pipeline.
+- Occupancy: `ctas_per_sm` counts the programs one SM holds at once, from shared memory (the SM's,
+  less the 1 KiB the runtime reserves per block) and warps (64 per SM). The float32 accumulator must
+  also stay in registers: `acc_regs_per_thread` (query rows × Dv over the program's threads) is kept
+  within `MAX_ACC_REGS` by every entry, so 128-row-wide MLA tiles use 8 warps.
+- KV splits come from the waves the grid takes: a grid of `programs × splits` fills
+  `SMs × ctas_per_sm` slots per wave, and a call's time goes as (waves) × (KV blocks per split);
+  `num_splits` picks the split count that minimises that product (the fewest splits on a tie), each
+  split at least `MIN_BLOCKS_PER_SPLIT` KV blocks long (counted over the whole slice; the kernel then
+  shares out the visible ones), at most `MAX_SPLITS`. A prefill call already has many query blocks
+  and gets one split (no cross-split merge).
 
-The entries are starting points, not measurements: `scripts/sweep_kernel.py` sweeps block_k 64/128/256
-× num_stages 2-5 × num_warps 4/8 (and block_q for prefill) on a GPU and prints the rows to put here.
+The entries are starting points chosen by that arithmetic, not GPU measurements: `scripts/sweep_kernel.py`
+runs the paged kernel at the engine's page sizes over head dims 64/128/256 and MLA 576/512 on a GPU
+and prints the rows to put here.
 """
 
 from __future__ import annotations
@@ -23,11 +33,17 @@ import math
 
 import jax
 
-# H100/H200 (sm_90): 227 KiB of shared memory per block, 132 SMs. Used when no GPU is attached (the
-# CUDA lowering test, interpret mode); on a GPU the attached device's SM count is read.
+# H100/H200 (sm_90): 227 KiB of shared memory per block, 228 KiB per SM (1 KiB of it reserved per
+# resident block), 64 warps and 65,536 32-bit registers per SM, 132 SMs. Used when no GPU is attached
+# (the CUDA lowering test, interpret mode); on a GPU the attached device's SM count is read.
 SMEM_LIMIT = 232448
+SMEM_PER_SM = 233472
+SMEM_RESERVED_PER_CTA = 1024
+WARPS_PER_SM = 64
+MAX_CTAS_PER_SM = 32
+MAX_ACC_REGS = 128  # float32 accumulator registers per thread (of 255): the rest hold scores and addresses
 DEFAULT_NUM_SMS = 132
-WAVES = 2
+DECODE_READS = 2  # a decode call reads each KV tile at most this often (its query blocks)
 MAX_SPLITS = 32
 MIN_BLOCK = 16  # tensor-core dots need every dimension >= 16
 MIN_BLOCKS_PER_SPLIT = 8  # a split shorter than this costs more in its partial output than it saves
@@ -35,18 +51,20 @@ MIN_BLOCKS_PER_SPLIT = 8  # a split shorter than this costs more in its partial 
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    block_q: int  # folded query rows per program (decode: all rows, rounded up to a power of two)
+    block_q: int  # folded query rows per program (decode: the rows rounded up to a power of two, up to this)
     block_k: int  # KV slots per inner step
     num_warps: int
     num_stages: int
 
 
 # (phase, widest head dim up to) -> config. Decode's block_q is the cap: the call uses the smallest
-# power of two >= its rows (>= 16) up to it.
+# power of two >= its rows (>= 16) up to it. Occupancy at bf16 (`ctas_per_sm`): decode 128 and 256
+# hold 3 programs per SM at 16 rows and 2 at 64; the MLA latent (576 keys, 512 values shared) holds 2
+# at 16-64 rows; prefill entries hold 1 (their grids are many query blocks deep).
 TABLE = {
-    ("decode", 128): KernelConfig(block_q=64, block_k=128, num_warps=4, num_stages=3),
-    ("decode", 256): KernelConfig(block_q=64, block_k=64, num_warps=4, num_stages=3),
-    ("decode", 1024): KernelConfig(block_q=32, block_k=32, num_warps=4, num_stages=2),   # MLA latent 576
+    ("decode", 128): KernelConfig(block_q=64, block_k=64, num_warps=4, num_stages=2),
+    ("decode", 256): KernelConfig(block_q=64, block_k=32, num_warps=4, num_stages=2),
+    ("decode", 1024): KernelConfig(block_q=64, block_k=16, num_warps=8, num_stages=2),   # MLA latent 576
     ("prefill", 128): KernelConfig(block_q=64, block_k=64, num_warps=4, num_stages=3),
     ("prefill", 256): KernelConfig(block_q=64, block_k=32, num_warps=4, num_stages=2),
     ("prefill", 1024): KernelConfig(block_q=32, block_k=16, num_warps=4, num_stages=2),
@@ -101,16 +119,28 @@ def num_sms() -> int:
     return DEFAULT_NUM_SMS
 
 
+def acc_regs_per_thread(cfg: KernelConfig, dv: int) -> float:
+    """32-bit registers per thread that the float32 output accumulator [block_q, Dv] takes."""
+    return cfg.block_q * dv / (cfg.num_warps * 32)
+
+
+def ctas_per_sm(cfg: KernelConfig, dk: int, dv: int, itemsize: int, shared_v: bool = False) -> int:
+    """Programs (CTAs) of this configuration one SM holds at once: bounded by shared memory (each
+    resident block also takes the runtime's reserved 1 KiB) and by warps."""
+    by_smem = SMEM_PER_SM // (smem_bytes(cfg, dk, dv, itemsize, shared_v) + SMEM_RESERVED_PER_CTA)
+    return max(1, min(by_smem, WARPS_PER_SM // cfg.num_warps, MAX_CTAS_PER_SM))
+
+
 def pick(rows: int, dk: int, dv: int, itemsize: int, shared_v: bool = False,
          smem_limit: int = SMEM_LIMIT) -> tuple[str, KernelConfig]:
     """(phase, config) for `rows` folded query rows and head dims dk/dv, shrunk to fit shared memory."""
     widest = max(dk, dv)
     bucket = next((d for d in (128, 256, 1024) if widest <= d), 1024)
     base_decode = TABLE[("decode", bucket)]
-    phase = "decode" if rows <= base_decode.block_q else "prefill"
+    phase = "decode" if rows <= DECODE_READS * base_decode.block_q else "prefill"
     cfg = TABLE[(phase, bucket)]
     if phase == "decode":
-        cfg = dataclasses.replace(cfg, block_q=pow2(rows, MIN_BLOCK))
+        cfg = dataclasses.replace(cfg, block_q=min(pow2(rows, MIN_BLOCK), base_decode.block_q))
     while smem_bytes(cfg, dk, dv, itemsize, shared_v) > smem_limit:
         if cfg.num_stages > 2:
             cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
@@ -123,7 +153,20 @@ def pick(rows: int, dk: int, dv: int, itemsize: int, shared_v: bool = False,
     return phase, cfg
 
 
-def num_splits(programs: int, kv_blocks: int, sms: int | None = None) -> int:
-    """KV splits per (batch, kv head, query block) program so the grid covers `WAVES` waves of SMs."""
-    want = math.ceil(WAVES * (sms or num_sms()) / max(programs, 1))
-    return max(1, min(want, kv_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+def num_splits(programs: int, kv_blocks: int, sms: int | None = None, ctas: int = 1) -> int:
+    """KV splits per (batch, kv head, query block) program: the count that minimises
+    waves × blocks per split, where a wave is `sms × ctas` resident programs (`ctas_per_sm`); one
+    when the programs alone fill a wave.
+
+    E.g. 64 programs over 512 KV blocks on 132 SMs: at 3 programs per SM, 6 splits make 384 programs,
+    one wave of 396 slots (97% full), 86 blocks each; at 1 per SM, 2 splits fill one wave of 132.
+    """
+    slots = (sms or num_sms()) * max(ctas, 1)
+    if programs >= slots:  # a wave is full without splitting (prefill): no partial outputs to merge
+        return 1
+    most = max(1, min(kv_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+
+    def cost(n):
+        return math.ceil(programs * n / slots) * math.ceil(kv_blocks / n)
+
+    return min(range(1, most + 1), key=lambda n: (cost(n), n))

@@ -17,6 +17,9 @@ out, so any block size works.
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -25,6 +28,10 @@ from pallas_kernels.attention.common import row_limits
 # The oracle computes in float32 on every backend: XLA's GPU dots would otherwise run float32 as TF32
 # (rel. error ~4e-4); XLA:CPU's float32 dots are float32 either way.
 HIGHEST = lax.Precision.HIGHEST
+
+# Tests set this to a function f(masked, slots, start) to count the blocks a call visits (as
+# `triton.block_probe`); read at trace time, so a program traced while it is None carries nothing.
+block_probe = None
 
 
 def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 512, block_k_masked: int = 128,
@@ -76,7 +83,9 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
         pages = lax.dynamic_slice_in_dim(block_table, start // unit, n // unit, axis=1)  # [B, n / page]
         return jnp.moveaxis(x[(*lead, pages)], 2, 1).reshape(b, kh, n, d)
 
-    def block(start, n):
+    def block(start, n, masked):
+        if block_probe is not None:
+            jax.debug.callback(functools.partial(block_probe, masked, n), start)
         kb = read(k, start, n).astype(jnp.float32)
         vb = kb[..., :dv] if v is None else read(v, start, n).astype(jnp.float32)
         return jnp.einsum("bkrd,bksd->bkrs", qg, kb, precision=HIGHEST), vb
@@ -93,7 +102,7 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
     def masked_step(j, carry):
         first = unmasked_end + j * bm
         start = jnp.minimum(first, s - bm)  # the last block ends at the slice's end
-        sc, vb = block(start, bm)
+        sc, vb = block(start, bm, True)
         slot = start + jnp.arange(bm, dtype=jnp.int32)
         pos = kv_pos.at(slot)
         mask = (pos[None, None, :] <= limit[:, :, None]) & (slot >= first)  # [B, T, bm]
@@ -101,7 +110,7 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
         return update(carry, sc, vb, lambda m: jnp.where(jnp.isfinite(m), m, 0.0))
 
     def unmasked_step(i, carry):
-        sc, vb = block(i * bs, bs)
+        sc, vb = block(i * bs, bs, False)
         return update(carry, sc, vb, lambda m: m)  # every score is finite: so is the running max
 
     init = (

@@ -37,6 +37,12 @@ from pallas_kernels.attention.common import SlotPositions, merge_partials, row_l
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
+# Tests set this to a function f(masked, batch, kv_head, q_block, split, start) to count the KV blocks
+# each program visits in interpret mode (the claims "only the last block is masked" and "a step walks
+# the filled part of the cache, not its capacity"). It is read when the kernel is traced: a kernel
+# traced while it is None, as every compiled one is, carries nothing.
+block_probe = None
+
 
 def _kernel(start_ref, q_ref, lim_ref, *refs, block_k, precision, run, stride, num_slots, num_splits,
             k_pieces, v_pieces, shared_v, page_size, layered):
@@ -62,6 +68,8 @@ def _kernel(start_ref, q_ref, lim_ref, *refs, block_k, precision, run, stride, n
     num_blocks = pl.cdiv(jnp.maximum(end - first, 0), block_k)
 
     lead = (layer_ref[()],) if layered else ()
+    probe = block_probe
+    program = [pl.program_id(a) for a in range(4)] if probe is not None else None
 
     def load(ref, start, off, w, masked):
         if page_size:  # a block lies inside one page (page_size % block_k == 0); slots never pass the table
@@ -75,6 +83,8 @@ def _kernel(start_ref, q_ref, lim_ref, *refs, block_k, precision, run, stride, n
     def step(i, carry, masked):
         m, l, accs = carry
         start = first + i * block_k
+        if probe is not None:
+            jax.debug.callback(probe, masked, *program, start)
         ks = [load(k_ref, start, off, w, masked) for off, w in k_pieces]
         s = functools.reduce(jnp.add, [
             plgpu.dot(q, k, trans_b=True, precision=precision).astype(jnp.float32) for q, k in zip(qs, ks)])
@@ -144,7 +154,9 @@ def attention(
         bk = configs.page_block(bk, page_size, minimum=1 if interpret else configs.MIN_BLOCK)
     q_blocks = math.ceil(rows / bq)
     rows_pad = q_blocks * bq
-    splits = num_splits or configs.num_splits(b * kh * q_blocks, math.ceil(s / bk))
+    cfg = configs.KernelConfig(bq, bk, num_warps or cfg.num_warps, num_stages or cfg.num_stages)
+    ctas = configs.ctas_per_sm(cfg, dk, dv, q.dtype.itemsize, shared_v)
+    splits = num_splits or configs.num_splits(b * kh * q_blocks, math.ceil(s / bk), ctas=ctas)
     splits = max(1, min(splits, math.ceil(s / bk)))
 
     # Query rows of one kv head, (token, head-in-group), pre-scaled for exp2. Only q and the limits are
@@ -193,8 +205,7 @@ def attention(
             jax.ShapeDtypeStruct((b, kh, splits, rows_pad, dv), out_dtype),
             jax.ShapeDtypeStruct((b, kh, splits, rows_pad), jnp.float32),
         ],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps or cfg.num_warps,
-                                             num_stages=num_stages or cfg.num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="dcp_flash_attention",
     )(start, qg, lim, *([jnp.asarray(layer, jnp.int32)] if layered else []),
