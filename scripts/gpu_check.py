@@ -12,7 +12,8 @@ measured is kept even when it fails or runs out of time):
   prefill_chunk_sweep  TTFT at batch 4 × 32K for prefill_chunk 2048/4096/1024/512 (batch 4's e2e figures)
   scan_cost       decode at batch 16 × 2K with the layers scanned vs one stack per layer (scan_layers=False)
   prefill_kernel  the Pallas prefill kernel vs cuDNN causal at T = S = 8192
-  kernel_tests    pytest tests/test_kernels.py with the kernel compiled for the GPU (subprocess)
+  kernel_tests    pytest tests/test_kernels.py and tests/test_ragged.py with the kernel compiled for the
+                  GPU (subprocess; every test runs, every failure is listed)
 
 Results go to a JSON file (`--out`, rewritten after every measurement); `--report FILE` prints that
 JSON and, last, a markdown table of the headline figures against their targets. Run through
@@ -134,7 +135,7 @@ def first_line(e: BaseException | str) -> str:
 
 def parse_pytest(text: str) -> dict:
     """Counts from pytest's output: the summary line when there is one, else the progress dots of a
-    run that was cut short. Also the first failure's line."""
+    run that was cut short. Also every failure's short-summary line (run pytest with -rfE)."""
     counts = {}
     summary = [ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed|error|errors|skipped)", ln)]
     if summary:
@@ -145,9 +146,10 @@ def parse_pytest(text: str) -> dict:
         prog = "".join(m.group(1) for m in re.finditer(r"^([.FEsxX]+)\s*(?:\[\s*\d+%\])?\s*$", text, re.M))
         counts = dict(passed=prog.count("."), failed=prog.count("F"), error=prog.count("E"),
                       skipped=prog.count("s"), complete=False)
-    fail = next((ln.strip() for ln in text.splitlines() if ln.startswith(("FAILED", "ERROR "))), None)
-    if fail:
-        counts["first_failure"] = fail[:300]
+    fails = [ln.strip()[:300] for ln in text.splitlines() if ln.startswith(("FAILED", "ERROR "))]
+    if fails:
+        counts["first_failure"] = fails[0]
+        counts["failures"] = fails
     return counts
 
 
@@ -267,7 +269,8 @@ def headline_rows(results: dict) -> list[tuple[str, str, str, str]]:
         ok = c.get("failed", 0) == 0 and c.get("error", 0) == 0 and c.get("passed", 0) > 0 and c.get("complete")
         measured = (f"{c.get('passed', 0)} passed, {c.get('failed', 0)} failed, {c.get('error', 0)} errors, "
                     f"{c.get('skipped', 0)} skipped" + ("" if c.get("complete") else " (cut short)")
-                    + (f"; {c['first_failure'][:100]}" if c.get("first_failure") else ""))
+                    + "".join(f"; {f.removeprefix('FAILED ')[:90]}" for f in c.get("failures", [])[:5])
+                    + (f"; +{len(c['failures']) - 5} more (see the JSON)" if len(c.get("failures", [])) > 5 else ""))
         rows.append(("kernel tests on the GPU", measured, "all pass", _verdict(bool(ok))))
     else:
         rows.append(("kernel tests on the GPU", _why(kt), "all pass", "FAIL" if kt.get("status") == "failed" else "—"))
@@ -875,6 +878,9 @@ def stage_scan_cost(rec: dict, budget_s: float, save, ckpt: Path, batch: int = 1
         rec["scanned_over_per_layer"] = runs["scanned"]["decode_tokens_per_s"] / runs["per_layer"]["decode_tokens_per_s"]
 
 
+KERNEL_TEST_FILES = ("tests/test_kernels.py", "tests/test_ragged.py")
+
+
 def stage_kernel_tests(rec: dict, budget_s: float, save) -> None:
     import importlib.util
 
@@ -888,7 +894,8 @@ def stage_kernel_tests(rec: dict, budget_s: float, save) -> None:
         env["JAX_PLATFORMS"] = "cuda,cpu"
     rec["jax_platforms"] = env["JAX_PLATFORMS"]
     t = time.perf_counter()
-    p = _subprocess([sys.executable, "-m", "pytest", "tests/test_kernels.py", "-q", "-x", "-p", "no:cacheprovider"],
+    # every test runs (no -x): a failing shape does not hide the ones after it; -rfE lists each failure
+    p = _subprocess([sys.executable, "-m", "pytest", *KERNEL_TEST_FILES, "-q", "-rfE", "-p", "no:cacheprovider"],
                     budget_s, env=env)
     rec["seconds_pytest"] = round(time.perf_counter() - t, 1)
     rec["rc"] = p.returncode
@@ -897,7 +904,9 @@ def stage_kernel_tests(rec: dict, budget_s: float, save) -> None:
     if p.returncode is None:
         raise RuntimeError(f"timed out after {budget_s:.0f} s")
     if p.returncode != 0:
-        raise RuntimeError(rec["counts"].get("first_failure") or (_tail(p.stdout + p.stderr, 1) or ["?"])[0])
+        n = len(rec["counts"].get("failures", []))
+        raise RuntimeError(f"{n} failed, first: {rec['counts']['first_failure']}" if n
+                           else (_tail(p.stdout + p.stderr, 1) or ["?"])[0])
 
 
 # =====================================================================================================

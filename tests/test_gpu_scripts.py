@@ -110,10 +110,13 @@ def test_small_helpers(gc):
 
 def test_parse_pytest(gc):
     parse = gc["parse_pytest"]
-    done = parse("..........F\n=== FAILURES ===\nFAILED tests/test_kernels.py::test_x - AssertionError\n"
-                 "1 failed, 10 passed, 2 skipped in 3.21s\n")
-    assert (done["passed"], done["failed"], done["skipped"], done["complete"]) == (10, 1, 2, True)
+    done = parse("..........F.F\n=== FAILURES ===\nFAILED tests/test_kernels.py::test_x - AssertionError\n"
+                 "FAILED tests/test_ragged.py::test_y[a] - ValueError: no\n"
+                 "2 failed, 11 passed, 2 skipped in 3.21s\n")
+    assert (done["passed"], done["failed"], done["skipped"], done["complete"]) == (11, 2, 2, True)
     assert done["first_failure"].startswith("FAILED tests/test_kernels.py::test_x")
+    assert [f.split(" - ")[0] for f in done["failures"]] == ["FAILED tests/test_kernels.py::test_x",
+                                                            "FAILED tests/test_ragged.py::test_y[a]"]
     cut = parse("........................ [ 36%]\n....s...\n")
     assert (cut["passed"], cut["skipped"], cut["complete"]) == (31, 1, False)
 
@@ -162,6 +165,15 @@ def test_headline_rows_verdicts(gc):
     assert rows["e2e decode b=4 @32K: tok/s (roofline)"][1].startswith("skipped")
     assert rows["best prefill chunk (TTFT b=4)"][1].startswith("skipped")
     assert "7/64" in rows["greedy tokens = transformers'"][1]
+
+
+def test_kernel_test_row_lists_every_failure(gc):
+    fails = [f"FAILED tests/test_kernels.py::test_{i} - AssertionError" for i in range(7)]
+    run = dict(meta={}, stages=dict(kernel_tests=dict(status="failed", counts=dict(
+        passed=90, failed=7, error=0, skipped=0, complete=True, first_failure=fails[0], failures=fails))))
+    row = next(r for r in gc["headline_rows"](run) if r[0] == "kernel tests on the GPU")
+    assert row[3] == "FAIL"
+    assert all(f"test_kernels.py::test_{i} " in row[1] for i in range(5)) and "+2 more" in row[1]
 
 
 def test_headline_rows_survive_an_empty_run(gc):
