@@ -5,7 +5,8 @@ measured is kept even when it fails or runs out of time):
 
   copy            the device copy ceiling: several copy candidates on a 1 GiB buffer, the best is `copy_gbs`
   decode_kernel   the Pallas decode kernel vs the jnp reference vs cuDNN at 8K/32K/128K keys; the paged
-                  kernel vs the ragged step's decode-only tiles over the same pages (ragged_vs_paged)
+                  kernel vs the ragged step's decode-only tiles over the same pages (ragged_vs_paged);
+                  DeepSeek's absorbed MLA decode at 128 heads over a paged 576-wide latent (mla_*)
   checkpoint      a random-weight bf16 Llama of 1.1B parameters, written with transformers (subprocess)
   e2e_dcp         dcp_jax LLM.generate at batch 16 × 32K prompt: TTFT, decode tokens/s, roofline
   e2e_transformers  transformers' model.generate (SDPA, bf16) on the same prompts (subprocess)
@@ -210,6 +211,11 @@ def headline_rows(results: dict) -> list[tuple[str, str, str, str]]:
         if s >= TARGET_COPY_FRACTION_FROM:
             oks.append(frac is not None and frac >= TARGET_COPY_FRACTION)
         rows.append((label, measured, target, _verdict(all(oks))))
+        if r.get("mla_ms") is not None:
+            rows.append((f"MLA decode {r['mla_heads']} heads {_k(s)}: of copy",
+                         f"{_pct(r.get('mla_fraction_of_copy'))} ({_fmt(r['mla_gbs'], '.0f')} GB/s, "
+                         f"{_fmt(r['mla_ms'], '.3f')} ms, {r['mla_query_blocks']} query blocks); max|Δref| "
+                         f"{_fmt(r.get('mla_max_abs_diff_vs_reference'), '.1e')}", "report", "—"))
         if r.get("pallas_verify5_ms") is not None:
             rows.append((f"verify step (5 queries) {_k(s)}: time vs 1 query",
                          f"{_fmt(r['pallas_verify5_ms'], '.3f')} ms = {_fmt(r.get('verify5_cost_vs_decode'))}×",
@@ -470,6 +476,34 @@ def paged_vs_ragged(q, k, v, q_pos, kv_len, page: int = 64, impl: str = "pallas"
     return row
 
 
+def mla_decode(s: int, b: int = 8, heads: int = 128, page: int = 64, impl: str = "pallas", seed: int = 2) -> dict:
+    """DeepSeek's absorbed decode: `heads` query heads over one 576-wide latent kv head (values = its
+    first 512 features) in `page`-slot pages, bf16. Returns the kernel's time, its latent GB/s, the query
+    blocks it reads each latent tile with (`configs.pick`), and the largest difference from the reference."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.attention import SlotPositions, attention, configs
+
+    kq, kk = jax.random.split(jax.random.key(seed))
+    q = jax.random.normal(kq, (b, 1, heads, 576), jnp.bfloat16)
+    pool = jax.random.normal(kk, (b * s // page, 1, page, 576), jnp.bfloat16)
+    table = jnp.arange(b * s // page, dtype=jnp.int32).reshape(b, s // page)
+    q_pos, kv_len = jnp.full((b, 1), s - 1, jnp.int32), jnp.full((b,), s, jnp.int32)
+    pos = SlotPositions.dense(s)
+
+    def fn(which):
+        return jax.jit(lambda q, k, qp, kl, t: attention(q, k, None, qp, pos, kl, impl=which, v_dim=512,
+                                                         block_table=t))
+
+    args = (q, pool, q_pos, kv_len, table)
+    sec = bench(fn(impl), *args)
+    _, cfg = configs.pick(heads, 576, 512, 2, shared_v=True)
+    return dict(mla_heads=heads, mla_ms=sec * 1e3, mla_gbs=pool.nbytes / sec / 1e9,
+                mla_query_blocks=-(-heads // cfg.block_q),
+                mla_max_abs_diff_vs_reference=_max_abs_diff(fn(impl)(*args)[0], fn("reference")(*args)[0]))
+
+
 def _max_abs_diff(a, b) -> float:
     import jax.numpy as jnp
 
@@ -534,6 +568,13 @@ def stage_decode_kernel(rec: dict, budget_s: float, save, lengths, copy_gbs: flo
             row.update(paged_vs_ragged(q, k, v, q_pos, kv_len))
         except Exception as e:  # noqa: BLE001
             row["ragged_decode_error"] = first_line(e)
+        save()
+        try:  # DeepSeek decode at 128 query heads over the shared latent (two query blocks of 64 rows)
+            row.update(mla_decode(s))
+            if copy_gbs:
+                row["mla_fraction_of_copy"] = row["mla_gbs"] / copy_gbs
+        except Exception as e:  # noqa: BLE001
+            row["mla_error"] = first_line(e)
         save()
         if "pallas" in outs:
             if "reference" in outs:

@@ -194,8 +194,8 @@ def test_report_prints_the_table_last(gc, tmp_path, capsys):
 
 
 def test_sweep_space_and_best(sk):
-    assert len(sk["space"]("decode")) == 3 * 4 * 2
-    assert len(sk["space"]("prefill")) == 2 * 3 * 2 * 2
+    assert len(sk["space"]("decode")) == 5 * 3 * 2
+    assert len(sk["space"]("prefill")) == 3 * 4 * 2 * 2
     a, b = dict(block_k=64, num_stages=2, num_warps=4), dict(block_k=128, num_stages=3, num_warps=4)
     results = [
         dict(shape="decode 32K", options="default", ms=1.0),
@@ -222,6 +222,39 @@ def test_sweep_rows_paste_into_configs(sk):
     assert re.search(r"block_q=128, block_k=64, num_warps=4, num_stages=2", row)
 
 
+def test_sweep_skips_blocks_past_the_page_or_shared_memory(sk):
+    skip = sk["skip_reason"]
+    assert skip(dict(block_k=128, num_stages=2, num_warps=4), "decode", "d128", 64, 4).startswith(
+        "skipped: block_k 128 > page 64")
+    assert skip(dict(block_k=64, num_stages=2, num_warps=4), "decode", "d128", 64, 4) is None
+    # MLA prefill: 128 query rows × 576 plus 4 stages of 128 latent rows cannot fit one block
+    assert "shared memory" in skip(dict(block_q=128, block_k=128, num_stages=3, num_warps=8), "prefill", "mla", 128,
+                                   4096)
+    assert [sk["table_bucket"](c) for c in ("d64", "d128", "d256", "mla")] == [64, 128, 256, 1024]
+
+
+def test_sweep_says_when_larger_pages_win(sk):
+    a, b = dict(block_k=64, num_stages=2, num_warps=4), dict(block_k=128, num_stages=2, num_warps=4)
+    rows = [dict(phase="decode", case="d128", page=64, options=a, ms=1.0),
+            dict(phase="decode", case="d128", page=128, options=b, ms=0.8)]
+    assert "page 128 (KV blocks up to 128) is 1.25x faster than page 64" in sk["larger_pages"](rows, "decode", "d128")
+    rows[1]["ms"] = 1.1
+    assert sk["larger_pages"](rows, "decode", "d128") is None
+
+
+def test_sweep_runs_the_paged_kernel_on_the_interpreter(sk):
+    # One small MLA decode shape through the sweep's own path: the default config and two swept ones run
+    # the paged kernel (values shared with the keys) and agree; one past the page is skipped.
+    args, fn, nbytes, _ = sk["paged_inputs"]("mla", "decode", 16, 64, 16, batch=1)
+    assert args[1].shape == (4, 1, 16, 576) and args[2] is None and nbytes == args[1].nbytes
+    results = []
+    opts = [dict(block_k=16, num_stages=2, num_warps=8), dict(block_k=32, num_stages=2, num_warps=4)]
+    sk["sweep_shape"]("decode mla", "decode", "mla", 16, args, fn, opts, float("inf"), lambda s: "", results,
+                      impl="pallas_interpret")
+    assert [r.get("error", "")[:7] for r in results] == ["", "", "skipped"]
+    assert results[1]["ms"] > 0 and results[1]["max_abs_diff_vs_default"] < 1e-2
+
+
 def test_ragged_decode_row_runs_on_the_interpreter(gc):
     # The GPU check's ragged-vs-paged row, on Pallas' interpreter: both kernels run over the same pages
     # and give the same attention.
@@ -229,3 +262,11 @@ def test_ragged_decode_row_runs_on_the_interpreter(gc):
     row = gc["paged_vs_ragged"](q, k, v, q_pos, kv_len, page=16, impl="pallas_interpret")
     assert row["paged_ms"] > 0 and row["ragged_decode_ms"] > 0
     assert row["ragged_vs_paged"] > 0 and row["ragged_max_abs_diff"] < 2e-2  # bf16 inputs
+
+
+def test_mla_decode_row_runs_on_the_interpreter(gc):
+    # The GPU check's 128-head MLA decode row, on Pallas' interpreter at a small context: the kernel reads
+    # the latent in two query blocks and agrees with the reference.
+    row = gc["mla_decode"](64, b=1, heads=128, page=16, impl="pallas_interpret")
+    assert row["mla_query_blocks"] == 2 and row["mla_ms"] > 0 and row["mla_gbs"] > 0
+    assert row["mla_max_abs_diff_vs_reference"] < 2e-2  # bf16 inputs

@@ -131,14 +131,20 @@ def ctas_per_sm(cfg: KernelConfig, dk: int, dv: int, itemsize: int, shared_v: bo
     return max(1, min(by_smem, WARPS_PER_SM // cfg.num_warps, MAX_CTAS_PER_SM))
 
 
+def entry(phase: str, widest: int) -> KernelConfig:
+    """The table's entry of a phase for the smallest head-dim bucket >= `widest` (the largest bucket
+    beyond them all)."""
+    dims = sorted(d for ph, d in TABLE if ph == phase)
+    return TABLE[(phase, next((d for d in dims if widest <= d), dims[-1]))]
+
+
 def pick(rows: int, dk: int, dv: int, itemsize: int, shared_v: bool = False,
          smem_limit: int = SMEM_LIMIT) -> tuple[str, KernelConfig]:
     """(phase, config) for `rows` folded query rows and head dims dk/dv, shrunk to fit shared memory."""
     widest = max(dk, dv)
-    bucket = next((d for d in (128, 256, 1024) if widest <= d), 1024)
-    base_decode = TABLE[("decode", bucket)]
+    base_decode = entry("decode", widest)
     phase = "decode" if rows <= DECODE_READS * base_decode.block_q else "prefill"
-    cfg = TABLE[(phase, bucket)]
+    cfg = entry(phase, widest)
     if phase == "decode":
         cfg = dataclasses.replace(cfg, block_q=min(pow2(rows, MIN_BLOCK), base_decode.block_q))
     while smem_bytes(cfg, dk, dv, itemsize, shared_v) > smem_limit:
