@@ -120,13 +120,16 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs_help: str = "req
                     context_alias: str | None = None) -> None:
     """The flags that build an `LLM` (model, mesh, dtype, the pool and the scheduler), for every entry point.
     `context_alias`: another name for --max-model-len (the generate CLI's --max-seq-len)."""
+    from dcp_jax.weights import DTYPE_NAMES
+
     p.add_argument("--model", default=None,
                    help="Hugging Face checkpoint directory or orbax checkpoint (default: the embedded tiny model)")
     p.add_argument("--tp", type=positive_int("--tp"), default=None, help="tensor-parallel size (default 1)")
     p.add_argument("--dcp", type=positive_int("--dcp"), default=None, help="decode-context-parallel size (default 1)")
     p.add_argument("--mesh", type=mesh_arg, default=None, help="both at once: tp=2,dcp=4")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                   help="weights and KV dtype (on a GPU pass bfloat16: float32 dots run without tensor cores)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="auto",
+                   help="weights and KV dtype (default auto: bfloat16 on GPUs, where float32 dots run without "
+                        "tensor cores; float32 on CPUs)")
     k = p.add_argument_group("paged KV cache and continuous batching")
     names = ["--max-model-len"] + ([context_alias] if context_alias else [])
     k.add_argument(*names, dest="max_model_len", type=positive_int("--max-model-len"), default=None,

@@ -109,14 +109,14 @@ class LLM:
         self.engine = self.build_engine(self.config)
 
     @classmethod
-    def load(cls, model_dir, *, tp: int = 1, dcp: int = 1, interleave: int | str = 1, dtype: str = "float32",
+    def load(cls, model_dir, *, tp: int = 1, dcp: int = 1, interleave: int | str = 1, dtype: str = "auto",
              impl: str | None = None, devices=None, scan_layers: bool = True, speculative: str | None = None,
              num_speculative_tokens: int = 4, draft_model=None, **engine_kw) -> "LLM":
         """Load a Hugging Face or orbax checkpoint onto a (tp, dcp) mesh. `engine_kw`: the constructor's
         (max_model_len, kv_cache_memory, page_size, max_num_seqs, prefill_chunk, ...). `speculative`:
         None, "ngram" (prompt lookup) or "draft" (with `draft_model`, a checkpoint directory with the
         same vocabulary, loaded on the same mesh); `num_speculative_tokens` drafts per verify step."""
-        from dcp_jax.weights import load_any
+        from dcp_jax.weights import load_any, resolve_dtype
 
         if interleave != "contiguous" and not (isinstance(interleave, int) and interleave >= 1):
             raise UserError(f"interleave must be an integer >= 1 or 'contiguous', got {interleave!r}")
@@ -125,6 +125,7 @@ class LLM:
         if speculative is not None:  # refuse a bad configuration before loading anything
             SpeculativeConfig(speculative, num_speculative_tokens, draft=draft_model)
         mesh = mesh_lib.make_mesh(tp, dcp, devices)
+        dtype = resolve_dtype(dtype, mesh)  # "auto": bfloat16 on GPUs, float32 elsewhere
         model, tokenizer, source = load_any(model_dir, mesh, dtype, scan_layers=scan_layers)
         spec = None
         if speculative is not None:

@@ -23,6 +23,19 @@ from dcp_jax.errors import UserError
 from dcp_jax.layers import expand_kv_rows, stack_names
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPE_NAMES = ("auto", *DTYPES)
+
+
+def resolve_dtype(dtype: str, mesh: Mesh) -> str:
+    """The weights' and KV's dtype name. "auto" (the default): bfloat16 where the mesh's devices are
+    GPUs (float32 dots there run at full precision without tensor cores, and the cache is twice the
+    size), float32 elsewhere (XLA:CPU computes bfloat16 dots in float32 anyway, and float32 stays exact
+    against float32 references)."""
+    if dtype == "auto":
+        return "bfloat16" if mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm") else "float32"
+    if dtype not in DTYPES:
+        raise UserError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
+    return dtype
 
 
 def _kv_source_rows(rows: slice, n_rows: int, rep: int, head_dim: int) -> np.ndarray:
@@ -130,13 +143,12 @@ def load_tokenizer(model_dir: Path):
         raise UserError(f"cannot read {path}: {e}") from None
 
 
-def load_hf(model_dir, mesh: Mesh, dtype: str = "float32", *, q_gather: bool = False, scan_layers: bool = True):
+def load_hf(model_dir, mesh: Mesh, dtype: str = "auto", *, q_gather: bool = False, scan_layers: bool = True):
     """(model, tokenizer or None) from a Hugging Face checkpoint directory, placed on `mesh`
     (`q_gather`: see `CausalLM`)."""
     from dcp_jax.model import CausalLM
 
-    if dtype not in DTYPES:
-        raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    dtype = resolve_dtype(dtype, mesh)
     path = check_model_dir(model_dir)
     cfg = ModelConfig.from_file(path / "config.json")
     model = CausalLM(cfg, SafetensorsSource(path, cfg, mesh, DTYPES[dtype]), mesh, q_gather=q_gather,
@@ -235,13 +247,12 @@ class DictSource:
         return expand(x)
 
 
-def load_checkpoint(path, mesh: Mesh, dtype: str = "float32", *, scan_layers: bool = True):
+def load_checkpoint(path, mesh: Mesh, dtype: str = "auto", *, scan_layers: bool = True):
     """(model, tokenizer or None, step) from an orbax checkpoint, restored onto `mesh`'s shardings."""
     import orbax.checkpoint as ocp
     from dcp_jax.model import CausalLM
 
-    if dtype not in DTYPES:
-        raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    dtype = resolve_dtype(dtype, mesh)
     path = check_model_dir(path)
     with _manager(path, read_only=True) as mngr:
         step = mngr.latest_step()
@@ -270,7 +281,7 @@ def load_checkpoint(path, mesh: Mesh, dtype: str = "float32", *, scan_layers: bo
     return model, tokenizer_from_str(meta.get("tokenizer")), step
 
 
-def load_any(model_dir, mesh: Mesh, dtype: str = "float32", *, scan_layers: bool = True):
+def load_any(model_dir, mesh: Mesh, dtype: str = "auto", *, scan_layers: bool = True):
     """(model, tokenizer, description) from a Hugging Face directory or an orbax checkpoint."""
     path = check_model_dir(model_dir)
     if is_orbax_checkpoint(path):

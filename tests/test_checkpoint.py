@@ -81,3 +81,24 @@ def test_save_errors(tmp_path, capsys):
     empty.mkdir()
     assert run(["--model", str(empty), "--prompt-ids", "1"]) == 1
     assert "neither a Hugging Face checkpoint (no config.json) nor an orbax" in capsys.readouterr().err
+
+
+def test_dtype_auto_is_bfloat16_on_gpus_and_float32_elsewhere():
+    import types
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dcp_jax.errors import UserError
+    from dcp_jax.weights import resolve_dtype
+
+    def mesh_on(platform):
+        return types.SimpleNamespace(devices=np.asarray([types.SimpleNamespace(platform=platform)], dtype=object))
+
+    assert resolve_dtype("auto", mesh_on("gpu")) == "bfloat16"
+    assert resolve_dtype("auto", mesh_on("cpu")) == "float32"
+    assert resolve_dtype("float32", mesh_on("gpu")) == "float32"  # an explicit choice stands
+    with pytest.raises(UserError, match="dtype must be one of auto, float32, bfloat16, float16, got 'fp8'"):
+        resolve_dtype("fp8", mesh_on("cpu"))
+    llm = LLM.load(FIX, tp=1, dcp=2)  # the default, on this CPU: float32 weights and KV
+    assert llm.model.embed_tokens.get_value().dtype == jnp.float32

@@ -56,7 +56,7 @@ class DisaggregatedLLM:
         self.decode_instance.warm()  # the decode programs and every write program, once
 
     @classmethod
-    def load(cls, model_dir, *, prefill: dict | None = None, decode: dict | None = None, dtype: str = "float32",
+    def load(cls, model_dir, *, prefill: dict | None = None, decode: dict | None = None, dtype: str = "auto",
              devices=None, timeout_s: float = 60.0, **both) -> "DisaggregatedLLM":
         """Load the model twice: on the first tp·dcp devices for the prefill side (`prefill` = LLM.load's
         tp, dcp, interleave, page_size, ...), and on the next ones for the decode side (`decode`);
