@@ -156,6 +156,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs_help: str = "req
     k.add_argument("--kv-cache-memory", type=byte_size("--kv-cache-memory"), default=None, metavar="SIZE",
                    help="KV cache bytes per device, e.g. 512MiB or 2GB (default: 0.9 of each GPU; on CPU at "
                         "most 256 MiB in all, and no more than max-num-seqs contexts need)")
+    k.add_argument("--kv-host-memory", type=byte_size("--kv-host-memory"), default=None, metavar="SIZE",
+                   help="host memory (per process) for KV blocks evicted from the prefix cache, e.g. 4GiB: "
+                        "a prompt whose prefix was evicted copies it back instead of prefilling it again")
     k.add_argument("--gpu-memory-utilization", type=positive_float("--gpu-memory-utilization", 1.0),
                    default=None, metavar="F",
                    help="GPU only: size the KV pool to this fraction of each GPU's memory, less what is in use")
@@ -178,4 +181,5 @@ def engine_kwargs(args) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, prefill_chunk=args.prefill_chunk,
                 decode_steps=args.decode_steps, enable_prefix_caching=args.enable_prefix_caching,
                 scan_layers=args.scan_layers, kv_cache_memory=args.kv_cache_memory,
-                gpu_memory_utilization=args.gpu_memory_utilization, **speculative_kwargs(args))
+                gpu_memory_utilization=args.gpu_memory_utilization, kv_host_memory=args.kv_host_memory,
+                **speculative_kwargs(args))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -63,7 +64,7 @@ class LLM:
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
                  decode_steps: int = 8, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, speculative: SpeculativeConfig | None = None,
-                 num_pages: int | None = None):
+                 num_pages: int | None = None, kv_host_memory: int | str | None = None):
         self.model, self.mesh, self.tokenizer, self.source = model, mesh, tokenizer, source
         self.impl, self.interleave, self.speculative = impl, interleave, speculative
         _positive_int("max_num_seqs", max_num_seqs)
@@ -100,12 +101,14 @@ class LLM:
             prefill_chunk = default_prefill_chunk(self.platform)
         _positive_int("prefill_chunk", prefill_chunk)
         max_model_len, num_pages = self.size_pool(max_model_len, num_pages)
+        self.kv_host_memory = None if kv_host_memory is None else parse_bytes(kv_host_memory)
+        host_blocks = self.host_blocks()
         # the compiled chunk: no longer than a whole context needs (a short context pads little)
         chunk = min(prefill_chunk, max(16, 1 << (max_model_len - 1).bit_length()))
         self.config = ServingConfig(num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
                                     max_model_len=max_model_len, prefill_chunk=chunk, decode_steps=decode_steps,
                                     max_num_batched_tokens=max_num_batched_tokens,
-                                    enable_prefix_caching=enable_prefix_caching)
+                                    enable_prefix_caching=enable_prefix_caching, host_blocks=host_blocks)
         self.engine = self.build_engine(self.config)
 
     @classmethod
@@ -150,6 +153,21 @@ class LLM:
             shards = mesh_lib.axis_size(self.mesh, draft.context_axes)
             total += page_bytes_per_device(draft, self.mesh, draft_layout(self.paged_layout(), shards).page_size, dtype)
         return total
+
+    def host_blocks(self) -> int:
+        """Blocks `kv_host_memory` holds: each is this process's devices' shares of one page of every
+        pool array (their shards, so 1/dcp of the block's KV per context rank)."""
+        if self.kv_host_memory is None:
+            return 0
+        if not self.enable_prefix_caching:
+            raise UserError("kv_host_memory keeps evicted prefix blocks in host memory: it needs prefix caching "
+                            "on (drop --no-enable-prefix-caching)")
+        local = sum(1 for d in self.mesh.devices.flat if d.process_index == jax.process_index())
+        block = self.page_bytes() * local
+        if self.kv_host_memory < block:
+            raise UserError(f"kv_host_memory {self.kv_host_memory:,} bytes holds no block: one block takes "
+                            f"{block:,} bytes of this process's host memory; give at least that")
+        return self.kv_host_memory // block
 
     def size_pool(self, max_model_len: int | None, num_pages: int | None = None) -> tuple[int, int]:
         """(max_model_len, pages per context rank) for this LLM; see the module docstring."""

@@ -16,6 +16,12 @@ objects over it in one interpreter (`enable_prefix_caching` False / True), each 
   conversation   a multi-turn chat that grows: each turn resends the whole transcript (a system prompt,
                  every earlier user message and reply) plus a new user message; TTFT per turn
 
+--working-set instead runs the host-memory tier's workload: 4 documents whose KV together is 4x the
+device pool (which holds one), each read once, then questions about them in a random order (3 each,
+one at a time). Three sides: the host tier on (`host_blocks` for every document), caching on without
+it, and caching off; TTFT p50 of the questions, their hit rate (device + host), the bytes copied back
+and the copy bandwidth per rank, and a leak check (no page held, host tier within its capacity).
+
 Greedy, ignore_eos; every request's tokens with caching on must equal those with it off (a mismatch is
 reported and the script exits with status 1). Hit rates are the scheduler's stats (prefix_hit_tokens /
 prefix_query_tokens over the phase). Compilation is excluded: both servers compile their two programs
@@ -23,6 +29,7 @@ and run a warm-up request (of unrelated tokens) before anything is timed.
 
     python scripts/bench_prefix.py                  # 16K-token document, 8 questions, 4 turns
     python scripts/bench_prefix.py --quick --json   # tiny checkpoint, 1K-token document
+    python scripts/bench_prefix.py --working-set    # 16K-token documents, host tier on / off / no caching
 """
 
 from __future__ import annotations
@@ -119,6 +126,83 @@ def run_side(checkpoint: str, size: dict, work: dict, caching: bool, tp: int, dc
     return out
 
 
+WS_DOCS, WS_QUESTIONS = 4, 3  # documents (4x the device pool) and questions about each
+
+
+def run_working_set(checkpoint: str, size: dict, seed: int, vocab: int, mode: str, tp: int, dcp: int) -> dict:
+    """The working-set workload on one side: mode "host" (the host tier holds every document), "device"
+    (prefix caching without it) or "off" (no caching). TTFTs of the questions, hit rates, copy figures."""
+    from dcp_jax.llm import LLM
+    from dcp_jax.serving.engine import run_requests
+    from dcp_jax.serving.request import Request
+
+    rng = np.random.default_rng(seed)
+    docs = [[int(t) for t in rng.integers(3, vocab, size["doc"])] for _ in range(WS_DOCS)]
+    order = rng.permutation(np.repeat(np.arange(WS_DOCS), WS_QUESTIONS))
+    questions = [(int(d), [int(t) for t in rng.integers(3, vocab, size["question"])]) for d in order]
+    max_model_len = size["doc"] + size["question"] + size["output"] + 1
+    block = size["page_size"] * dcp
+    per_doc = -(-max_model_len // block)
+    pages = 2 + per_doc  # the device pool holds one document's request: four are 4x it
+    llm = LLM.load(checkpoint, tp=tp, dcp=dcp, page_size=size["page_size"], max_num_seqs=1,
+                   decode_steps=size["decode_steps"], enable_prefix_caching=mode != "off",
+                   max_model_len=max_model_len, prefill_chunk=size["prefill_chunk"], num_pages=pages)
+    server = llm.engine_with(host_blocks=WS_DOCS * per_doc if mode == "host" else 0)
+    server.runner.compile_all()
+    sched, counter = server.scheduler, iter(range(10**6))
+
+    def run(prompt):
+        r = Request(f"w{next(counter)}", prompt, max_tokens=size["output"], ignore_eos=True)
+        result = run_requests(server, [r])
+        return result["first_token_s"][r.request_id], r.output_token_ids
+
+    run([int(t) for t in rng.integers(3, vocab, 2 * size["question"])])  # warm-up: every program once
+    for d in docs:  # each document read once (not timed): the pool can keep one of them
+        run(d + [3])
+    before = sched.stats() | server.copier.counts
+    ttft, tokens = [], []
+    for d, q in questions:
+        t, out = run(docs[d] + q)
+        ttft.append(t)
+        tokens.append(out)
+    after = server.stats() | server.copier.counts
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in (
+        "prefix_query_tokens", "prefix_hit_tokens", "host_hit_tokens", "host_bytes_to_device", "host_copy_s")}
+    sched.check()
+    sched.kv.pool.check(owners=[])
+    leaks = dict(pages_used=after["pages_used"], host_blocks=after.get("host_blocks", 0),
+                 host_capacity_blocks=after.get("host_capacity_blocks", 0))
+    ok = leaks["pages_used"] == 0 and leaks["host_blocks"] <= leaks["host_capacity_blocks"]
+    q = delta["prefix_query_tokens"]
+    copy_s = delta["host_copy_s"]
+    return dict(mode=mode, ttft_s=ttft, ttft_p50_s=float(np.median(ttft)), tokens=tokens,
+                device_hit_rate=delta["prefix_hit_tokens"] / q if q else 0.0,
+                host_hit_rate=delta["host_hit_tokens"] / q if q else 0.0,
+                bytes_copied_back=delta["host_bytes_to_device"], copy_s=copy_s,
+                copy_gb_s_per_rank=delta["host_bytes_to_device"] / copy_s / (tp * dcp) / 1e9 if copy_s else 0.0,
+                host_bytes=after.get("host_bytes", 0), pages=pages, leaks=leaks, no_leaks=ok)
+
+
+def working_set_table(report: dict) -> str:
+    sides = report["sides"]
+    lines = [f"working set: {WS_DOCS} documents of {report['size']['doc']:,} tokens = 4x the device pool "
+             f"({sides['host']['pages']} pages of {report['size']['page_size']} slots x dcp {report['mesh']['dcp']}); "
+             f"{WS_DOCS * WS_QUESTIONS} questions in a random order",
+             f"{'':22} {'host tier':>12} {'device only':>12} {'no caching':>12}"]
+    h, d, o = (sides[m] for m in ("host", "device", "off"))
+    lines.append(f"{'TTFT p50':22} {h['ttft_p50_s'] * 1e3:10.1f}ms {d['ttft_p50_s'] * 1e3:10.1f}ms "
+                 f"{o['ttft_p50_s'] * 1e3:10.1f}ms")
+    for name, key in (("device hit rate", "device_hit_rate"), ("host hit rate", "host_hit_rate")):
+        lines.append(f"{name:22} {h[key]:12.1%} {d[key]:12.1%} {o[key]:12.1%}")
+    lines.append(f"{'copied back':22} {h['bytes_copied_back'] / 2**20:10.1f}MiB in {h['copy_s']:.3f} s "
+                 f"({h['copy_gb_s_per_rank']:.2f} GB/s per rank); host tier holds {h['host_bytes'] / 2**20:.1f} MiB")
+    lines.append(f"TTFT p50: host tier {report['host_vs_device']:.1f}x lower than without it (target 5x), "
+                 f"{report['host_vs_off']:.1f}x lower than no caching; leaks: "
+                 f"{'none' if all(s['no_leaks'] for s in sides.values()) else 'YES'}; exact: "
+                 f"{'yes' if not report['mismatches'] else 'NO: ' + ', '.join(report['mismatches'])}")
+    return "\n".join(lines)
+
+
 def hit_rate(runs) -> float:
     q = sum(r["query_tokens"] for r in runs)
     return sum(r["hit_tokens"] for r in runs) / q if q else 0.0
@@ -172,6 +256,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-chunk", type=int, help="rows of the prefill program (default 256; quick 128)")
     p.add_argument("--page-size", type=int, help="slots per page (default 64; quick 16)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--working-set", action="store_true",
+                   help="the host tier's workload: documents 4x the device pool, host tier on / off / no caching")
     args = p.parse_args(argv)
     command = shlex.join(["python", "scripts/bench_prefix.py", *(sys.argv[1:] if argv is None else argv)])
     size = bench_serving.sizes(args, DEFAULTS, QUICK, ("doc", "questions", "turns", "prefill_chunk", "page_size"))
@@ -184,8 +270,10 @@ def main(argv=None) -> int:
         checkpoint = bench_serving.ensure_checkpoint(
             Path(tmp.name) / size["model"] if tmp else args.checkpoint, size["model"])
         vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
-        work = workload(size, vocab, args.seed)
         report = dict(command=command, size=size, mesh=dict(tp=tp, dcp=dcp))
+        if args.working_set:
+            return working_set_main(report, str(checkpoint), size, args.seed, vocab, args.json)
+        work = workload(size, vocab, args.seed)
         for caching in (False, True):
             log(f"caching {'on' if caching else 'off'}: {size['doc']}-token document on tp={tp} dcp={dcp}")
             t0 = time.perf_counter()
@@ -204,6 +292,27 @@ def main(argv=None) -> int:
         print(f"$ {command}")
         print(table(report))
     return 1 if report["mismatches"] else 0
+
+
+def working_set_main(report: dict, checkpoint: str, size: dict, seed: int, vocab: int, as_json: bool) -> int:
+    tp, dcp = report["mesh"]["tp"], report["mesh"]["dcp"]
+    report["sides"] = {}
+    for mode in ("host", "device", "off"):
+        log(f"working set, {mode}: {WS_DOCS} x {size['doc']}-token documents on tp={tp} dcp={dcp}")
+        t0 = time.perf_counter()
+        report["sides"][mode] = run_working_set(checkpoint, size, seed, vocab, mode, tp, dcp)
+        log(f"  {time.perf_counter() - t0:.1f} s")
+    sides = report["sides"]
+    report["host_vs_device"] = sides["device"]["ttft_p50_s"] / sides["host"]["ttft_p50_s"]
+    report["host_vs_off"] = sides["off"]["ttft_p50_s"] / sides["host"]["ttft_p50_s"]
+    report["mismatches"] = [m for m in ("host", "device") if sides[m]["tokens"] != sides["off"]["tokens"]]
+    bad = report["mismatches"] or not all(s["no_leaks"] for s in sides.values())
+    if as_json:
+        print(json.dumps(report))
+    else:
+        print(f"$ {report['command']}")
+        print(working_set_table(report))
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -270,6 +270,29 @@ def test_bench_prefix_quick_json():
     assert report["second_call_speedup"] > 0
 
 
+def test_bench_prefix_working_set_json():
+    # The host tier's workload, small: exact on every side, no leaks, the questions hit the host tier;
+    # no wall-clock ratio is asserted.
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "bench_prefix.py"), "--quick", "--working-set",
+                           "--doc", "256", "--json"], capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    sides = report["sides"]
+    assert report["mismatches"] == [] and all(s["no_leaks"] for s in sides.values())
+    assert all(len(s["ttft_s"]) == 12 and s["ttft_p50_s"] > 0 for s in sides.values())
+    assert sides["host"]["host_hit_rate"] > 0.5 and sides["host"]["bytes_copied_back"] > 0
+    assert sides["device"]["host_hit_rate"] == 0 and sides["off"]["device_hit_rate"] == 0
+    assert sides["host"]["host_bytes"] > 0 and report["host_vs_device"] > 0
+
+
 def test_flag_on_by_default_everywhere():
     import inspect
 

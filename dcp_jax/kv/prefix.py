@@ -56,8 +56,9 @@ def chain_keys(token_ids: Sequence[int], tokens_per_block: int, keys: list[bytes
 class PrefixCache:
     """Pages of `allocator` with a key table over them; see the module docstring for the rules."""
 
-    def __init__(self, allocator: PageAllocator):
+    def __init__(self, allocator: PageAllocator, on_evict=None):
         self.allocator = allocator
+        self.on_evict = on_evict  # f(key, page) before an evicted page goes back to the pool (the host tier)
         self.table: dict[bytes, int] = {}  # key -> page
         self.key_of: dict[int, bytes] = {}  # page -> key (registered pages)
         self.evictable: OrderedDict[int, None] = OrderedDict()  # registered, no request: LRU first
@@ -93,17 +94,23 @@ class PrefixCache:
         """Drop the least recently released cached block: its key leaves the table, its page the pool's
         free list. Returns the page."""
         page, _ = self.evictable.popitem(last=False)
-        del self.table[self.key_of.pop(page)]
+        key = self.key_of.pop(page)
+        del self.table[key]
+        if self.on_evict is not None:
+            self.on_evict(key, page)
         self.allocator.free([page])
         self.num_evictions += 1
         return page
 
     def clear(self) -> int:
-        """Evict every cached block no request uses (e.g. the pool's memory is being given back);
-        returns how many."""
-        n = len(self.evictable)
-        while self.evictable:
-            self.evict_one()
+        """Evict every cached block no request uses (e.g. the pool's memory is being given back; not
+        offered to `on_evict`); returns how many."""
+        n, hook, self.on_evict = len(self.evictable), self.on_evict, None
+        try:
+            while self.evictable:
+                self.evict_one()
+        finally:
+            self.on_evict = hook
         return n
 
     def lookup(self, keys: Sequence[bytes]) -> list[int]:

@@ -66,6 +66,7 @@ class ServingConfig:
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = False
     ragged_tile: int = 32
+    host_blocks: int = 0  # blocks the host-memory tier under the prefix cache holds (0: none)
 
     def __post_init__(self):
         check_positive_ints(self, ("num_pages", "page_size", "max_num_seqs", "max_model_len", "prefill_chunk",
@@ -74,6 +75,10 @@ class ServingConfig:
             check_positive_ints(self, ("max_num_batched_tokens",))
         if not isinstance(self.enable_prefix_caching, bool):
             raise UserError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        if not (isinstance(self.host_blocks, int) and self.host_blocks >= 0):
+            raise UserError(f"host_blocks must be an integer >= 0, got {self.host_blocks!r}")
+        if self.host_blocks and not self.enable_prefix_caching:
+            raise UserError("a host-memory KV tier keeps evicted prefix blocks: it needs prefix caching on")
 
     @property
     def token_budget(self) -> int:
@@ -93,7 +98,7 @@ class ServingConfig:
                                max_num_batched_tokens=self.token_budget,
                                decode_steps=self.decode_steps, eos_token_ids=tuple(eos_token_ids),
                                vocab_size=vocab_size, enable_prefix_caching=self.enable_prefix_caching,
-                               num_speculative_tokens=num_speculative_tokens)
+                               num_speculative_tokens=num_speculative_tokens, host_blocks=self.host_blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +125,7 @@ class SchedulerConfig:
     # num_speculative_tokens + 1 tokens per request (decode_steps is then ignored); pages are reserved
     # for all of them, and each request's budget (plan.decode_budget) is capped by its own tokens left
     num_speculative_tokens: int = 0
+    host_blocks: int = 0  # the host tier's capacity in blocks (dcp_jax.kv.host; 0: none)
 
     def __post_init__(self):
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))

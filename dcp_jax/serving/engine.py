@@ -29,6 +29,7 @@ import numpy as np
 from dcp_jax.mesh import host
 from dcp_jax.sampling import SamplingRows
 from dcp_jax.serving.config import ServingConfig
+from dcp_jax.serving.host_copy import host_bytes
 from dcp_jax.serving.request import Request
 from dcp_jax.serving.runner import ModelRunner, RaggedInputs, StepInputs
 from dcp_jax.serving.scheduler import SchedulePlan, Scheduler
@@ -56,6 +57,10 @@ class ServingEngine:
         self.timing = dict(prefill_s=0.0, prefill_tokens=0, decode_s=0.0, decode_tokens=0, decode_steps=0,
                            ragged_steps=0, rows_computed=0, rows_useful=0)
         self.num_failed_steps = self.num_pool_resets = 0
+        # the host tier's copies (dcp_jax.kv.host): run before every step and every transfer's write
+        self.copier = self.runner.copier
+        if self.scheduler.kv.host is not None:
+            self.runner.before_pool_write = self.copy_kv
         # held by whoever drives the engine (an AsyncEngine's thread, an LLM.generate call): one at a time
         self.lock = threading.Lock()
 
@@ -79,7 +84,13 @@ class ServingEngine:
         plan.prefill_applied = plan.decode_applied = True
         for r in [c.request for c in plan.prefills] + list(plan.decode_requests):
             sched.fail(r, message, retryable=True)
-        self.recover_pools()
+        if not self.recover_pools() and sched.kv.host is not None:
+            # blocks registered for a copy back that may not have run: forget the device's cached blocks
+            # (the failed requests held them); the host tier keeps what was copied out
+            sched.kv.take_copies()
+            self.copier.pending.clear()
+            sched.kv.host.drop_unfilled()
+            sched.reset_prefix_cache(host=False)
 
     def recover_pools(self) -> bool:
         """If a failure left the pools donated and deleted: preempt every running request (its KV went
@@ -90,7 +101,11 @@ class ServingEngine:
         sched = self.scheduler
         for r in list(reversed(sched.running)):
             sched.preempt(r)
-        sched.reset_prefix_cache()
+        if sched.kv.host is not None:  # host copies that never ran are forgotten; the rest stays usable
+            sched.kv.take_copies()
+            self.copier.pending.clear()
+            sched.kv.host.drop_unfilled()
+        sched.reset_prefix_cache(host=False)
         self.runner.reset_pools()
         self.num_pool_resets += 1
         return True
@@ -99,11 +114,22 @@ class ServingEngine:
         """Run a plan and apply its results: one ragged step over its prefill chunks and (without
         speculation) its decode rows' first tokens, their other K - 1 in the decode loop after it; with
         nothing to prefill, the K-step decode loop alone; with speculation, the verify step after the
-        ragged step's prefills."""
+        ragged step's prefills. The host tier's copies of the plan run first (`copy_kv`)."""
+        self.copy_kv()
         if plan.prefills:
             self.ragged_iteration(plan, on_prefill)
         if plan.decode_slots and not plan.decode_applied:
             self.decode_iteration(plan)
+        self.copier.finish()  # the host arrays of this iteration's offloads (their copies overlapped the step)
+
+    def copy_kv(self) -> None:
+        """Dispatch the host tier's pending copies: evicted blocks to the host, then host hits back into
+        their fresh pages, ahead of any program that writes those pages."""
+        offloads, restores = self.scheduler.kv.take_copies()
+        if offloads:
+            self.copier.offload([b for b, _ in offloads], [p for _, p in offloads])
+        if restores:
+            self.copier.restore([b for b, _ in restores], [p for _, p in restores])
 
     def ragged_iteration(self, plan: SchedulePlan, on_prefill=None) -> None:
         """One ragged step: the plan's prefill chunks and, unless a verify step follows (speculation),
@@ -220,6 +246,8 @@ class ServingEngine:
         steps (one per sequence per step) and the mean acceptance length (tokens a sequence gains per
         step: 1 + accepted / steps)."""
         out = dict(self.scheduler.stats(), failed_steps=self.num_failed_steps, pool_resets=self.num_pool_resets)
+        if self.scheduler.kv.host is not None:
+            out.update(self.copier.counts, host_bytes=host_bytes(self.scheduler.kv.host.blocks.values()))
         if self.speculative is not None:
             c = self.spec_counts
             steps = c["spec_verify_steps"]
@@ -233,7 +261,10 @@ class ServingEngine:
         return self.runner.kv_bytes()
 
     def reset_prefix_cache(self) -> int:
-        """Drop every cached prefix block no request holds; returns how many."""
+        """Drop every cached prefix block no request holds, on the device and in the host tier; returns
+        how many."""
+        self.copy_kv()  # (copies already scheduled run first: nothing half-dropped)
+        self.copier.finish()
         return self.scheduler.reset_prefix_cache()
 
 

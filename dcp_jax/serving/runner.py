@@ -42,6 +42,7 @@ from dcp_jax.layout import PagedLayout
 from dcp_jax.model import CausalLM
 from dcp_jax.sampling import SamplingRows, sample_rows
 from dcp_jax.serving.config import ServingConfig
+from dcp_jax.serving.host_copy import HostCopier
 from dcp_jax.spec import verify as spec_verify
 from dcp_jax.spec.proposers import SpeculativeConfig
 from pallas_kernels.attention import ragged
@@ -159,6 +160,8 @@ class ModelRunner:
         self.compiled: dict = {}  # (program, shape) -> executable: a test counts these
         self.compile_s = 0.0  # seconds spent compiling them
         self.caches: Caches | None = None
+        self.before_pool_write = None  # called before a transfer writes the pools (the host tier's copies)
+        self.copier = HostCopier(self)  # the host tier's copy programs (dcp_jax.serving.host_copy)
 
     # --- the pool --------------------------------------------------------------------------------
     def pool_shapes(self) -> Caches:
@@ -210,6 +213,8 @@ class ModelRunner:
         and returns the new ones; the pools are reassembled from the shards without a copy. If `write`
         fails part way after donating shards, the pools are left deleted: `pools_lost` says so and the
         engine rebuilds them (`ServingEngine.recover_pools`), so no later step runs on dead buffers."""
+        if self.before_pool_write is not None:
+            self.before_pool_write()
         caches = self.allocate()
         leaves, tree = jax.tree.flatten(caches.target)
         shards = [{sh.device: sh.data for sh in leaf.addressable_shards} for leaf in leaves]
@@ -370,12 +375,14 @@ class ModelRunner:
 
     def compile_all(self, step_sizes=None, decode: bool = True) -> None:
         """Compile the decode (or verify) program (unless not `decode`: a prefill-only role) and the
-        ragged step of each of `step_sizes` (default: every size, what a server does before it serves),
-        and allocate the pools."""
+        ragged step of each of `step_sizes` (default: every size, what a server does before it serves,
+        and then, with a host tier, its copies of up to a sequence's blocks), and allocate the pools."""
         if decode:
             self.step_program()
         for n in self.config.step_sizes if step_sizes is None else step_sizes:
             self.ragged_program(n)
+        if self.config.host_blocks and step_sizes is None:
+            self.copier.compile_all(self.max_blocks_per_seq)
         self.allocate()
 
 

@@ -62,7 +62,7 @@ class Scheduler:
         self.config, self.detokenize, self.clock = config, detokenize, clock
         self.layout = config.layout
         self.kv = KVCacheManager(config.layout, config.num_pages, config.max_num_seqs, config.max_blocks_per_seq,
-                                 config.enable_prefix_caching)
+                                 config.enable_prefix_caching, config.host_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.requests: dict[str, Request] = {}  # unfinished, by id
@@ -212,13 +212,14 @@ class Scheduler:
         while not preempted and self.waiting and kv.free_slots and budget > 0:
             r = self.waiting[0]
             hit = kv.lookup(r)
-            start = lay.capacity_tokens(len(hit))
-            target = min(r.num_tokens, start + budget,
-                         lay.capacity_tokens(len(hit) + kv.num_available - kv.num_taken_by(hit)))
+            available = kv.num_available - kv.num_taken_by(hit)
+            from_host = min(kv.lookup_host(r, len(hit)), available)  # copied back into fresh pages
+            start = lay.capacity_tokens(len(hit) + from_host)
+            target = min(r.num_tokens, start + budget, lay.capacity_tokens(len(hit) + available))
             if target <= start:
                 break
             self.waiting.popleft()
-            kv.admit(r, hit)
+            kv.admit(r, hit, from_host)
             r.state, r.num_computed = RequestState.PREFILLING, start
             self.running.append(r)
             kv.grow(r, kv.blocks_needed(r, target))
@@ -238,9 +239,10 @@ class Scheduler:
         self.last_plan = plan
         return plan
 
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix block no request holds; returns how many were dropped."""
-        return self.kv.reset_prefix_cache()
+    def reset_prefix_cache(self, host: bool = True) -> int:
+        """Forget every cached prefix block no request holds (and, with `host`, the host tier's);
+        returns how many were dropped."""
+        return self.kv.reset_prefix_cache(host)
 
     def chunk(self, r: Request, target: int) -> PrefillChunk:
         """The prefill chunk taking `r` from num_computed to `target` tokens in cache."""
