@@ -152,3 +152,35 @@ def test_flag_on_every_entry_point():
         args = parser.parse_args(["--kv-host-memory", "1GiB"])
         assert args.kv_host_memory == 2**30 and engine_kwargs(args)["kv_host_memory"] == 2**30
         assert parser.parse_args([]).kv_host_memory is None
+
+
+@pytest.mark.parametrize("after_write", [False, True])
+def test_a_failed_copy_back_fails_its_request_and_nothing_stale_is_served(after_write):
+    # The copy back of a host hit raises (before or after writing the pages): the request that needed it
+    # fails (retryable), the device's cached blocks are forgotten (a registered block whose copy may not
+    # have run is never served), and the same prompt then gets exactly its tokens; nothing leaks.
+    from dcp_jax import LLM
+    from dcp_jax.serving.engine import run_requests
+
+    waves, pages, max_tokens = working_set(1)
+    llm = LLM.load(FIXTURES / "llama-gqa", tp=1, dcp=1, page_size=2, max_num_seqs=2, decode_steps=3)
+    want = serve_waves(llm.engine_with(max_model_len=64, prefill_chunk=8, num_pages=pages), waves, max_tokens)
+    server = llm.engine_with(max_model_len=64, prefill_chunk=8, num_pages=pages, host_blocks=64)
+    serve_waves(server, waves[:4], max_tokens)  # every document read: three of them now on the host
+    real = server.copier.restore
+
+    def failing(blocks, pages_):
+        server.copier.restore = real  # fails once
+        if after_write:
+            real(blocks, pages_)
+        raise RuntimeError("injected copy failure")
+
+    server.copier.restore = failing
+    reqs = [Request(f"a{i}", p, max_tokens=max_tokens, ignore_eos=True) for i, p in enumerate(waves[4])]
+    run_requests(server, reqs)
+    assert reqs[0].finish_reason == "error" and reqs[0].error_retryable and "injected copy failure" in reqs[0].error
+    server.scheduler.check()
+    stats = server.stats()
+    assert stats["failed_steps"] == 1 and stats["pages_used"] == 0 and stats["cached_blocks"] == 0
+    assert serve_waves(server, waves[4:], max_tokens) == want[4:]  # again, and the later waves: exact
+    assert server.stats()["host_hit_tokens"] > stats["host_hit_tokens"]

@@ -85,11 +85,9 @@ class ServingEngine:
         for r in [c.request for c in plan.prefills] + list(plan.decode_requests):
             sched.fail(r, message, retryable=True)
         if not self.recover_pools() and sched.kv.host is not None:
-            # blocks registered for a copy back that may not have run: forget the device's cached blocks
-            # (the failed requests held them); the host tier keeps what was copied out
-            sched.kv.take_copies()
-            self.copier.pending.clear()
-            sched.kv.host.drop_unfilled()
+            # a copy back may not have run, yet its blocks are registered: forget the device's cached
+            # blocks (the host tier keeps what was copied out)
+            self.forget_copies()
             sched.reset_prefix_cache(host=False)
 
     def recover_pools(self) -> bool:
@@ -101,11 +99,9 @@ class ServingEngine:
         sched = self.scheduler
         for r in list(reversed(sched.running)):
             sched.preempt(r)
-        if sched.kv.host is not None:  # host copies that never ran are forgotten; the rest stays usable
-            sched.kv.take_copies()
-            self.copier.pending.clear()
-            sched.kv.host.drop_unfilled()
-        sched.reset_prefix_cache(host=False)
+        if sched.kv.host is not None:
+            self.forget_copies()
+        sched.reset_prefix_cache(host=False)  # the host tier's blocks are on the host: they stay usable
         self.runner.reset_pools()
         self.num_pool_resets += 1
         return True
@@ -121,6 +117,12 @@ class ServingEngine:
         if plan.decode_slots and not plan.decode_applied:
             self.decode_iteration(plan)
         self.copier.finish()  # the host arrays of this iteration's offloads (their copies overlapped the step)
+
+    def forget_copies(self) -> None:
+        """After a failure: drop the host tier's copies that did not run and its blocks never filled."""
+        self.scheduler.kv.take_copies()
+        self.copier.pending.clear()
+        self.scheduler.kv.host.drop_unfilled()
 
     def copy_kv(self) -> None:
         """Dispatch the host tier's pending copies: evicted blocks to the host, then host hits back into
