@@ -111,6 +111,9 @@ def test_host_bytes_are_each_ranks_share_and_copies_hold_no_collective():
     for key in copies:
         hlo = runner.compiled[key].as_text()
         assert not re.search(r"all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter", hlo), key
+        if key[0] == "host_offload":  # the gathered pages land in pinned host memory (the CPU client has it)
+            kinds = {s.memory_kind for s in jax.tree.leaves(runner.compiled[key].output_shardings)}
+            assert kinds == {"pinned_host"}, kinds
 
 
 def test_kv_host_memory_sizes_the_tier_and_refuses_what_cannot_work():

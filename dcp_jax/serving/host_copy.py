@@ -11,8 +11,10 @@ context rank and kv-head slice); copying back assembles the batch's array from t
 Batches of n blocks are padded to a power of two with the null page (its KV is never read unmasked),
 so the programs compiled are one gather and one write per power of two up to the largest batch.
 Offloads are dispatched before the step that reuses the pages (device order makes the gather read
-the old KV) and their device-to-host copies started at once (`copy_to_host_async`); the host arrays
-are taken when next needed (a copy back, the next iteration, or stats).
+the old KV). The gather's output lives in pinned host memory where the devices have it (XLA memory
+kinds: the copy out is part of the program, overlapping what follows), else on the device with its
+copy to the host started at once (`copy_to_host_async`); the host arrays are taken into the blocks
+after the iteration's step (`finish`), or earlier when a copy back needs them.
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ class HostCopier:
             if kind == "offload":
                 body = jax.shard_map(lambda pools, idx: jax.tree.map(lambda x: x[:, idx], pools),
                                      mesh=runner.mesh, in_specs=(specs, replicated), out_specs=specs)
-                jitted = jax.jit(body, out_shardings=jax.tree.map(lambda s: s.sharding, batch))
+                # the gathered pages land in host memory (pinned_host, where the devices have it): XLA
+                # copies them out as part of the program, without a second dispatch
+                jitted = jax.jit(body, out_shardings=jax.tree.map(lambda s: self.host_sharding(s.sharding), batch))
                 runner.compiled[key] = jitted.lower(caches, pages).compile()
             else:
                 body = jax.shard_map(
@@ -76,6 +80,13 @@ class HostCopier:
                 runner.compiled[key] = jitted.lower(caches, pages, batch).compile()
             runner.compile_s += time.perf_counter() - t
         return runner.compiled[key]
+
+    @staticmethod
+    def host_sharding(sharding):
+        """`sharding` in pinned host memory where its devices have such memory, else as it is."""
+        device = next(iter(sharding.device_set))
+        kinds = {m.kind for m in device.addressable_memories()}
+        return sharding.with_memory_kind("pinned_host") if "pinned_host" in kinds else sharding
 
     def compile_all(self, most: int) -> None:
         """Compile both copies for every batch size up to `most` blocks (a sequence's)."""
