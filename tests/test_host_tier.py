@@ -141,8 +141,8 @@ def test_host_tier_metrics():
     m.update(dict(host_blocks=5, host_bytes=5120, host_hit_tokens=40, host_bytes_to_host=6144,
                   host_bytes_to_device=4096, host_copy_s=0.5))
     text = generate_latest(m.registry).decode()
-    for line in ("dcp_jax_kv_host_blocks 5.0", "dcp_jax_kv_host_bytes 5120.0", "dcp_jax_kv_host_hit_tokens 40.0",
-                 "dcp_jax_kv_host_bytes_to_device 4096.0", "dcp_jax_kv_host_copy_seconds 0.5"):
+    for line in ("dcp_jax:kv_host_blocks 5.0", "dcp_jax:kv_host_bytes 5120.0", "dcp_jax:kv_host_hit_tokens_total 40.0",
+                 "dcp_jax:kv_host_bytes_to_device_total 4096.0", "dcp_jax:kv_host_copy_seconds_total 0.5"):
         assert line in text
 
 

@@ -65,7 +65,7 @@ def test_api_key_and_graceful_shutdown():
         assert wrong.status_code == 401
         assert httpx.get(base + "/v1/models", timeout=30).status_code == 401
         assert httpx.get(base + "/health", timeout=30).status_code == 200  # open, and so is /metrics
-        assert 'dcp_jax_requests_total{status="401"}' in httpx.get(base + "/metrics", timeout=30).text
+        assert 'dcp_jax:requests_total{status="401"}' in httpx.get(base + "/metrics", timeout=30).text
         auth = {"Authorization": "Bearer s3cret"}
         ok = httpx.post(base + "/v1/completions", json=body, headers=auth, timeout=30)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4

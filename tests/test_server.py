@@ -58,7 +58,7 @@ def metrics(base) -> dict[str, float]:
     text = httpx.get(base + "/metrics", timeout=10).text
     out = {}
     for line in text.splitlines():
-        m = re.match(r"^(dcp_jax_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
+        m = re.match(r"^(dcp_jax:[a-z0-9_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
         if m:
             out[m.group(1)] = float(m.group(2))
     return out
@@ -116,8 +116,37 @@ def test_a_step_that_raises_fails_its_request_and_the_server_goes_on(server):
     assert r.choices[0].text == server["alone_text"]("Hello world")
     assert httpx.get(server["base"] + "/health").status_code == 200
     m = metrics(server["base"])
-    assert m["dcp_jax_kv_pages_used"] == 0 and m["dcp_jax_num_requests_running"] == 0
+    assert m["dcp_jax:kv_pages_used"] == 0 and m["dcp_jax:num_requests_running"] == 0
     assert engine.stats()["pool_resets"] >= 1
+
+
+def test_tokenize_and_detokenize_as_vllm_answers(server):
+    # vLLM's request and response shapes; a chat's token count equals the prompt tokens a chat completion
+    # of the same messages reports
+    base, llm, c = server["base"], server["llm"], server["client"]
+    ids = llm.encode("Hello world")
+    r = httpx.post(base + "/tokenize", json=dict(model=MODEL, prompt="Hello world"), timeout=30).json()
+    assert r == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids, "token_strs": None}
+    r = httpx.post(base + "/tokenize", json=dict(prompt="Hello world", return_token_strs=True), timeout=30).json()
+    assert r["tokens"] == ids and len(r["token_strs"]) == len(ids) and all(isinstance(t, str) for t in r["token_strs"])
+    messages = [{"role": "user", "content": "Hi there"}]
+    r = httpx.post(base + "/tokenize", json=dict(model=MODEL, messages=messages), timeout=30).json()
+    usage = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0).usage
+    assert r["count"] == usage.prompt_tokens == len(r["tokens"])
+    bare = httpx.post(base + "/tokenize", json=dict(messages=messages, add_generation_prompt=False), timeout=30).json()
+    assert bare["count"] < r["count"]  # without "<assistant>"
+    d = httpx.post(base + "/detokenize", json=dict(model=MODEL, tokens=ids), timeout=30).json()
+    assert d == {"prompt": llm.decode(ids)}
+    for path, body, status, text in [
+        ("/tokenize", dict(prompt="a", messages=messages), 400, "either prompt or messages"),
+        ("/tokenize", dict(), 400, "either prompt or messages"),
+        ("/tokenize", dict(model="other", prompt="a"), 404, "does not exist"),
+        ("/tokenize", dict(prompt=5), 400, "prompt"),
+        ("/detokenize", dict(tokens=[1, 10**6]), 400, "token id 1000000 is outside the vocabulary"),
+        ("/detokenize", dict(tokens="1,2"), 400, "tokens"),
+    ]:
+        resp = httpx.post(base + path, json=body, timeout=30)
+        assert resp.status_code == status and text in resp.json()["error"]["message"], (path, body, resp.text)
 
 
 def test_completion_usage_logprobs_and_stream(server):
@@ -276,7 +305,7 @@ def test_no_chat_template_and_full_queue(server):
         assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
         r = tc.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"]
-        assert 'dcp_jax_requests_total{status="503"} 1.0' in tc.get("/metrics").text
+        assert 'dcp_jax:requests_total{status="503"} 1.0' in tc.get("/metrics").text
 
 
 def test_load_with_disconnects_frees_everything(server):
@@ -315,32 +344,37 @@ def test_load_with_disconnects_frees_everything(server):
     deadline = time.monotonic() + 10  # cancellations of the disconnected go through the engine thread
     while True:
         m = metrics(base)
-        if (m["dcp_jax_kv_pages_used"], m["dcp_jax_num_requests_running"], m["dcp_jax_num_requests_waiting"]) == (0, 0, 0):
+        if (m["dcp_jax:kv_pages_used"], m["dcp_jax:num_requests_running"], m["dcp_jax:num_requests_waiting"]) == (0, 0, 0):
             break
         assert time.monotonic() < deadline, m
         time.sleep(0.1)
-    assert m["dcp_jax_kv_pages_total"] > 0 and m["dcp_jax_kv_capacity_tokens"] > 0
-    assert m["dcp_jax_tp"] == 1 and m["dcp_jax_dcp"] == 2
-    assert m['dcp_jax_requests_total{status="200"}'] >= 60
-    assert m["dcp_jax_generation_tokens_total"] > 0 and m["dcp_jax_prompt_tokens_total"] > 0
-    assert m["dcp_jax_time_to_first_token_seconds_count"] > 0
-    assert m["dcp_jax_time_per_output_token_seconds_count"] > 0
-    assert m['dcp_jax_requests_finished_total{reason="abort"}'] >= 1  # some disconnects came mid-stream
+    assert m["dcp_jax:kv_pages_total"] > 0 and m["dcp_jax:kv_capacity_tokens"] > 0
+    assert m["dcp_jax:tp"] == 1 and m["dcp_jax:dcp"] == 2
+    assert m['dcp_jax:requests_total{status="200"}'] >= 60
+    assert m["dcp_jax:generation_tokens_total"] > 0 and m["dcp_jax:prompt_tokens_total"] > 0
+    assert m["dcp_jax:time_to_first_token_seconds_count"] > 0
+    assert m["dcp_jax:time_per_output_token_seconds_count"] > 0
+    # vLLM's names (prefix dcp_jax: for vllm:), for the dashboards people already have
+    assert m["dcp_jax:inter_token_latency_seconds_count"] >= m["dcp_jax:time_per_output_token_seconds_count"]
+    assert m["dcp_jax:e2e_request_latency_seconds_count"] >= m["dcp_jax:time_to_first_token_seconds_count"]
+    assert m["dcp_jax:prefix_cache_queries_total"] >= m["dcp_jax:prompt_tokens_total"] > 0
+    assert 0 <= m["dcp_jax:kv_cache_usage_perc"] <= 1 and "dcp_jax:prefix_cache_hits_total" in m
+    assert m['dcp_jax:requests_finished_total{reason="abort"}'] >= 1  # some disconnects came mid-stream
 
 
 def test_abandoned_non_streaming_request_is_cancelled(server):
     # A client that disconnects from a non-streaming request cancels it: nothing is generated for nobody.
     base = server["base"]
-    before = metrics(base).get('dcp_jax_requests_finished_total{reason="abort"}', 0)
+    before = metrics(base).get('dcp_jax:requests_finished_total{reason="abort"}', 0)
     with pytest.raises(httpx.TimeoutException):
         httpx.post(base + "/v1/completions", json=dict(model=MODEL, prompt="Hello", max_tokens=120, ignore_eos=True),
                    timeout=0.05)
     deadline = time.monotonic() + 10
-    while metrics(base).get('dcp_jax_requests_finished_total{reason="abort"}', 0) <= before:
+    while metrics(base).get('dcp_jax:requests_finished_total{reason="abort"}', 0) <= before:
         assert time.monotonic() < deadline, "the abandoned request was not cancelled"
         time.sleep(0.1)
     m = metrics(base)
-    assert m["dcp_jax_kv_pages_used"] == 0 and m["dcp_jax_num_requests_running"] == 0
+    assert m["dcp_jax:kv_pages_used"] == 0 and m["dcp_jax:num_requests_running"] == 0
     r = server["client"].completions.create(model=MODEL, prompt="Hello world", max_tokens=8, temperature=0)
     assert r.choices[0].text == server["alone_text"]("Hello world")
 

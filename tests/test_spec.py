@@ -344,7 +344,7 @@ def test_server_with_ngram_speculation():
     app, llm = make_app(FIXTURES / "llama-tokenizer", tp=1, dcp=2, max_num_seqs=4, max_model_len=64, page_size=4,
                         prefill_chunk=16, speculative="ngram", num_speculative_tokens=3)
     plain_llm = LLM.load(FIXTURES / "llama-tokenizer", dcp=2, page_size=4)
-    prompts = [[(5 * i + j) % 7 + 2 for j in range(12)] for i in range(4)]  # repetitive: n-grams hit
+    prompts = [[(5 * i + j) % 7 + 2 for j in range(12)] for i in range(3)]  # K = 3 draft positions  # repetitive: n-grams hit
     want = [plain_llm.generate([p], max_new_tokens=10, ignore_eos=True).text[0] for p in prompts]
     base, stop = serve_in_thread(app, timeout_s=30)
     try:
@@ -363,8 +363,13 @@ def test_server_with_ngram_speculation():
         assert streamed == whole
         text = httpx.get(base + "/metrics", timeout=10).text
         values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-                  if line.startswith("dcp_jax_spec_decode")}
-        assert values["dcp_jax_spec_decode_drafted_tokens"] > 0
-        assert values["dcp_jax_spec_decode_mean_acceptance_length"] >= 1
+                  if line.startswith("dcp_jax:spec_decode")}
+        assert values["dcp_jax:spec_decode_num_draft_tokens_total"] > 0
+        assert values["dcp_jax:spec_decode_num_drafts_total"] > 0
+        assert values["dcp_jax:spec_decode_mean_acceptance_length"] >= 1
+        per_pos = [values.get(f'dcp_jax:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}', 0)
+                   for i in range(3)]  # K = 3 draft positions
+        assert sum(per_pos) == values["dcp_jax:spec_decode_num_accepted_tokens_total"]
+        assert per_pos == sorted(per_pos, reverse=True)  # a draft token is accepted only after the ones before it
     finally:
         stop()

@@ -52,6 +52,8 @@ class ServingEngine:
             num_speculative_tokens=0 if speculative is None else speculative.num_tokens), detokenize=detokenize)
         # verify steps (row by row): drafts proposed, drafts accepted, steps; the tokens they made
         self.spec_counts = dict(spec_drafted_tokens=0, spec_accepted_tokens=0, spec_verify_steps=0)
+        # drafts accepted by their position in the draft (vLLM's spec_decode_num_accepted_tokens_per_pos)
+        self.spec_accepted_per_pos = np.zeros(0 if speculative is None else speculative.num_tokens, np.int64)
         # time in the device programs (results on the host) and the tokens they produced for requests
         # rows_computed / rows_useful: tokens the ragged steps ran (padded to a step size) / needed
         self.timing = dict(prefill_s=0.0, prefill_tokens=0, decode_s=0.0, decode_tokens=0, decode_steps=0,
@@ -241,6 +243,8 @@ class ServingEngine:
         self.spec_counts["spec_drafted_tokens"] += int(valid[plan.decode_slots, 1:].sum())
         self.spec_counts["spec_accepted_tokens"] += int((counts[plan.decode_slots] - 1).sum())
         self.spec_counts["spec_verify_steps"] += len(plan.decode_slots)
+        accepted = counts[plan.decode_slots] - 1
+        self.spec_accepted_per_pos += (np.arange(width - 1)[None] < accepted[:, None]).sum(axis=0)
         return out, out_lp, counts
 
     def stats(self) -> dict:
@@ -254,6 +258,7 @@ class ServingEngine:
             c = self.spec_counts
             steps = c["spec_verify_steps"]
             out.update(c, speculative=self.speculative.method, num_speculative_tokens=self.speculative.num_tokens,
+                       spec_accepted_per_pos=[int(x) for x in self.spec_accepted_per_pos],
                        spec_acceptance_rate=c["spec_accepted_tokens"] / max(c["spec_drafted_tokens"], 1),
                        mean_acceptance_length=1 + c["spec_accepted_tokens"] / steps if steps else 0.0)
         return out

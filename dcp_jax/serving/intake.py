@@ -129,10 +129,10 @@ class Intake:
                 pass
         return list(self.tokenizer.encode(text).ids)
 
-    async def render(self, template, messages: list[dict]) -> str:
+    async def render(self, template, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The chat template rendered on a worker thread (after a bound on the messages' characters)."""
         self.check_chars("".join(m["content"] for m in messages), param="messages")
-        return await asyncio.to_thread(template.render, messages)
+        return await asyncio.to_thread(template.render, messages, add_generation_prompt)
 
     # --- the request ---
     def request(self, body: RequestBody, prompt_ids: list[int], default_max: int | None) -> Request:

@@ -19,7 +19,8 @@ import uuid
 from dcp_jax.serving.async_engine import AsyncEngine, QueueFull
 from dcp_jax.serving.intake import DEFAULT_MAX_REQUEST_BYTES, Intake
 from dcp_jax.serving.metrics import Metrics
-from dcp_jax.serving.protocol import (APIError, ChatBody, ChatTemplate, CompletionBody, TextStream, TokenBytes,
+from dcp_jax.serving.protocol import (APIError, ChatBody, ChatTemplate, CompletionBody, DetokenizeBody, TextStream,
+                                      TokenBytes, TokenizeBody, chat_messages,
                                       authorized, error_response, unauthorized)
 from dcp_jax.serving.request import Request
 
@@ -66,7 +67,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
 
     @app.middleware("http")
     async def count(request: HTTPRequest, call_next):
-        if request.url.path.startswith("/v1") and not authorized(request.headers.get("authorization"), api_key):
+        guarded = request.url.path.startswith("/v1") or request.url.path in ("/tokenize", "/detokenize")
+        if guarded and not authorized(request.headers.get("authorization"), api_key):
             metrics.requests.labels("401").inc()
             return unauthorized()
         response = await call_next(request)
@@ -107,6 +109,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
     detokenize = None if tokenizer is None else (
         lambda ids, skip_special_tokens=True: tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
     token_bytes = None if tokenizer is None else TokenBytes(tokenizer)
+    vocab_size = engine.engine.scheduler.config.vocab_size or (
+        tokenizer.get_vocab_size() if hasattr(tokenizer, "get_vocab_size") else 2**31)
 
     def submit(request: Request) -> asyncio.Queue:
         try:
@@ -148,12 +152,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
         return u
 
     def observe(request: Request, first_time: float | None, end: float, n: int, prompt: int):
-        metrics.prompt_tokens.inc(prompt)
-        metrics.generation_tokens.inc(n)
-        if first_time is not None:
-            metrics.ttft.observe(first_time - request.arrival_time)
-            if n > 1:
-                metrics.tpot.observe((end - first_time) / (n - 1))
+        metrics.observe(request.arrival_time, first_time, end, n, prompt)
 
     def usage(prompt: int, n: int) -> dict:
         return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
@@ -211,6 +210,37 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
         return PlainTextResponse(generate_latest(metrics.registry).decode(),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.post("/tokenize")
+    async def tokenize(http: HTTPRequest):
+        """vLLM's: the ids (and, asked, the token strings) of a prompt or of chat messages as templated."""
+        body: TokenizeBody = await intake.body(http, TokenizeBody)
+        if body.model is not None:
+            intake.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+        if body.messages is not None:
+            if chat_template is None:
+                raise APIError(400, "this model has no chat template: tokenize a prompt instead", param="messages",
+                               code="no_chat_template")
+            text = await intake.render(chat_template, chat_messages(body.messages), body.add_generation_prompt)
+            ids = await intake.encode(text, special=bool(body.add_special_tokens))
+        else:
+            ids = await intake.encode(body.prompt, special=body.add_special_tokens is not False)
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+                "token_strs": token_strings(ids) if body.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize_ids(http: HTTPRequest):
+        """vLLM's: the text of token ids."""
+        body: DetokenizeBody = await intake.body(http, DetokenizeBody)
+        if body.model is not None:
+            intake.check_model(body.model)
+        if detokenize is None:
+            raise APIError(400, "this model has no tokenizer: there is no text for its ids", param="tokens")
+        if bad := [t for t in body.tokens if not 0 <= t < vocab_size]:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="tokens")
+        return {"prompt": await asyncio.to_thread(detokenize, body.tokens)}
+
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):
         body: CompletionBody = await intake.body(http, CompletionBody)
@@ -258,15 +288,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
         if chat_template is None:
             raise APIError(400, "this model has no chat template (tokenizer_config.json has no chat_template): "
                            "use /v1/completions", param="messages", code="no_chat_template")
-        messages = []
-        for m in body.messages:
-            content = m.content
-            if isinstance(content, list):
-                if any(part.get("type") != "text" for part in content):
-                    raise APIError(400, "only text content parts are supported", param="messages")
-                content = "".join(str(part.get("text", "")) for part in content)
-            messages.append({"role": m.role, "content": content or ""})
-        prompt_ids = await intake.encode(await intake.render(chat_template, messages), special=False)
+        prompt_ids = await intake.encode(await intake.render(chat_template, chat_messages(body.messages)),
+                                         special=False)
         request = intake.request(body, prompt_ids, None)
         sink = submit(request)
         first = await first_update(http, request, sink)

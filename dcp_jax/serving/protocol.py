@@ -101,6 +101,39 @@ class ChatBody(RequestBody):
     logprobs: bool = False
 
 
+class TokenizeBody(BaseModel):
+    """vLLM's /tokenize: a completion prompt, or chat messages rendered by the chat template first."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (as vLLM)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(BaseModel):
+    """vLLM's /detokenize."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    """The template's view of the messages: text content only (text parts joined)."""
+    out = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            if any(part.get("type") != "text" for part in content):
+                raise APIError(400, "only text content parts are supported", param="messages")
+            content = "".join(str(part.get("text", "")) for part in content)
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
 # --- chat templates -------------------------------------------------------------------------------------
 class ChatTemplate:
     """A checkpoint's Jinja chat template, rendered the way transformers renders it: a sandboxed
@@ -141,12 +174,12 @@ class ChatTemplate:
 
         return cls(source, token(cfg.get("bos_token")), token(cfg.get("eos_token")))
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         from jinja2.exceptions import TemplateError
 
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
-                                        eos_token=self.eos_token)
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        bos_token=self.bos_token, eos_token=self.eos_token)
         except TemplateError as e:
             raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
 
