@@ -64,11 +64,14 @@ def test_api_key_and_graceful_shutdown():
         wrong = httpx.post(base + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"}, timeout=30)
         assert wrong.status_code == 401
         assert httpx.get(base + "/v1/models", timeout=30).status_code == 401
+        assert httpx.post(base + "/tokenize", json={"prompt": "a"}, timeout=30).status_code == 401
+        assert httpx.post(base + "/detokenize", json={"tokens": [5]}, timeout=30).status_code == 401
         assert httpx.get(base + "/health", timeout=30).status_code == 200  # open, and so is /metrics
         assert 'dcp_jax:requests_total{status="401"}' in httpx.get(base + "/metrics", timeout=30).text
         auth = {"Authorization": "Bearer s3cret"}
         ok = httpx.post(base + "/v1/completions", json=body, headers=auth, timeout=30)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+        assert httpx.post(base + "/detokenize", json={"tokens": [5]}, headers=auth, timeout=30).status_code == 200
         # SIGTERM while a stream runs: the port closes, the stream finishes, the exit status is 0
         long = dict(body, max_tokens=50, ignore_eos=True, stream=True)
         with httpx.stream("POST", base + "/v1/completions", json=long, headers=auth, timeout=60) as s:
