@@ -38,6 +38,19 @@ def positive_int(name):
     return parse
 
 
+def top_logprobs_arg(text):
+    """An argparse type: --top-logprobs, an integer in [0, 20]."""
+    from dcp_jax.sampling import MAX_TOP_LOGPROBS
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--top-logprobs must be an integer, got {text!r}") from None
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise argparse.ArgumentTypeError(f"--top-logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+    return value
+
+
 def non_negative_float(name, upper=None, positive=False):
     """An argparse type: a number >= 0, at most `upper` when given."""
     def parse(text):

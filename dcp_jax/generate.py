@@ -33,6 +33,7 @@ from dcp_jax.cli import (
     positive_float,
     positive_int,
     token_ids_arg,
+    top_logprobs_arg,
 )
 
 DEFAULT_PROMPT = ASSETS / "default_prompt.txt"
@@ -65,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impl", choices=("reference", "pallas", "pallas_interpret"), default=None,
                    help="attention kernel (default: Pallas on GPU, jnp reference on CPU)")
     p.add_argument("--logprobs", action="store_true", help="report the log-probability of each token")
+    p.add_argument("--top-logprobs", type=top_logprobs_arg, default=0, metavar="N",
+                   help="report each token's N most likely alternatives and their log-probabilities (0-20)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     d = p.add_argument_group("multi-process (jax.distributed)")
@@ -156,7 +159,7 @@ def run(argv=None) -> int:
         top_k = DEFAULT_SAMPLING["top_k"] if sampled else (args.top_k or 0)
         out = llm.generate(prompts, max_new_tokens=new_tokens, temperature=temperature, top_k=top_k,
                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
-                           on_chunk=show.prefill, on_token=show.token)
+                           top_logprobs=args.top_logprobs, on_chunk=show.prefill, on_token=show.token)
         show.close()
     except ValueError as e:  # UserError and the library's own ValueErrors (bad mesh, bad sizes)
         print(f"error: {e}", file=sys.stderr)
@@ -173,6 +176,8 @@ def run(argv=None) -> int:
             obj["text"] = out.text
         if args.logprobs:
             obj["logprobs"] = out.logprobs
+        if args.top_logprobs:
+            obj["top_logprobs"] = out.top_logprobs
         obj["stats"] = dict(out.stats, model=llm.source)
         print(json.dumps(obj))
         return RUN_ERROR if failed else 0
@@ -182,6 +187,9 @@ def run(argv=None) -> int:
     if args.logprobs:
         for i, lp in enumerate(out.logprobs):
             print(f"logprobs [{i}]: {[round(x, 4) for x in lp]}")
+    if args.top_logprobs:
+        for i, tops in enumerate(out.top_logprobs):
+            print(f"top logprobs [{i}]: {[[(t, round(x, 4)) for t, x in alts] for alts in tops]}")
     print(report(out.stats, llm.model.config.num_kv_heads, llm.source))
     return RUN_ERROR if failed else 0
 

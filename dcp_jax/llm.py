@@ -256,7 +256,8 @@ class LLM:
         return runner.compile_s - before
 
     def requests(self, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, prefix: str = "r") -> list[Request]:
+                 top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, top_logprobs: int = 0,
+                 prefix: str = "r") -> list[Request]:
         """`generate`'s arguments checked and made into requests (ids `prefix`0, `prefix`1, ...).
         UserError names a bad one; a prompt that cannot fit fails alone when it is added."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
@@ -267,25 +268,27 @@ class LLM:
         _positive_int("max_new_tokens", max_new_tokens)
         if (problem := check_seed(seed)) is not None:
             raise UserError(problem)
-        sampling = SamplingParams(temperature, top_k, top_p)
+        sampling = SamplingParams(temperature, top_k, top_p, top_logprobs)
         return [Request(f"{prefix}{i}", p, sampling=sampling, seed=seed, max_tokens=max_new_tokens,
                         ignore_eos=ignore_eos) for i, p in enumerate(ids)]
 
     def generate(self, prompts, *, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, on_chunk=None,
-                 on_token=None) -> Generation:
+                 top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, top_logprobs: int = 0,
+                 on_chunk=None, on_token=None) -> Generation:
         """`prompts`: a string, a list of strings, a list of ids, or a list of id lists.
 
         The requests go to this LLM's engine: admitted while pages and slots are free, prefilled in
         chunks (after any cached prefix), decoded together, preempted and recomputed when pages run out.
         Returns a `Generation` with `tokens` and `logprobs` (per request), `text` (None without a
-        tokenizer), `finish_reasons`, `errors` (per request, None when it ran) and `stats` (this call's).
+        tokenizer), `finish_reasons`, `errors` (per request, None when it ran) and `stats` (this call's);
+        with `top_logprobs=N` (up to 20), `top_logprobs`: each generated token's N most likely (id,
+        logprob) pairs under the model, computed on the device from the logits it was sampled from.
         A request that can never run fails alone; if every one fails, UserError. `on_chunk(done, total)`
         reports prefill tokens; `on_token(step, tokens [B])` receives new tokens as they come (-1 for
         requests with none at that step).
         """
         requests = self.requests(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                 top_p=top_p, seed=seed, ignore_eos=ignore_eos)
+                                 top_p=top_p, seed=seed, ignore_eos=ignore_eos, top_logprobs=top_logprobs)
         server = self.engine
         if not server.lock.acquire(blocking=False):
             raise UserError("this LLM's engine is in use (a server or another generate call drives it): wait for "

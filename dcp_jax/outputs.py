@@ -20,6 +20,8 @@ class Generation:
     text: list[str] | None = None
     finish_reasons: list[str] | None = None
     errors: list[str | None] | None = None
+    # with top_logprobs=N: per request, per generated token, its N most likely (id, logprob) pairs
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
 
 
 def request_stats(requests, first_token_s: dict, timing: dict) -> dict:
@@ -48,5 +50,7 @@ def generation(requests, stats: dict, detokenize=None) -> Generation:
         raise UserError(errors[0])
     out = Generation([list(r.output_token_ids) for r in requests], [list(r.output_logprobs) for r in requests],
                      stats, finish_reasons=[r.finish_reason for r in requests], errors=errors)
+    if any(r.sampling.top_logprobs for r in requests):
+        out.top_logprobs = [[list(t) for t in r.output_top_logprobs] for r in requests]
     out.text = None if detokenize is None else [detokenize(r.output_token_ids) for r in requests]
     return out

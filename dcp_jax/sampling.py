@@ -3,13 +3,15 @@
 A leaf of the package (errors only, then jax): the API, `LLM.generate`, the scheduler's requests and the
 device programs all take their sampling rules from here, so each range is checked in one place.
 
-    SamplingParams   temperature (0 = greedy), top-k (0 = off), top-p (1 = off); checked on creation
+    SamplingParams   temperature (0 = greedy), top-k (0 = off), top-p (1 = off), top_logprobs (0..20
+                     alternatives reported per token); checked on creation
     check_seed       a request's seed: an integer in [0, 2**32) (it becomes a uint32 on the device)
     filter_logits    the one top-k / top-p rule, per row
     sample           one SamplingParams for a whole batch (the dense baseline)
     SamplingRows     per-row parameters [R] as device arrays (one program serves every mix)
     ban_stops        min_tokens: no stop id before a row's minimum (logits masked per row)
     sample_rows      per-row sampling with keys from (seed, position): the serving engine's sampler
+    top_logprobs     each row's most likely tokens and their log-probabilities (when a row asks)
 """
 
 from __future__ import annotations
@@ -26,16 +28,19 @@ from dcp_jax.errors import UserError
 INT32_MAX = 2**31 - 1  # top_k becomes an int32 on the device
 SEED_LIMIT = 2**32  # a seed becomes a uint32 on the device
 MAX_BANNED = 16  # stop ids one row may hold back until its min_tokens (EOS ids + stop_token_ids)
+MAX_TOP_LOGPROBS = 20  # alternatives a token may report (OpenAI's and vLLM's limit)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 = greedy; top_k 0 = off; top_p 1 = off. Every value is checked here, where a
-    request enters, so nothing out of range reaches a device array."""
+    """temperature 0 = greedy; top_k 0 = off; top_p 1 = off; top_logprobs: how many of the most likely
+    tokens (and their log-probabilities under the model) each generated token reports, 0..20. Every
+    value is checked here, where a request enters, so nothing out of range reaches a device array."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    top_logprobs: int = 0
 
     def __post_init__(self):
         t = self.temperature
@@ -47,6 +52,10 @@ class SamplingParams:
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float, np.number)) or not 0 < p <= 1:
             raise UserError(f"top_p must be in (0, 1], got {p!r}")
+        n = self.top_logprobs
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= MAX_TOP_LOGPROBS:
+            raise UserError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {n!r}")
+        object.__setattr__(self, "top_logprobs", int(n))
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_k", int(k))
         object.__setattr__(self, "top_p", float(p))
@@ -99,12 +108,13 @@ class SamplingRows:
     seed: jax.Array  # uint32
     ban_until: jax.Array  # int32: a new token at a position below it is never one of ban_ids (min_tokens)
     ban_ids: jax.Array  # int32 [R, MAX_BANNED]; -1 = none
+    num_top: jax.Array  # int32: top_logprobs (0: the row reports none)
 
     @classmethod
     def spec(cls, rows: int) -> "SamplingRows":
         f32, i32 = jnp.float32, jnp.int32
         return cls(*(jax.ShapeDtypeStruct((rows,), dt) for dt in (f32, i32, f32, jnp.uint32, i32)),
-                   jax.ShapeDtypeStruct((rows, MAX_BANNED), i32))
+                   jax.ShapeDtypeStruct((rows, MAX_BANNED), i32), jax.ShapeDtypeStruct((rows,), i32))
 
     @classmethod
     def of(cls, rows, eos_token_ids=()) -> "SamplingRows":
@@ -120,7 +130,8 @@ class SamplingRows:
         return cls(temperature=np.asarray([r.sampling.temperature if r else 0.0 for r in rows], np.float32),
                    top_k=np.asarray([r.sampling.top_k if r else 0 for r in rows], np.int32),
                    top_p=np.asarray([r.sampling.top_p if r else 1.0 for r in rows], np.float32),
-                   seed=np.asarray([r.seed if r else 0 for r in rows], np.uint32), ban_until=until, ban_ids=ban)
+                   seed=np.asarray([r.seed if r else 0 for r in rows], np.uint32), ban_until=until, ban_ids=ban,
+                   num_top=np.asarray([r.sampling.top_logprobs if r else 0 for r in rows], np.int32))
 
 
 def ban_stops(logits, params: SamplingRows, positions):
@@ -138,8 +149,25 @@ def ban_stops(logits, params: SamplingRows, positions):
     return jax.lax.cond(jnp.any(params.ban_until > 0), masked, lambda: logits)
 
 
+def top_logprobs(logprobs, params: SamplingRows):
+    """(ids int32 [R, ..., MAX_TOP_LOGPROBS], log-probabilities [R, ..., MAX_TOP_LOGPROBS]) of the most
+    likely tokens of `logprobs` [R, ..., V], most likely first (the host keeps each row's first
+    top_logprobs). A batch in which no row asks skips the top-k and returns zeros."""
+    shape = logprobs.shape[:-1] + (MAX_TOP_LOGPROBS,)
+    k = min(MAX_TOP_LOGPROBS, logprobs.shape[-1])
+
+    def top():
+        lps, ids = jax.lax.top_k(logprobs, k)
+        pad = [(0, 0)] * (logprobs.ndim - 1) + [(0, MAX_TOP_LOGPROBS - k)]  # (a vocabulary under 20 ids)
+        return jnp.pad(ids.astype(jnp.int32), pad, constant_values=-1), jnp.pad(lps, pad, constant_values=-jnp.inf)
+
+    return jax.lax.cond(jnp.any(params.num_top > 0), top,
+                        lambda: (jnp.zeros(shape, jnp.int32), jnp.zeros(shape, logprobs.dtype)))
+
+
 def sample_rows(logits, params: SamplingRows, positions):
-    """logits [R, V] float32 -> (tokens [R] int32, log-probability of each under the model [R]).
+    """logits [R, V] float32 -> (tokens [R] int32, log-probability of each under the model [R], and
+    `top_logprobs`' (ids, log-probabilities) [R, MAX_TOP_LOGPROBS]).
 
     Each row samples with its own parameters and a key from (seed, position of the new token): the same
     row at the same position draws the same token, whatever else shares the batch.
@@ -157,4 +185,4 @@ def sample_rows(logits, params: SamplingRows, positions):
 
     # an all-greedy batch skips the sorts and the draw
     tokens = jax.lax.cond(jnp.any(params.temperature > 0), draw, lambda: greedy)
-    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0], top_logprobs(logprobs, params)

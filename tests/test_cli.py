@@ -23,12 +23,16 @@ def cli(capsys, *argv):
 
 def test_json_output(capsys):
     code, out, err = cli(capsys, "--model", FIX / "llama-tokenizer", "--mesh", "tp=2,dcp=4", "--prompt", "Return the",
-                         "--prompt-ids", "5,6,7,8", "--max-new-tokens", "5", "--ignore-eos", "--logprobs", "--json")
+                         "--prompt-ids", "5,6,7,8", "--max-new-tokens", "5", "--ignore-eos", "--logprobs", "--json",
+                         "--top-logprobs", "3")
     assert code == 0, err
     obj = json.loads(out)
     assert [len(t) for t in obj["tokens"]] == [5, 5]
     assert len(obj["text"]) == 2 and all(isinstance(t, str) for t in obj["text"])
     assert [len(x) for x in obj["logprobs"]] == [5, 5] and all(x <= 0 for x in obj["logprobs"][0])
+    # greedy: each token's first of its 3 alternatives is itself
+    assert [[alts[0][0] for alts in req] for req in obj["top_logprobs"]] == obj["tokens"]
+    assert all(len(alts) == 3 for req in obj["top_logprobs"] for alts in req)
     stats = obj["stats"]
     assert (stats["tp"], stats["dcp"]) == (2, 4)
     for key in ("kv_bytes_per_device", "kv_bytes_total", "ttft_s", "decode_tokens_per_s"):
@@ -106,6 +110,7 @@ USAGE = [
     (["--model", LLAMA, "--prompt-ids", "1", "--kv-cache-memory", "1MiB", "--gpu-memory-utilization", "0.5"],
      "not both"),
     (["--model", LLAMA, "--prompt-ids", "1", "--kv-host-memory", "0"], "--kv-host-memory: memory size '0'"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--top-logprobs", "21"], "--top-logprobs must be in [0, 20], got 21"),
     (["--model", LLAMA, "--prompt-ids", "1", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be"),
     (["--model", LLAMA, "--prompt-ids", "1", "--page-size", "0"], "--page-size must be >= 1"),
     (["--model", LLAMA, "--prompt-ids", "1", "--temperature", "-1"], "--temperature must be >= 0"),

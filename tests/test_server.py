@@ -173,6 +173,35 @@ def test_completion_usage_logprobs_and_stream(server):
         assert c.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text == choice.text
 
 
+def test_top_logprobs(server):
+    # completions logprobs=N and chat top_logprobs=N: each token's N most likely alternatives, most likely
+    # first, from the logits it was sampled from (greedy: the first is the token itself); streamed the same
+    c, llm = server["client"], server["llm"]
+    want = llm.generate(["Hello world"], max_new_tokens=6, top_logprobs=3)
+    r = c.completions.create(model=MODEL, prompt="Hello world", max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.top_logprobs) == len(lp.tokens) == len(want.tokens[0])
+    for tok, chosen, alts, ref in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, want.top_logprobs[0]):
+        assert len(alts) <= 3 and list(alts.values()) == sorted(alts.values(), reverse=True)
+        assert alts[tok] == pytest.approx(chosen) and max(alts.values()) == pytest.approx(chosen)
+        assert sorted(alts.values(), reverse=True)[0] == pytest.approx(ref[0][1], abs=1e-6)
+    streamed = [a for ch in c.completions.create(model=MODEL, prompt="Hello world", max_tokens=6, temperature=0,
+                                                 logprobs=3, stream=True)
+                if ch.choices[0].logprobs for a in ch.choices[0].logprobs.top_logprobs]
+    assert streamed == lp.top_logprobs
+    messages = [{"role": "user", "content": "Hi there"}]
+    r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0, logprobs=True,
+                                  top_logprobs=2)
+    for entry in r.choices[0].logprobs.content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.top_logprobs[0].bytes == entry.bytes
+    plain = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0, logprobs=True)
+    assert all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content)
+    assert plain.choices[0].message.content == r.choices[0].message.content
+
+
 def test_stop_string_cuts_streamed_and_whole_text(server):
     c = server["client"]
     full = c.completions.create(model=MODEL, prompt="Hello world", max_tokens=8, temperature=0).choices[0].text
@@ -237,7 +266,8 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
     ({"model": MODEL, "prompt": "hi", "top_k": -1}, "top_k"),
     ({"model": MODEL, "prompt": "hi", "logprobs": 50}, "logprobs"),
-    ({"model": MODEL, "prompt": "hi", "logprobs": 5}, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": -1}, "logprobs"),
     ({"model": MODEL, "prompt": "hi", "stop": 3}, "stop"),
     ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     # valid JSON that used to be a 500: a lone surrogate, nesting too deep for the parser
@@ -280,6 +310,8 @@ def test_bad_completion_requests(server, case):
     ({"model": MODEL, "messages": "hi"}, "messages"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
 ])
 def test_bad_chat_requests(server, body, param):

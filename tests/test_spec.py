@@ -211,11 +211,11 @@ def accept_samples(p_logits, q, mode, rows=20000, top_k=0, q_claimed=None):
     logits = jnp.broadcast_to(jnp.asarray(p_logits, jnp.float32), (rows, k + 1, v))
     params = SamplingRows(jnp.ones(rows, jnp.float32), jnp.full(rows, top_k, jnp.int32), jnp.ones(rows, jnp.float32),
                           jnp.arange(rows, dtype=jnp.uint32), jnp.zeros(rows, jnp.int32),  # no min_tokens
-                          jnp.full((rows, MAX_BANNED), -1, jnp.int32))
+                          jnp.full((rows, MAX_BANNED), -1, jnp.int32), jnp.zeros(rows, jnp.int32))
     claimed = q if q_claimed is None else q_claimed
     probs = None if mode == "ngram" else jnp.broadcast_to(jnp.asarray(claimed, jnp.float32), (rows, k, v))
     accept = jax.jit(lambda *a: spec_verify.accept(*a))  # traced anew: sees a monkeypatched rule
-    tokens, counts, _ = accept(logits, jnp.asarray(drafts), jnp.ones((rows, k), bool), params,
+    tokens, counts, _, _ = accept(logits, jnp.asarray(drafts), jnp.ones((rows, k), bool), params,
                                                      jnp.zeros(rows, jnp.int32), probs)
     return np.asarray(tokens), np.asarray(counts)
 

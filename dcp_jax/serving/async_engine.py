@@ -36,6 +36,7 @@ class Update:
     error: str | None = None
     text: str | None = None
     retryable: bool = False  # an error on the server's side (Request.error_retryable)
+    top_logprobs: list = dataclasses.field(default_factory=list)  # per token (id, logprob) pairs, if asked
 
 
 @dataclasses.dataclass
@@ -173,7 +174,8 @@ class AsyncEngine:
             r = t.request
             n = len(r.output_token_ids)
             if n > t.emitted and not r.is_finished:
-                self.push(t, Update(r.output_token_ids[t.emitted:n], r.output_logprobs[t.emitted:n], now))
+                self.push(t, Update(r.output_token_ids[t.emitted:n], r.output_logprobs[t.emitted:n], now,
+                                    top_logprobs=r.output_top_logprobs[t.emitted:n]))
                 t.emitted = n
         for r in self.engine.scheduler.pop_finished():
             t = self.tracked.pop(r.request_id, None)
@@ -182,7 +184,7 @@ class AsyncEngine:
             n = len(r.output_token_ids)
             self.push(t, Update(r.output_token_ids[t.emitted:n], r.output_logprobs[t.emitted:n], now, True,
                                 r.finish_reason, r.error or (error if r.finish_reason == "abort" else None), r.text,
-                                r.error_retryable))
+                                r.error_retryable, r.output_top_logprobs[t.emitted:n]))
             with self.lock:
                 self.pending -= 1
             if self.on_finish is not None:

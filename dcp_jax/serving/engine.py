@@ -153,12 +153,14 @@ class ServingEngine:
                                     sched.config.eos_token_ids)
         program, caches = runner.ragged_program(n), runner.allocate()
         # the pools are donated: if this raises after donating them, `recover` sees them deleted
-        caches, tok, lp = program(runner.weights, caches, inputs)
+        caches, tok, lp, top = program(runner.weights, caches, inputs)
         runner.caches = caches
         k = plan.decode_steps if with_decode else 0
         if k > 1:  # queued behind the step (nothing comes back to the host in between)
             more = self.decode_loop(plan, tok[:, None], plan.decode_positions + 1, k - 1)
         tok, lp = host(tok), host(lp)
+        want_top = any(r.sampling.top_logprobs for _, r, *_ in rows)  # else the top arrays stay on the device
+        top = tuple(host(x) for x in top) if want_top else None
         self.timing["ragged_steps"] += 1
         self.timing["rows_computed"] += n
         self.timing["rows_useful"] += num_tokens
@@ -169,23 +171,28 @@ class ServingEngine:
         self.timing["prefill_s"] += dt
         self.timing["prefill_tokens"] += plan.num_prefill_tokens
         sched.update_prefill(plan, [int(tok[c.slot]) if c.is_last else None for c in plan.prefills],
-                             [float(lp[c.slot]) if c.is_last else None for c in plan.prefills])
+                             [float(lp[c.slot]) if c.is_last else None for c in plan.prefills],
+                             None if top is None else [(top[0][c.slot], top[1][c.slot]) for c in plan.prefills])
         if with_decode:  # (decode_s and decode_tokens count the decode loop alone: the step is prefill's time)
             tokens, logprobs = tok[:, None], lp[:, None]
+            tops = None if top is None else tuple(x[:, None] for x in top)
             if k > 1:
                 t1 = time.perf_counter()
-                out, out_lp = (host(x)[:, :k - 1] for x in more)
+                out, out_lp = (host(x)[:, :k - 1] for x in more[:2])
                 self.timing["decode_s"] += time.perf_counter() - t1
                 self.timing["decode_steps"] += k - 1
                 tokens, logprobs = np.concatenate([tokens, out], axis=1), np.concatenate([logprobs, out_lp], axis=1)
+                if tops is not None:
+                    tops = tuple(np.concatenate([a, host(b)[:, :k - 1]], axis=1) for a, b in zip(tops, more[2]))
             before = sum(len(r.output_token_ids) for r in plan.decode_requests)
-            sched.update_decode(plan, tokens, logprobs)
+            sched.update_decode(plan, tokens, logprobs, tops=tops)
             gained = sum(len(r.output_token_ids) for r in plan.decode_requests) - before
             self.timing["decode_tokens"] += max(gained - len(plan.decode_slots), 0)  # the loop's share
 
     def decode_loop(self, plan: SchedulePlan, tokens, positions, steps: int):
         """Dispatch the decode loop for `steps` steps over the plan's decode slots from `tokens` [S, 1]
-        (host or device) at `positions` [S]; returns its (tokens, logprobs) [S, K] on the device."""
+        (host or device) at `positions` [S]; returns its (tokens, logprobs) [S, K] and top logprobs
+        (ids, log-probabilities) [S, K, 20] on the device."""
         s, runner = self.config.max_num_seqs, self.runner
         rows = [None] * s
         for r, slot in zip(plan.decode_requests, plan.decode_slots):
@@ -193,9 +200,9 @@ class ServingEngine:
         inputs = StepInputs(tokens, np.asarray(positions, np.int32)[:, None], plan.decode_mask[:, None],
                             np.zeros(s, np.int32), plan.block_table,
                             SamplingRows.of(rows, self.scheduler.config.eos_token_ids))
-        caches, out, out_lp = runner.step_program()(runner.weights, runner.allocate(), inputs, np.int32(steps))
+        caches, out, out_lp, top = runner.step_program()(runner.weights, runner.allocate(), inputs, np.int32(steps))
         runner.caches = caches
-        return out, out_lp
+        return out, out_lp, top
 
     def decode_iteration(self, plan: SchedulePlan) -> None:
         """Run and apply a plan's decode iteration: up to K steps of the decode loop, or, with
@@ -204,21 +211,24 @@ class ServingEngine:
         t0 = time.perf_counter()
         before = sum(len(r.output_token_ids) for r in plan.decode_requests)
         if self.speculative is None:
-            out, out_lp = self.decode_loop(plan, plan.decode_tokens[:, None], plan.decode_positions, plan.decode_steps)
+            out, out_lp, top = self.decode_loop(plan, plan.decode_tokens[:, None], plan.decode_positions,
+                                                plan.decode_steps)
             counts, steps = None, plan.decode_steps
         else:
-            out, out_lp, counts = self.verify(plan)
+            out, out_lp, counts, top = self.verify(plan)
             steps = 1
         k = plan.decode_steps
         out, out_lp = host(out)[:, :k], host(out_lp)[:, :k]
+        want_top = any(r.sampling.top_logprobs for r in plan.decode_requests)
+        tops = tuple(host(x)[:, :k] for x in top) if want_top else None
         self.timing["decode_s"] += time.perf_counter() - t0
         self.timing["decode_steps"] += steps
-        self.scheduler.update_decode(plan, out, out_lp, counts)
+        self.scheduler.update_decode(plan, out, out_lp, counts, tops=tops)
         self.timing["decode_tokens"] += sum(len(r.output_token_ids) for r in plan.decode_requests) - before
 
     def verify(self, plan: SchedulePlan):
         """One speculative verify step over the plan's decode slots: (tokens, logprobs) [S, k+1] on the
-        device and the count of each slot's tokens (host)."""
+        device, the count of each slot's tokens (host), and the top logprobs [S, k+1, 20] (device)."""
         s, runner = self.config.max_num_seqs, self.runner
         width = self.speculative.num_tokens + 1
         tokens, valid = np.zeros((s, width), np.int32), np.zeros((s, width), bool)
@@ -237,7 +247,7 @@ class ServingEngine:
         kv_len = np.where(plan.decode_mask, plan.decode_positions + valid.sum(axis=1), 0).astype(np.int32)
         inputs = StepInputs(tokens, positions, valid, kv_len, plan.block_table,
                             SamplingRows.of(rows, self.scheduler.config.eos_token_ids))
-        caches, out, counts, out_lp = runner.step_program()(runner.weights, runner.allocate(), inputs)
+        caches, out, counts, out_lp, top = runner.step_program()(runner.weights, runner.allocate(), inputs)
         runner.caches = caches
         counts = host(counts)
         self.spec_counts["spec_drafted_tokens"] += int(valid[plan.decode_slots, 1:].sum())
@@ -245,7 +255,7 @@ class ServingEngine:
         self.spec_counts["spec_verify_steps"] += len(plan.decode_slots)
         accepted = counts[plan.decode_slots] - 1
         self.spec_accepted_per_pos += (np.arange(width - 1)[None] < accepted[:, None]).sum(axis=0)
-        return out, out_lp, counts
+        return out, out_lp, counts, top
 
     def stats(self) -> dict:
         """The scheduler's stats, plus speculation's when it is on: drafted and accepted tokens, verify

@@ -18,7 +18,7 @@ import time
 import uuid
 
 from dcp_jax.errors import UserError
-from dcp_jax.sampling import SamplingParams, check_seed
+from dcp_jax.sampling import MAX_TOP_LOGPROBS, SamplingParams, check_seed
 from dcp_jax.serving.protocol import UNSUPPORTED, APIError, RequestBody
 from dcp_jax.serving.request import Request
 
@@ -135,8 +135,10 @@ class Intake:
         return await asyncio.to_thread(template.render, messages, add_generation_prompt)
 
     # --- the request ---
-    def request(self, body: RequestBody, prompt_ids: list[int], default_max: int | None) -> Request:
-        """The `Request` for a validated body; APIError (400) names the first bad field."""
+    def request(self, body: RequestBody, prompt_ids: list[int], default_max: int | None,
+                top_logprobs: tuple[str, int] = ("logprobs", 0)) -> Request:
+        """The `Request` for a validated body; APIError (400) names the first bad field. `top_logprobs`:
+        (the field that asked, how many alternatives each token reports)."""
         cap = self.max_model_len
         extra = body.model_extra or {}
         for name, neutral in UNSUPPORTED.items():
@@ -161,11 +163,15 @@ class Intake:
         seed = body.seed if body.seed is not None else random.getrandbits(31)
         if (problem := check_seed(seed)) is not None:
             raise APIError(400, problem, param="seed")
+        field, n_top = top_logprobs
         try:
-            sampling = SamplingParams(body.temperature, body.top_k, body.top_p)
+            sampling = SamplingParams(body.temperature, body.top_k, body.top_p, n_top)
         except UserError as e:  # SamplingParams owns these ranges; its message starts with the field
-            field = str(e).split()[0]
-            raise APIError(400, str(e), param=field if field in ("temperature", "top_k", "top_p") else None) from None
+            name = str(e).split()[0]
+            if name == "top_logprobs":
+                raise APIError(400, f"{field} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {n_top!r}",
+                               param=field) from None
+            raise APIError(400, str(e), param=name if name in ("temperature", "top_k", "top_p") else None) from None
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if len(stop) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stop):
             raise APIError(400, f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "

@@ -161,14 +161,15 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
         return "length" if u.finish_reason == "length" else "stop"
 
     async def generate(http: HTTPRequest, request: Request, sink: asyncio.Queue, first):
-        """All updates of a request to its end (non-streaming): (ids, logprobs, last update, first time).
-        A client that disconnects meanwhile cancels the request."""
-        u, out_ids, out_lps, t_first = first, [], [], None
+        """All updates of a request to its end (non-streaming): (ids, logprobs and top logprobs per token,
+        last update, first time). A client that disconnects meanwhile cancels the request."""
+        u, out_ids, out_lps, t_first = first, [], ([], []), None
         while True:
             if u.token_ids and t_first is None:
                 t_first = u.time
             out_ids += u.token_ids
-            out_lps += u.logprobs
+            out_lps[0].extend(u.logprobs)
+            out_lps[1].extend(u.top_logprobs)
             if u.finished:
                 break
             u = await next_update(http, request, sink)
@@ -252,32 +253,30 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
                                param="prompt", code="unsupported_parameter")
             p = p[0]
         prompt_ids = await intake.encode(p) if isinstance(p, str) else list(p)
-        if body.logprobs is not None and not 0 <= body.logprobs <= 1:
-            # the engine samples on the device and returns the chosen token's logprob only
-            raise APIError(400, f"logprobs must be 0 or 1 (the chosen token's logprob; top alternatives are not "
-                           f"supported), got {body.logprobs}", param="logprobs", code="unsupported_parameter")
-        request = intake.request(body, prompt_ids, 16)
+        request = intake.request(body, prompt_ids, 16, ("logprobs", body.logprobs or 0))
         sink = submit(request)
         first = await first_update(http, request, sink)
         rid = f"cmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
         want_lp, offset = body.logprobs is not None, [0]  # text_offset runs on across a stream's chunks
 
-        def lp_block(ids, lps):
+        def lp_block(ids, lps, tops):
             if not want_lp:
                 return None
             toks = token_strings(ids)
             offsets = list(itertools.accumulate([len(t) for t in toks], initial=offset[0]))
             offset[0] = offsets.pop()
-            return {"tokens": toks, "token_logprobs": [float(x) for x in lps], "top_logprobs": None,
+            top = ([{s: x for s, (_, x) in zip(token_strings([i for i, _ in alts]), alts)} for alts in tops]
+                   if body.logprobs else None)
+            return {"tokens": toks, "token_logprobs": [float(x) for x in lps], "top_logprobs": top,
                     "text_offset": offsets}
 
         def chunk(delta, u, reason):
-            return dict(base, choices=[{"index": 0, "text": delta, "logprobs": lp_block(u.token_ids, u.logprobs),
-                                        "finish_reason": reason}])
+            return dict(base, choices=[{"index": 0, "text": delta, "finish_reason": reason,
+                                        "logprobs": lp_block(u.token_ids, u.logprobs, u.top_logprobs)}])
 
         def choice(text, ids, lps):
-            return {"index": 0, "text": text, "logprobs": lp_block(ids, lps)}
+            return {"index": 0, "text": text, "logprobs": lp_block(ids, *lps)}
 
         return await respond(http, body, request, sink, first, base, base, chunk, choice)
 
@@ -290,17 +289,25 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
                            "use /v1/completions", param="messages", code="no_chat_template")
         prompt_ids = await intake.encode(await intake.render(chat_template, chat_messages(body.messages)),
                                          special=False)
-        request = intake.request(body, prompt_ids, None)
+        if body.top_logprobs and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        request = intake.request(body, prompt_ids, None, ("top_logprobs", body.top_logprobs or 0))
         sink = submit(request)
         first = await first_update(http, request, sink)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name}
 
-        def lp_block(ids, lps):
+        def alternatives(alts):
+            return [{"token": s, "logprob": x, "bytes": token_bytes(i, s)}
+                    for (i, x), s in zip(alts, token_strings([i for i, _ in alts]))]
+
+        def lp_block(ids, lps, tops):
             if not body.logprobs:
                 return None
-            return {"content": [{"token": t, "logprob": float(x), "bytes": token_bytes(i, t), "top_logprobs": []}
-                                for i, t, x in zip(ids, token_strings(ids), lps)]}
+            tops = tops or [[]] * len(ids)
+            return {"content": [{"token": t, "logprob": float(x), "bytes": token_bytes(i, t),
+                                 "top_logprobs": alternatives(alts)}
+                                for i, t, x, alts in zip(ids, token_strings(ids), lps, tops)]}
 
         cbase = dict(base, object="chat.completion.chunk")
         started = []
@@ -310,11 +317,11 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
             if not started:  # the first chunk names the role, as OpenAI's do
                 started.append(True)
                 d = {"role": "assistant", "content": delta}
-            return dict(cbase, choices=[{"index": 0, "delta": d, "logprobs": lp_block(u.token_ids, u.logprobs),
-                                         "finish_reason": reason}])
+            return dict(cbase, choices=[{"index": 0, "delta": d, "finish_reason": reason,
+                                         "logprobs": lp_block(u.token_ids, u.logprobs, u.top_logprobs)}])
 
         def choice(text, ids, lps):
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp_block(ids, lps)}
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp_block(ids, *lps)}
 
         return await respond(http, body, request, sink, first, base, cbase, chunk, choice)
 

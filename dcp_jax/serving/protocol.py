@@ -21,7 +21,7 @@ except ImportError as e:  # pragma: no cover - the message names the fix
 # ignore_eos are implemented: fields of RequestBody.)
 UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "logit_bias": None, "presence_penalty": 0,
                "frequency_penalty": 0, "tools": None, "tool_choice": None, "functions": None,
-               "function_call": None, "response_format": None, "top_logprobs": 0, "parallel_tool_calls": None,
+               "function_call": None, "response_format": None, "parallel_tool_calls": None,
                "prediction": None, "audio": None, "modalities": None,
                # vLLM's sampling and structured-output extensions
                "repetition_penalty": 1, "min_p": 0, "length_penalty": 1, "use_beam_search": False,
@@ -99,6 +99,7 @@ class ChatMessage(BaseModel):
 class ChatBody(RequestBody):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
+    top_logprobs: int | None = None
 
 
 class TokenizeBody(BaseModel):

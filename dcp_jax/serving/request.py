@@ -49,6 +49,8 @@ class Request:
     # --- what it produced ---
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
+    # per output token, its sampling.top_logprobs most likely (id, logprob) pairs (empty when not asked)
+    output_top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     text: str | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
@@ -120,7 +122,7 @@ class Request:
         if detokenize is not None and self.text is None:
             self.text = self.decode(detokenize, self.output_token_ids)
 
-    def append_token(self, token: int, logprob: float | None, *, eos_token_ids: Sequence[int] = (),
+    def append_token(self, token: int, logprob: float | None, *, top=None, eos_token_ids: Sequence[int] = (),
                      max_model_len: int, detokenize: Callable | None = None) -> bool:
         """Record one sampled token and apply the stop rules; True if the request is now finished.
 
@@ -130,6 +132,10 @@ class Request:
         token = int(token)
         self.output_token_ids.append(token)
         self.output_logprobs.append(float("nan") if logprob is None else float(logprob))
+        if self.sampling.top_logprobs:  # `top`: (ids, logprobs) most likely first, or None if not computed
+            n = self.sampling.top_logprobs
+            self.output_top_logprobs.append([] if top is None else
+                                            [(int(i), float(x)) for i, x in zip(top[0][:n], top[1][:n])])
         stops = len(self.output_token_ids) > self.min_tokens  # none apply before min_tokens (vLLM's rule)
         if stops and not self.ignore_eos and token in eos_token_ids:
             self.stop_reason = token

@@ -40,7 +40,7 @@ from dcp_jax.errors import UserError
 from dcp_jax.layers import AttentionContext
 from dcp_jax.layout import PagedLayout
 from dcp_jax.model import CausalLM
-from dcp_jax.sampling import SamplingRows, sample_rows
+from dcp_jax.sampling import MAX_TOP_LOGPROBS, SamplingRows, sample_rows
 from dcp_jax.serving.config import ServingConfig
 from dcp_jax.serving.host_copy import HostCopier
 from dcp_jax.spec import verify as spec_verify
@@ -245,7 +245,8 @@ class ModelRunner:
 
     def ragged_step(self, weights: Weights, caches: Caches, step: RaggedInputs):
         """One ragged step: every row's tokens written and attended in one forward over the flat batch,
-        the token after each row's last one sampled. Returns (caches, tokens [S], logprobs [S])."""
+        the token after each row's last one sampled. Returns (caches, tokens [S], logprobs [S], top
+        logprobs: (ids, log-probabilities) [S, 20])."""
         flat = (step.tokens, step.positions, step.valid, step.kv_len)
         draft_pools = caches.draft
         if self.draft is not None:  # the draft model's cache takes the same tokens
@@ -255,14 +256,15 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, weights.target)
         ctx = dataclasses.replace(self.context(step.block_table), ragged=step.tiles)
         logits, pools = model(*flat, caches.target, ctx, logits_at=step.logits_at)
-        tok, lp = sample_rows(logits, step.sampling, step.kv_len)  # the new token's position is kv_len
-        return Caches(pools, draft_pools), tok, lp
+        tok, lp, top = sample_rows(logits, step.sampling, step.kv_len)  # the new token's position is kv_len
+        return Caches(pools, draft_pools), tok, lp, top
 
     def verify(self, weights: Weights, caches: Caches, step: StepInputs):
         """One speculative step. step [S, k+1]: column 0 the last token (position p, not yet in cache),
         columns 1..k the drafts (n-gram; ignored with a draft model, which drafts them here); valid[:, i]
         for i >= 1 says draft i exists; kv_len = p + 1 + drafts. Writes the KV of every valid column,
-        accepts (dcp_jax.spec.verify) and returns (caches, tokens [S, k+1], counts [S], logprobs [S, k+1])."""
+        accepts (dcp_jax.spec.verify) and returns (caches, tokens [S, k+1], counts [S], logprobs [S, k+1],
+        top logprobs [S, k+1, 20])."""
         tokens, draft_probs, draft_pools = step.tokens, None, caches.draft
         if self.draft is not None:
             drafts, draft_probs, draft_pools = self.draft_tokens(weights.draft, caches.draft, step)
@@ -270,9 +272,9 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, weights.target)
         logits, pools = model(tokens, step.positions, step.valid, step.kv_len, caches.target,
                               self.context(step.block_table))
-        out, counts, lps = spec_verify.accept(logits.astype(jnp.float32), tokens[:, 1:], step.valid[:, 1:],
-                                              step.sampling, step.positions[:, 0] + 1, draft_probs)
-        return Caches(pools, draft_pools), out, counts, lps
+        out, counts, lps, top = spec_verify.accept(logits.astype(jnp.float32), tokens[:, 1:], step.valid[:, 1:],
+                                                   step.sampling, step.positions[:, 0] + 1, draft_probs)
+        return Caches(pools, draft_pools), out, counts, lps, top
 
     def draft_tokens(self, draft_params, draft_pools, step: StepInputs):
         """The draft model's k drafts per row [S, k] and their distributions [S, k, V]: one-token steps
@@ -317,18 +319,20 @@ class ModelRunner:
         active = step.valid[:, 0]
 
         def body(state):
-            k, pools, cur, pos, out, out_lp = state
+            k, pools, cur, pos, out, out_lp, out_top = state
             kv_len = jnp.where(active, pos + 1, 0)
             logits, pools = model(cur[:, None], pos[:, None], active[:, None], kv_len, pools, ctx)
-            tok, lp = sample_rows(logits[:, 0], step.sampling, pos + 1)
+            tok, lp, top = sample_rows(logits[:, 0], step.sampling, pos + 1)
             out = jax.lax.dynamic_update_index_in_dim(out, tok, k, axis=1)
             out_lp = jax.lax.dynamic_update_index_in_dim(out_lp, lp, k, axis=1)
-            return k + 1, pools, tok, pos + 1, out, out_lp
+            out_top = jax.tree.map(lambda acc, x: jax.lax.dynamic_update_index_in_dim(acc, x, k, axis=1), out_top, top)
+            return k + 1, pools, tok, pos + 1, out, out_lp, out_top
 
+        n_top = (s, k_max, MAX_TOP_LOGPROBS)
         state = (jnp.int32(0), pools, step.tokens[:, 0], step.positions[:, 0], jnp.zeros((s, k_max), jnp.int32),
-                 jnp.zeros((s, k_max), jnp.float32))
-        _, pools, _, _, out, out_lp = jax.lax.while_loop(lambda st: st[0] < num_steps, body, state)
-        return Caches(pools, caches.draft), out, out_lp
+                 jnp.zeros((s, k_max), jnp.float32), (jnp.zeros(n_top, jnp.int32), jnp.zeros(n_top, jnp.float32)))
+        _, pools, _, _, out, out_lp, out_top = jax.lax.while_loop(lambda st: st[0] < num_steps, body, state)
+        return Caches(pools, caches.draft), out, out_lp, out_top
 
     def program(self, name: str, fn, *args, outputs: int = 2):
         """`fn` jitted with the pools donated and compiled for `args` (abstract), once per shape."""
@@ -342,10 +346,10 @@ class ModelRunner:
 
     def ragged_program(self, n: int):
         """The compiled ragged step of `n` tokens (one of `config.step_sizes`) over every slot:
-        (weights, caches, RaggedInputs) -> (caches, tokens [S], logprobs [S])."""
+        (weights, caches, RaggedInputs) -> (caches, tokens [S], logprobs [S], top logprobs)."""
         s, nb = self.config.max_num_seqs, self.max_blocks_per_seq
         return self.program("ragged", self.ragged_step, self.weights, self.pool_spec(),
-                            RaggedInputs.spec(n, s, nb, self.config.ragged_tile))
+                            RaggedInputs.spec(n, s, nb, self.config.ragged_tile), outputs=3)
 
     def step_size(self, tokens: int) -> int:
         """The smallest step size that holds `tokens` tokens."""
@@ -354,20 +358,20 @@ class ModelRunner:
     def decode_program(self):
         """The compiled decode loop over every slot: (weights, caches, StepInputs [S, 1] (the tokens and
         positions to start from, valid = the slot decodes), num_steps) -> (caches, tokens [S, K],
-        logprobs [S, K]); runs num_steps <= K steps."""
+        logprobs [S, K], top logprobs [S, K, 20]); runs num_steps <= K steps."""
         if self.speculative is not None:
             raise RuntimeError("a speculative engine decodes with verify_program()")
         s, nb = self.config.max_num_seqs, self.max_blocks_per_seq
         return self.program("decode", self.decode, self.weights, self.pool_spec(), StepInputs.spec(s, 1, nb),
-                            jax.ShapeDtypeStruct((), jnp.int32))
+                            jax.ShapeDtypeStruct((), jnp.int32), outputs=3)
 
     def verify_program(self):
         """The compiled speculative step over every slot: (weights, caches, StepInputs [S, k+1]) ->
-        (caches, tokens [S, k+1], counts [S], logprobs [S, k+1]) (see `verify`)."""
+        (caches, tokens [S, k+1], counts [S], logprobs [S, k+1], top logprobs) (see `verify`)."""
         s, nb = self.config.max_num_seqs, self.max_blocks_per_seq
         t = self.speculative.num_tokens + 1
         return self.program("verify", self.verify, self.weights, self.pool_spec(), StepInputs.spec(s, t, nb),
-                            outputs=3)
+                            outputs=4)
 
     def step_program(self):
         """The program a decode iteration runs: the verify step with speculation, else the decode loop."""

@@ -275,9 +275,10 @@ class Scheduler:
 
     # --- what the device produced --------------------------------------------------------------------
     def update_prefill(self, plan: SchedulePlan, sampled: Sequence[int | None],
-                       logprobs: Sequence[float | None] | None = None) -> list[Request]:
+                       logprobs: Sequence[float | None] | None = None, tops=None) -> list[Request]:
         """Apply a plan's prefill results. `sampled[i]` is the token sampled after `plan.prefills[i]`
-        (read only where `is_last`; None elsewhere is fine). Returns the requests that finished."""
+        (read only where `is_last`; None elsewhere is fine); `tops[i]` its top logprobs (ids, values)
+        when any request asked. Returns the requests that finished."""
         self.check_plan(plan, "prefill_applied")
         if len(sampled) != len(plan.prefills):
             raise ValueError(f"got {len(sampled)} sampled tokens for {len(plan.prefills)} prefill chunks")
@@ -291,12 +292,13 @@ class Scheduler:
             if not c.is_last:
                 continue
             r.state = RequestState.DECODING
-            if self.append(r, sampled[i], None if logprobs is None else logprobs[i]):
+            if self.append(r, sampled[i], None if logprobs is None else logprobs[i], None if tops is None else tops[i]):
                 done.append(r)
         return done
 
-    def update_decode(self, plan: SchedulePlan, tokens, logprobs=None, counts=None) -> list[Request]:
-        """Apply a plan's decode results: tokens (and logprobs) [max_num_seqs, K], row = slot; `counts`
+    def update_decode(self, plan: SchedulePlan, tokens, logprobs=None, counts=None, tops=None) -> list[Request]:
+        """Apply a plan's decode results: tokens (and logprobs) [max_num_seqs, K], row = slot (`tops`: the
+        top logprobs' (ids, values) [max_num_seqs, K, 20] when any request asked); `counts`
         [max_num_seqs] (a verify step: how many of the row's tokens it produced, 1 <= count <= its
         decode_budget; default K each). Each token's input (the previous token) is now in the cache: the
         request's length grows by the count and nothing else changes, so a rejected draft's KV is left
@@ -317,7 +319,8 @@ class Scheduler:
                 raise ValueError(f"slot {slot}: {count} tokens for a budget of {plan.decode_budget[slot]}")
             for step in range(count):
                 r.num_computed += 1  # the step's input token is now in the cache
-                if self.append(r, tokens[slot, step], None if lp is None else lp[slot, step]):
+                top = None if tops is None else (tops[0][slot, step], tops[1][slot, step])
+                if self.append(r, tokens[slot, step], None if lp is None else lp[slot, step], top):
                     done.append(r)  # finish() registered its full blocks before freeing them
                     break
             else:
@@ -331,9 +334,10 @@ class Scheduler:
             raise RuntimeError(f"plan of step {plan.step}: results already applied ({flag})")
         setattr(plan, flag, True)
 
-    def append(self, r: Request, token, logprob) -> bool:
-        """Record a sampled token; finish the request (freeing its pages) if a stop rule fired."""
-        if r.append_token(token, logprob, eos_token_ids=self.config.eos_token_ids,
+    def append(self, r: Request, token, logprob, top=None) -> bool:
+        """Record a sampled token (and its top logprobs); finish the request (freeing its pages) if a stop
+        rule fired."""
+        if r.append_token(token, logprob, top=top, eos_token_ids=self.config.eos_token_ids,
                           max_model_len=self.config.max_model_len, detokenize=self.detokenize):
             self.finish(r)
             return True

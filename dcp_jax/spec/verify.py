@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dcp_jax.sampling import ban_stops, filter_logits
+from dcp_jax.sampling import ban_stops, filter_logits, top_logprobs
 
 # purposes folded into a row's (seed, position) key
 ACCEPT, RESIDUAL, DRAFT = 1, 2, 3
@@ -63,7 +63,8 @@ def accept(logits, drafts, draft_valid, sampling, positions, draft_probs=None):
     draft_probs [R, k, V] float32: the proposer's distributions q_i (None: a deterministic proposer,
     q_i = one-hot(d_i)).
     Returns (tokens int32 [R, k+1]: d_1..d_n, then the extra token, then zeros; counts int32 [R] = n + 1;
-    logprobs float32 [R, k+1]: each emitted token's log-probability under the target's raw logits).
+    logprobs float32 [R, k+1]: each emitted token's log-probability under the target's raw logits; and
+    `top_logprobs`' (ids, log-probabilities) [R, k+1, MAX_TOP_LOGPROBS] at each of those positions).
     """
     r, t, v = logits.shape
     k = t - 1
@@ -101,7 +102,7 @@ def accept(logits, drafts, draft_valid, sampling, positions, draft_probs=None):
     drafts_pad = jnp.concatenate([drafts, jnp.zeros((r, 1), drafts.dtype)], axis=1)
     tokens = jnp.where(idx[None] < n[:, None], drafts_pad, jnp.where(idx[None] == n[:, None], extra[:, None], 0))
     logprobs = jnp.take_along_axis(logprobs_all, tokens[..., None], axis=-1)[..., 0]
-    return tokens.astype(jnp.int32), n + 1, logprobs
+    return tokens.astype(jnp.int32), n + 1, logprobs, top_logprobs(logprobs_all, sampling)
 
 
 def _accepted(ok):

@@ -59,8 +59,8 @@ class KernelConfig:
 
 # (phase, widest head dim up to) -> config. Decode's block_q is the cap: the call uses the smallest
 # power of two >= its rows (>= 16) up to it. Occupancy at bf16 (`ctas_per_sm`): decode 128 and 256
-# hold 3 programs per SM at 16 rows and 2 at 64; the MLA latent (576 keys, 512 values shared) holds 2
-# at 16-64 rows; prefill entries hold 1 (their grids are many query blocks deep).
+# hold 3 programs per SM at 16 rows and 2 at 64; the MLA latent (576 keys, 512 values shared) holds 4
+# at 16 rows and 2 at 64; prefill entries hold 1 (their grids are many query blocks deep).
 TABLE = {
     ("decode", 128): KernelConfig(block_q=64, block_k=64, num_warps=4, num_stages=2),
     ("decode", 256): KernelConfig(block_q=64, block_k=32, num_warps=4, num_stages=2),
