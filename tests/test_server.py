@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from dcp_jax import LLM, UserError
@@ -202,6 +203,28 @@ def test_top_logprobs(server):
     assert plain.choices[0].message.content == r.choices[0].message.content
 
 
+def test_logit_bias_min_p_and_allowed_token_ids(server):
+    # the same rules as LLM.generate's: a bias of -100 on the greedy first token gives the second best;
+    # allowed_token_ids confines every token; min_p keeps a sampled token within min_p of the best
+    c, llm = server["client"], server["llm"]
+    ids = llm.encode("Hello world")
+    plain = llm.generate([ids], max_new_tokens=4, top_logprobs=2)
+    first, second = (t for t, _ in plain.top_logprobs[0][0])
+    r = c.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0, logprobs=0,
+                             logit_bias={str(first): -100})
+    want = llm.generate([ids], max_new_tokens=4, logit_bias={first: -100})
+    assert r.choices[0].text == want.text[0] and want.tokens[0][0] == second
+    allowed = [second, 40, 41]
+    r = c.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0.9, seed=3,
+                             extra_body=dict(allowed_token_ids=allowed, ignore_eos=True))
+    assert r.choices[0].text == llm.generate([ids], max_new_tokens=6, temperature=0.9, seed=3, ignore_eos=True,
+                                             allowed_token_ids=allowed).text[0]
+    r = c.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=1.0, seed=5, logprobs=20,
+                             extra_body=dict(min_p=0.3, ignore_eos=True))
+    for chosen, alts in zip(r.choices[0].logprobs.token_logprobs, r.choices[0].logprobs.top_logprobs):
+        assert chosen >= max(alts.values()) + np.log(0.3) - 1e-5
+
+
 def test_stop_string_cuts_streamed_and_whole_text(server):
     c = server["client"]
     full = c.completions.create(model=MODEL, prompt="Hello world", max_tokens=8, temperature=0).choices[0].text
@@ -280,7 +303,13 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     # vLLM's extensions this server does not implement: refused by name
     ({"model": MODEL, "prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
-    ({"model": MODEL, "prompt": "hi", "min_p": 0.1}, "min_p"),
+    ({"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": MODEL, "prompt": "hi", "min_p": 1.5}, "min_p"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"five": 1}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"300": 1}}, None),  # outside the vocabulary
+    ({"model": MODEL, "prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
     ({"model": MODEL, "prompt": "hi", "guided_json": {"type": "object"}}, "guided_json"),
 ]
 

@@ -165,13 +165,15 @@ class Intake:
             raise APIError(400, problem, param="seed")
         field, n_top = top_logprobs
         try:
-            sampling = SamplingParams(body.temperature, body.top_k, body.top_p, n_top)
+            sampling = SamplingParams(body.temperature, body.top_k, body.top_p, n_top, body.min_p,
+                                      body.logit_bias or (), body.allowed_token_ids)
         except UserError as e:  # SamplingParams owns these ranges; its message starts with the field
             name = str(e).split()[0]
             if name == "top_logprobs":
                 raise APIError(400, f"{field} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {n_top!r}",
                                param=field) from None
-            raise APIError(400, str(e), param=name if name in ("temperature", "top_k", "top_p") else None) from None
+            known = ("temperature", "top_k", "top_p", "min_p", "logit_bias", "allowed_token_ids")
+            raise APIError(400, str(e), param=name if name in known else None) from None
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if len(stop) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stop):
             raise APIError(400, f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "

@@ -178,7 +178,8 @@ class Request:
         n, vocab = self.num_prompt_tokens, cfg.vocab_size
         if n == 0:
             return "the prompt is empty: give at least one token"
-        for what, ids in (("token id", self.prompt_token_ids), ("stop token id", self.stop_token_ids)):
+        for what, ids in (("token id", self.prompt_token_ids), ("stop token id", self.stop_token_ids),
+                          ("logit_bias / allowed_token_ids id", self.sampling.listed_ids)):
             bad = [t for t in ids if vocab is not None and not 0 <= t < vocab]
             if bad:
                 return f"{what} {bad[0]} is outside the vocabulary [0, {vocab}): check the tokenizer"

@@ -40,7 +40,7 @@ from dcp_jax.errors import UserError
 from dcp_jax.layers import AttentionContext
 from dcp_jax.layout import PagedLayout
 from dcp_jax.model import CausalLM
-from dcp_jax.sampling import MAX_TOP_LOGPROBS, SamplingRows, sample_rows
+from dcp_jax.sampling import MAX_TOP_LOGPROBS, SamplingRows, bias_logits, sample_rows
 from dcp_jax.serving.config import ServingConfig
 from dcp_jax.serving.host_copy import HostCopier
 from dcp_jax.spec import verify as spec_verify
@@ -287,10 +287,11 @@ class ModelRunner:
         active, n_drafts, p0, sp = step.valid[:, 0], jnp.sum(step.valid[:, 1:], axis=1), step.positions[:, 0], step.sampling
 
         def propose(logits, pos):  # [S, V] -> (tokens [S], q [S, V]); greedy rows: argmax, q unused
+            logits = bias_logits(logits, sp)  # drafts the target may accept: its logit_bias / allowed ids
             greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
             def sampled():
-                q = spec_verify.target_probs(logits[:, None], sp.temperature, sp.top_k, sp.top_p)[:, 0]
+                q = spec_verify.target_probs(logits[:, None], sp.temperature, sp.top_k, sp.top_p, sp.min_p)[:, 0]
                 keys = spec_verify.row_keys(sp.seed, pos[:, None], spec_verify.DRAFT)[:, 0]
                 drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(q)).astype(jnp.int32)
                 return jnp.where(sp.temperature > 0, drawn, greedy), q

@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dcp_jax.sampling import ban_stops, filter_logits, top_logprobs
+from dcp_jax.sampling import ban_stops, bias_logits, filter_logits, top_logprobs
 
 # purposes folded into a row's (seed, position) key
 ACCEPT, RESIDUAL, DRAFT = 1, 2, 3
@@ -37,13 +37,14 @@ def row_keys(seed, positions, purpose: int):
     return jax.vmap(lambda k, ps: jax.vmap(lambda p: jax.random.fold_in(k, p))(ps))(base, positions)
 
 
-def target_probs(logits, temperature, top_k, top_p):
+def target_probs(logits, temperature, top_k, top_p, min_p=None):
     """logits [R, T, V] -> the sampling distribution of each position [R, T, V] float32 (temperature,
-    top-k, top-p of its row applied; rows with temperature 0 get the temperature-1 softmax, unused)."""
+    top-k, top-p and min-p of its row applied; rows with temperature 0 get the temperature-1 softmax,
+    unused)."""
     r, t, v = logits.shape
     temp = jnp.where(temperature > 0, temperature, 1.0)
     x = filter_logits((logits / temp[:, None, None]).reshape(r * t, v),
-                      jnp.repeat(top_k, t), jnp.repeat(top_p, t))
+                      jnp.repeat(top_k, t), jnp.repeat(top_p, t), None if min_p is None else jnp.repeat(min_p, t))
     return jax.nn.softmax(x, axis=-1).reshape(r, t, v)
 
 
@@ -71,12 +72,13 @@ def accept(logits, drafts, draft_valid, sampling, positions, draft_probs=None):
     logprobs_all = jax.nn.log_softmax(logits, axis=-1)
     idx = jnp.arange(t, dtype=jnp.int32)
     pos = positions[:, None] + idx[None]  # where each emitted token lands
-    logits = ban_stops(logits, sampling, pos)  # min_tokens: no stop id before it (the logprobs stay raw)
+    # min_tokens (no stop id before it), logit_bias and allowed_token_ids; the logprobs stay raw
+    logits = bias_logits(ban_stops(logits, sampling, pos), sampling)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, k+1]
     sampled = sampling.temperature > 0
 
     def draw():
-        p = target_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [R, k+1, V]
+        p = target_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)  # [R, k+1, V]
         q = (jax.nn.one_hot(drafts, v, dtype=jnp.float32) if draft_probs is None else draft_probs)
         q = jnp.where(draft_valid[..., None], q, 0.0)  # no draft: nothing to subtract, never accepted
         p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
