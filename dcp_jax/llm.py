@@ -31,7 +31,7 @@ from dcp_jax.errors import UserError
 from dcp_jax.layout import PagedLayout
 from dcp_jax.model import CausalLM
 from dcp_jax.outputs import Generation, generation, request_stats
-from dcp_jax.sampling import SamplingParams, check_seed
+from dcp_jax.sampling import SEED_LIMIT, SamplingParams, check_seed
 from dcp_jax.serving.config import DEFAULT_PAGE_SIZE, ServingConfig, default_prefill_chunk, parse_bytes
 from dcp_jax.serving.engine import ServingEngine, run_requests
 from dcp_jax.serving.request import Request
@@ -257,7 +257,8 @@ class LLM:
 
     def requests(self, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, top_logprobs: int = 0,
-                 min_p: float = 0.0, logit_bias=None, allowed_token_ids=None, prefix: str = "r") -> list[Request]:
+                 min_p: float = 0.0, logit_bias=None, allowed_token_ids=None, n: int = 1,
+                 prefix: str = "r") -> list[Request]:
         """`generate`'s arguments checked and made into requests (ids `prefix`0, `prefix`1, ...).
         UserError names a bad one; a prompt that cannot fit fails alone when it is added."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
@@ -268,14 +269,23 @@ class LLM:
         _positive_int("max_new_tokens", max_new_tokens)
         if (problem := check_seed(seed)) is not None:
             raise UserError(problem)
+        _positive_int("n", n)
         sampling = SamplingParams(temperature, top_k, top_p, top_logprobs, min_p, logit_bias or (), allowed_token_ids)
-        return [Request(f"{prefix}{i}", p, sampling=sampling, seed=seed, max_tokens=max_new_tokens,
-                        ignore_eos=ignore_eos) for i, p in enumerate(ids)]
+        out = []
+        for i, p in enumerate(ids):  # n samples of a prompt: seeds seed, seed + 1, ...; the others follow the first
+            first = None
+            for j in range(n):
+                r = Request(f"{prefix}{i}" if n == 1 else f"{prefix}{i}.{j}", p, sampling=sampling,
+                            seed=(seed + j) % SEED_LIMIT, max_tokens=max_new_tokens, ignore_eos=ignore_eos,
+                            follows=first)
+                first = first or r
+                out.append(r)
+        return out
 
     def generate(self, prompts, *, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, top_logprobs: int = 0,
-                 min_p: float = 0.0, logit_bias: dict | None = None, allowed_token_ids=None, on_chunk=None,
-                 on_token=None) -> Generation:
+                 min_p: float = 0.0, logit_bias: dict | None = None, allowed_token_ids=None, n: int = 1,
+                 on_chunk=None, on_token=None) -> Generation:
         """`prompts`: a string, a list of strings, a list of ids, or a list of id lists.
 
         The requests go to this LLM's engine: admitted while pages and slots are free, prefilled in
@@ -284,14 +294,17 @@ class LLM:
         tokenizer), `finish_reasons`, `errors` (per request, None when it ran) and `stats` (this call's);
         with `top_logprobs=N` (up to 20), `top_logprobs`: each generated token's N most likely (id,
         logprob) pairs under the model, computed on the device from the logits it was sampled from.
-        `min_p`, `logit_bias` ({token id: bias in [-100, 100]}) and `allowed_token_ids` as vLLM's.
+        `min_p`, `logit_bias` ({token id: bias in [-100, 100]}) and `allowed_token_ids` as vLLM's. `n`:
+        samples per prompt (results prompt-major: prompt i's sample j is entry i·n + j), sample j drawn
+        with seed + j; with prefix caching the first sample's prefill fills the prompt's full blocks and
+        the others share them (one prefill, pages by reference count).
         A request that can never run fails alone; if every one fails, UserError. `on_chunk(done, total)`
         reports prefill tokens; `on_token(step, tokens [B])` receives new tokens as they come (-1 for
         requests with none at that step).
         """
         requests = self.requests(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                  top_p=top_p, seed=seed, ignore_eos=ignore_eos, top_logprobs=top_logprobs,
-                                 min_p=min_p, logit_bias=logit_bias, allowed_token_ids=allowed_token_ids)
+                                 min_p=min_p, logit_bias=logit_bias, allowed_token_ids=allowed_token_ids, n=n)
         server = self.engine
         if not server.lock.acquire(blocking=False):
             raise UserError("this LLM's engine is in use (a server or another generate call drives it): wait for "

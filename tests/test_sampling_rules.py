@@ -66,3 +66,34 @@ def test_ids_outside_the_vocabulary_fail_the_request():
     llm = LLM.load(FIXTURES / "llama-gqa", tp=1, dcp=1, page_size=4)
     with pytest.raises(UserError, match=r"logit_bias / allowed_token_ids id 256 is outside the vocabulary \[0, 256\)"):
         llm.generate([[5, 6, 7]], max_new_tokens=2, logit_bias={256: 1})
+
+
+@pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 4)])
+def test_n_samples_share_one_prefill(tp, dcp):
+    # n = 4 seeded samples of one prompt: four distinct samples, sample j equal to seed + j sampled alone;
+    # the first one's prefill fills the prompt's full blocks and the others share them, so the pages in
+    # use while they run stay under 4x one request's and the prompt is prefilled about once.
+    from dcp_jax.serving.engine import run_requests
+
+    llm = LLM.load(FIXTURES / "llama-gqa", tp=tp, dcp=dcp, page_size=4, max_num_seqs=4)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, 250, 61)]
+    kw = dict(max_new_tokens=6, ignore_eos=True, temperature=1.0, top_k=50, seed=21)
+    out = llm.generate([prompt], n=4, **kw)
+    assert len(out.tokens) == 4 and len({tuple(t) for t in out.tokens}) == 4
+    for j, toks in enumerate(out.tokens):
+        assert toks == llm.generate([prompt], **dict(kw, seed=21 + j)).tokens[0]
+    llm.reset_prefix_cache()
+    alone_engine = llm.engine_with(max_model_len=128)
+    run_requests(alone_engine, llm.requests([prompt], **kw))
+    one = alone_engine.stats()["prefix_query_tokens"] - alone_engine.stats()["prefix_hit_tokens"]
+    server, peak = llm.engine_with(max_model_len=128), []
+    run_requests(server, llm.requests([prompt], n=4, **kw), on_step=lambda plan: peak.append(
+        server.scheduler.stats()["pages_used"]))
+    block = 4 * dcp
+    single = -(-(len(prompt) + 6) // block)  # one request's pages
+    assert max(peak) < 4 * single
+    s = server.stats()
+    assert s["prefix_hit_tokens"] == 3 * ((len(prompt) - 1) // block * block)  # the others hit its full blocks
+    assert s["prefix_query_tokens"] - s["prefix_hit_tokens"] < 2 * one
+    with pytest.raises(UserError, match="n must be"):
+        llm.generate([prompt], n=0)

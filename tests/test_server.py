@@ -225,6 +225,34 @@ def test_logit_bias_min_p_and_allowed_token_ids(server):
         assert chosen >= max(alts.values()) + np.log(0.3) - 1e-5
 
 
+def test_n_samples(server):
+    # n seeded samples: choice j is what seed + j gives alone; streamed choices (interleaved chunks, each
+    # with its index) equal the whole response's; usage counts the prompt once and every sample's tokens
+    c, llm = server["client"], server["llm"]
+    kw = dict(model=MODEL, prompt="Hello world", max_tokens=6, temperature=0.9, seed=5)
+    r = c.completions.create(n=3, **kw)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    want = [llm.generate(["Hello world"], max_new_tokens=6, temperature=0.9, seed=5 + j).text[0] for j in range(3)]
+    assert [ch.text for ch in r.choices] == want and len(set(want)) > 1
+    lengths = [len(llm.generate(["Hello world"], max_new_tokens=6, temperature=0.9, seed=5 + j).tokens[0])
+               for j in range(3)]
+    assert r.usage.completion_tokens == sum(lengths)
+    assert r.usage.prompt_tokens == len(llm.encode("Hello world"))
+    texts = ["", "", ""]
+    for ch in c.completions.create(n=3, stream=True, **kw):
+        for choice in ch.choices:
+            texts[choice.index] += choice.text
+    assert texts == want
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0.9, seed=2, n=2)
+    streamed = ["", ""]
+    for ch in c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0.9, seed=2, n=2,
+                                        stream=True):
+        for choice in ch.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == [ch.message.content for ch in chat.choices]
+
+
 def test_stop_string_cuts_streamed_and_whole_text(server):
     c = server["client"]
     full = c.completions.create(model=MODEL, prompt="Hello world", max_tokens=8, temperature=0).choices[0].text
@@ -282,7 +310,8 @@ BAD = [
     ({"model": MODEL, "prompt": [300]}, None),  # outside the vocabulary: the scheduler refuses it
     ({"model": MODEL, "prompt": []}, "prompt"),
     ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
-    ({"model": MODEL, "prompt": "hi", "n": 2}, "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 0}, "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 17}, "n"),
     ({"model": MODEL, "prompt": "hi", "best_of": 3}, "best_of"),
     ({"model": MODEL, "prompt": "hi", "echo": True}, "echo"),
     ({"model": MODEL, "prompt": "hi", "temperature": -1}, "temperature"),

@@ -18,7 +18,7 @@ import time
 import uuid
 
 from dcp_jax.errors import UserError
-from dcp_jax.sampling import MAX_TOP_LOGPROBS, SamplingParams, check_seed
+from dcp_jax.sampling import MAX_TOP_LOGPROBS, SEED_LIMIT, SamplingParams, check_seed
 from dcp_jax.serving.protocol import UNSUPPORTED, APIError, RequestBody
 from dcp_jax.serving.request import Request
 
@@ -30,6 +30,7 @@ except ImportError as e:  # pragma: no cover - the message names the fix
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 512  # stop strings per request, characters per stop string
+MAX_N = 16  # samples one request may ask for (`n`)
 
 
 def check_strings(data) -> None:
@@ -135,10 +136,13 @@ class Intake:
         return await asyncio.to_thread(template.render, messages, add_generation_prompt)
 
     # --- the request ---
-    def request(self, body: RequestBody, prompt_ids: list[int], default_max: int | None,
-                top_logprobs: tuple[str, int] = ("logprobs", 0)) -> Request:
-        """The `Request` for a validated body; APIError (400) names the first bad field. `top_logprobs`:
+    def requests(self, body: RequestBody, prompt_ids: list[int], default_max: int | None,
+                 top_logprobs: tuple[str, int] = ("logprobs", 0)) -> list[Request]:
+        """The `n` requests (samples) of a validated body: sample j has seed + j and follows sample 0
+        (whose prefill the others share); APIError (400) names the first bad field. `top_logprobs`:
         (the field that asked, how many alternatives each token reports)."""
+        if not 1 <= body.n <= MAX_N:
+            raise APIError(400, f"n must be in [1, {MAX_N}], got {body.n}", param="n")
         cap = self.max_model_len
         extra = body.model_extra or {}
         for name, neutral in UNSUPPORTED.items():
@@ -182,8 +186,13 @@ class Intake:
             raise APIError(400, "stop strings need a tokenizer", param="stop")
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options needs stream: true", param="stream_options")
-        return Request(f"{next(self.ids)}-{uuid.uuid4().hex[:12]}", prompt_ids, sampling=sampling, seed=seed,
-                       max_tokens=max_tokens, ignore_eos=body.ignore_eos, stop=stop,
-                       stop_token_ids=tuple(body.stop_token_ids or ()), min_tokens=body.min_tokens,
-                       include_stop_str_in_output=body.include_stop_str_in_output,
-                       skip_special_tokens=body.skip_special_tokens, arrival_time=time.monotonic())
+        rid, first, out = f"{next(self.ids)}-{uuid.uuid4().hex[:12]}", None, []
+        for j in range(body.n):
+            r = Request(rid if body.n == 1 else f"{rid}.{j}", prompt_ids, sampling=sampling,
+                        seed=(seed + j) % SEED_LIMIT, max_tokens=max_tokens, ignore_eos=body.ignore_eos, stop=stop,
+                        stop_token_ids=tuple(body.stop_token_ids or ()), min_tokens=body.min_tokens,
+                        include_stop_str_in_output=body.include_stop_str_in_output,
+                        skip_special_tokens=body.skip_special_tokens, arrival_time=time.monotonic(), follows=first)
+            first = first or r
+            out.append(r)
+        return out

@@ -253,32 +253,30 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
                                param="prompt", code="unsupported_parameter")
             p = p[0]
         prompt_ids = await intake.encode(p) if isinstance(p, str) else list(p)
-        request = intake.request(body, prompt_ids, 16, ("logprobs", body.logprobs or 0))
-        sink = submit(request)
-        first = await first_update(http, request, sink)
+        requests = intake.requests(body, prompt_ids, 16, ("logprobs", body.logprobs or 0))
         rid = f"cmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
-        want_lp, offset = body.logprobs is not None, [0]  # text_offset runs on across a stream's chunks
+        want_lp, offset = body.logprobs is not None, [0] * len(requests)  # text_offset runs on across chunks
 
-        def lp_block(ids, lps, tops):
+        def lp_block(j, ids, lps, tops):
             if not want_lp:
                 return None
             toks = token_strings(ids)
-            offsets = list(itertools.accumulate([len(t) for t in toks], initial=offset[0]))
-            offset[0] = offsets.pop()
+            offsets = list(itertools.accumulate([len(t) for t in toks], initial=offset[j]))
+            offset[j] = offsets.pop()
             top = ([{s: x for s, (_, x) in zip(token_strings([i for i, _ in alts]), alts)} for alts in tops]
                    if body.logprobs else None)
             return {"tokens": toks, "token_logprobs": [float(x) for x in lps], "top_logprobs": top,
                     "text_offset": offsets}
 
-        def chunk(delta, u, reason):
-            return dict(base, choices=[{"index": 0, "text": delta, "finish_reason": reason,
-                                        "logprobs": lp_block(u.token_ids, u.logprobs, u.top_logprobs)}])
+        def chunk(j, delta, u, reason):
+            return dict(base, choices=[{"index": j, "text": delta, "finish_reason": reason,
+                                        "logprobs": lp_block(j, u.token_ids, u.logprobs, u.top_logprobs)}])
 
-        def choice(text, ids, lps):
-            return {"index": 0, "text": text, "logprobs": lp_block(ids, *lps)}
+        def choice(j, text, ids, lps):
+            return {"index": j, "text": text, "logprobs": lp_block(j, ids, *lps)}
 
-        return await respond(http, body, request, sink, first, base, base, chunk, choice)
+        return await respond(http, body, requests, base, base, chunk, choice)
 
     @app.post("/v1/chat/completions")
     async def chat(http: HTTPRequest):
@@ -291,9 +289,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
                                          special=False)
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        request = intake.request(body, prompt_ids, None, ("top_logprobs", body.top_logprobs or 0))
-        sink = submit(request)
-        first = await first_update(http, request, sink)
+        requests = intake.requests(body, prompt_ids, None, ("top_logprobs", body.top_logprobs or 0))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name}
 
@@ -310,62 +306,99 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
                                 for i, t, x, alts in zip(ids, token_strings(ids), lps, tops)]}
 
         cbase = dict(base, object="chat.completion.chunk")
-        started = []
+        started = set()
 
-        def chunk(delta, u, reason):
+        def chunk(j, delta, u, reason):
             d = {} if reason is not None and not delta else {"content": delta}
-            if not started:  # the first chunk names the role, as OpenAI's do
-                started.append(True)
+            if j not in started:  # a choice's first chunk names the role, as OpenAI's do
+                started.add(j)
                 d = {"role": "assistant", "content": delta}
-            return dict(cbase, choices=[{"index": 0, "delta": d, "finish_reason": reason,
+            return dict(cbase, choices=[{"index": j, "delta": d, "finish_reason": reason,
                                          "logprobs": lp_block(u.token_ids, u.logprobs, u.top_logprobs)}])
 
-        def choice(text, ids, lps):
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp_block(ids, *lps)}
+        def choice(j, text, ids, lps):
+            return {"index": j, "message": {"role": "assistant", "content": text}, "logprobs": lp_block(ids, *lps)}
 
-        return await respond(http, body, request, sink, first, base, cbase, chunk, choice)
+        return await respond(http, body, requests, base, cbase, chunk, choice)
 
-    async def respond(http: HTTPRequest, body, request: Request, sink: asyncio.Queue, first, base: dict,
-                      chunk_base: dict, make_chunk, make_choice):
-        """The tail both endpoints share: a server-sent-event stream of `make_chunk` chunks, or the
-        whole response (one `make_choice` choice with its finish reason, and usage)."""
-        if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(stream_with(request, sink, first, make_chunk, include_usage, chunk_base),
-                                     media_type="text/event-stream")
-        out_ids, out_lps, last, _ = await generate(http, request, sink, first)
-        text = (last.text if last.text is not None else request.decode(detokenize, out_ids)) if detokenize else ""
-        return dict(base, choices=[dict(make_choice(text, out_ids, out_lps), finish_reason=finish_reason(last))],
-                    usage=usage(request.num_prompt_tokens, len(out_ids)))
-
-    async def stream_with(request: Request, sink: asyncio.Queue, first, make_chunk, include_usage: bool, base):
-        """SSE: one chunk per update (tokens as they come), the finish, usage if asked, then [DONE]. A
-        client that disconnects cancels the request, which frees its pages at once."""
-        text = TextStream(None if detokenize is None else (lambda ids: request.decode(detokenize, ids)), request.stop)
-        u, ids_so_far, t_first, done = first, [], None, False
+    async def respond(http: HTTPRequest, body, requests: list[Request], base: dict, chunk_base: dict, make_chunk,
+                      make_choice):
+        """The tail both endpoints share, for the request's n samples (choice j = sample j): submitted
+        together, then a server-sent-event stream of `make_chunk(j, ...)` chunks, or the whole response
+        (each `make_choice(j, ...)` with its finish reason, and usage over all). An error (or a client
+        that goes away) before the end cancels every sample."""
+        sinks, firsts, ok = [], [], False
         try:
-            while True:
-                if u.token_ids and t_first is None:
-                    t_first = u.time
-                ids_so_far += u.token_ids
-                delta = text.delta(ids_so_far, u.text, u.finished)
-                if u.finished:
-                    if u.finish_reason not in ("stop", "length"):
-                        yield sse({"error": {"message": u.error or f"the request ended with {u.finish_reason}",
-                                             "type": "server_error", "param": None, "code": None}})
-                        break
-                    yield sse(make_chunk(delta, u, finish_reason(u)))
-                    observe(request, t_first, u.time, len(ids_so_far), request.num_prompt_tokens)
-                    if include_usage:
-                        yield sse(dict(base, choices=[], usage=usage(request.num_prompt_tokens, len(ids_so_far))))
-                    break
-                yield sse(make_chunk(delta, u, None))
-                u = await sink.get()
-            yield "data: [DONE]\n\n"
-            done = True
+            sinks += [submit(r) for r in requests]
+            for r, sink in zip(requests, sinks):
+                firsts.append(await first_update(http, r, sink))
+            if body.stream:
+                include_usage = body.stream_options is not None and body.stream_options.include_usage
+                ok = True  # the stream owns the samples from here
+                return StreamingResponse(stream_with(requests, sinks, firsts, make_chunk, include_usage, chunk_base),
+                                         media_type="text/event-stream")
+            choices, n_out = [], 0
+            for j, (r, sink, first) in enumerate(zip(requests, sinks, firsts)):
+                out_ids, out_lps, last, _ = await generate(http, r, sink, first)
+                text = (last.text if last.text is not None else r.decode(detokenize, out_ids)) if detokenize else ""
+                choices.append(dict(make_choice(j, text, out_ids, out_lps), finish_reason=finish_reason(last)))
+                n_out += len(out_ids)
+            ok = True
+            return dict(base, choices=choices, usage=usage(requests[0].num_prompt_tokens, n_out))
         finally:
+            if not ok:
+                for r in requests:
+                    engine.cancel(r.request_id)
+
+    async def stream_with(requests: list[Request], sinks: list[asyncio.Queue], firsts: list, make_chunk,
+                          include_usage: bool, base):
+        """SSE: one chunk per update of any sample (tokens as they come), each sample's finish, usage if
+        asked, then [DONE]. A client that disconnects cancels every sample, which frees their pages."""
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(j, sink):  # sample j's updates after its first, into the merged queue
+            while True:
+                u = await sink.get()
+                await merged.put((j, u))
+                if u.finished:
+                    return
+
+        for j, first in enumerate(firsts):
+            merged.put_nowait((j, first))
+        pumps = [asyncio.ensure_future(pump(j, s)) for j, (s, f) in enumerate(zip(sinks, firsts)) if not f.finished]
+        texts = [TextStream(None if detokenize is None else (lambda ids, r=r: r.decode(detokenize, ids)), r.stop)
+                 for r in requests]
+        ids_so_far, t_first = [[] for _ in requests], [None] * len(requests)
+        left, done = len(requests), False
+        try:
+            while left:
+                j, u = await merged.get()
+                r = requests[j]
+                if u.token_ids and t_first[j] is None:
+                    t_first[j] = u.time
+                ids_so_far[j] += u.token_ids
+                delta = texts[j].delta(ids_so_far[j], u.text, u.finished)
+                if not u.finished:
+                    yield sse(make_chunk(j, delta, u, None))
+                    continue
+                if u.finish_reason not in ("stop", "length"):
+                    yield sse({"error": {"message": u.error or f"the request ended with {u.finish_reason}",
+                                         "type": "server_error", "param": None, "code": None}})
+                    break
+                yield sse(make_chunk(j, delta, u, finish_reason(u)))
+                observe(r, t_first[j], u.time, len(ids_so_far[j]), r.num_prompt_tokens)
+                left -= 1
+            if not left and include_usage:
+                yield sse(dict(base, choices=[], usage=usage(requests[0].num_prompt_tokens,
+                                                             sum(map(len, ids_so_far)))))
+            yield "data: [DONE]\n\n"
+            done = not left
+        finally:
+            for p in pumps:
+                p.cancel()
             if not done:
-                engine.cancel(request.request_id)
+                for r in requests:
+                    engine.cancel(r.request_id)
 
     return app
 

@@ -19,7 +19,7 @@ except ImportError as e:  # pragma: no cover - the message names the fix
 # sets one to anything but its neutral value is refused (400, by name) rather than silently answered
 # differently. (vLLM's stop_token_ids, min_tokens, include_stop_str_in_output, skip_special_tokens and
 # ignore_eos are implemented: fields of RequestBody.)
-UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "presence_penalty": 0,
+UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None, "presence_penalty": 0,
                "frequency_penalty": 0, "tools": None, "tool_choice": None, "functions": None,
                "function_call": None, "response_format": None, "parallel_tool_calls": None,
                "prediction": None, "audio": None, "modalities": None,
@@ -65,6 +65,7 @@ class RequestBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     model: str
+    n: int = 1
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     temperature: float = 1.0

@@ -45,6 +45,9 @@ class Request:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # one of n samples of a prompt: the first sample, whose prefill the others wait for (with prefix
+    # caching they then share its prompt's full blocks by reference count instead of prefilling them)
+    follows: Request | None = None
 
     # --- what it produced ---
     output_token_ids: list[int] = dataclasses.field(default_factory=list)

@@ -211,6 +211,8 @@ class Scheduler:
         #    preemption: the pool is short already). Strict FCFS: the head waits, nobody overtakes it.
         while not preempted and self.waiting and kv.free_slots and budget > 0:
             r = self.waiting[0]
+            if kv.enable_prefix_caching and r.follows is not None and r.follows.state is RequestState.PREFILLING:
+                break  # n samples: the first's prefill fills the full blocks the others then share
             hit = kv.lookup(r)
             available = kv.num_available - kv.num_taken_by(hit)
             from_host = min(kv.lookup_host(r, len(hit)), available)  # copied back into fresh pages
