@@ -58,7 +58,8 @@ def stop(proc, timeout=30) -> tuple[int, str]:
 def test_api_key_and_graceful_shutdown():
     proc, base = start("--shutdown-timeout", "20", env={"DCP_JAX_API_KEY": "s3cret"})
     try:
-        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4}
+        # (ignore_eos: sampled at the default temperature 1, the tiny model may end early otherwise)
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True}
         r = httpx.post(base + "/v1/completions", json=body, timeout=30)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         wrong = httpx.post(base + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"}, timeout=30)
