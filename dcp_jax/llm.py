@@ -31,7 +31,7 @@ from dcp_jax.errors import UserError
 from dcp_jax.layout import PagedLayout
 from dcp_jax.model import CausalLM
 from dcp_jax.outputs import Generation, generation, request_stats
-from dcp_jax.sampling import SEED_LIMIT, SamplingParams, check_seed
+from dcp_jax.sampling import SamplingParams, check_seed
 from dcp_jax.serving.config import DEFAULT_PAGE_SIZE, ServingConfig, default_prefill_chunk, parse_bytes
 from dcp_jax.serving.engine import ServingEngine, run_requests
 from dcp_jax.serving.request import Request
@@ -271,16 +271,8 @@ class LLM:
             raise UserError(problem)
         _positive_int("n", n)
         sampling = SamplingParams(temperature, top_k, top_p, top_logprobs, min_p, logit_bias or (), allowed_token_ids)
-        out = []
-        for i, p in enumerate(ids):  # n samples of a prompt: seeds seed, seed + 1, ...; the others follow the first
-            first = None
-            for j in range(n):
-                r = Request(f"{prefix}{i}" if n == 1 else f"{prefix}{i}.{j}", p, sampling=sampling,
-                            seed=(seed + j) % SEED_LIMIT, max_tokens=max_new_tokens, ignore_eos=ignore_eos,
-                            follows=first)
-                first = first or r
-                out.append(r)
-        return out
+        return [r for i, p in enumerate(ids) for r in Request.samples(
+            f"{prefix}{i}", p, n, seed=seed, sampling=sampling, max_tokens=max_new_tokens, ignore_eos=ignore_eos)]
 
     def generate(self, prompts, *, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, top_logprobs: int = 0,

@@ -39,7 +39,7 @@ class HostTier:
             raise ValueError(f"a host tier holds at least one block, got capacity {capacity!r}")
         self.capacity = capacity
         self.blocks: OrderedDict[bytes, HostBlock] = OrderedDict()
-        self.num_stored = self.num_dropped = self.num_restored = 0
+        self.num_stored = self.num_dropped = 0
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -69,7 +69,6 @@ class HostTier:
 
     def take(self, keys: Sequence[bytes]) -> list[HostBlock]:
         """Remove `keys`' blocks (from `lookup`) to copy them back to the device."""
-        self.num_restored += len(keys)
         return [self.blocks.pop(k) for k in keys]
 
     def clear(self) -> int:

@@ -51,8 +51,9 @@ class ServingEngine:
             self.layout, eos_token_ids=model.config.eos_token_ids, vocab_size=model.config.vocab_size,
             num_speculative_tokens=0 if speculative is None else speculative.num_tokens), detokenize=detokenize)
         # verify steps (row by row): drafts proposed, drafts accepted, steps; the tokens they made
-        self.spec_counts = dict(spec_drafted_tokens=0, spec_accepted_tokens=0, spec_verify_steps=0)
-        # drafts accepted by their position in the draft (vLLM's spec_decode_num_accepted_tokens_per_pos)
+        self.spec_counts = dict(spec_drafted_tokens=0, spec_verify_steps=0)
+        # drafts accepted by their position in the draft (vLLM's spec_decode_num_accepted_tokens_per_pos;
+        # their sum is spec_accepted_tokens)
         self.spec_accepted_per_pos = np.zeros(0 if speculative is None else speculative.num_tokens, np.int64)
         # time in the device programs (results on the host) and the tokens they produced for requests
         # rows_computed / rows_useful: tokens the ragged steps ran (padded to a step size) / needed
@@ -159,8 +160,8 @@ class ServingEngine:
         if k > 1:  # queued behind the step (nothing comes back to the host in between)
             more = self.decode_loop(plan, tok[:, None], plan.decode_positions + 1, k - 1)
         tok, lp = host(tok), host(lp)
-        want_top = any(r.sampling.top_logprobs for _, r, *_ in rows)  # else the top arrays stay on the device
-        top = tuple(host(x) for x in top) if want_top else None
+        requests = [r for _, r, *_ in rows]
+        top = top_on_host(requests, top)
         self.timing["ragged_steps"] += 1
         self.timing["rows_computed"] += n
         self.timing["rows_useful"] += num_tokens
@@ -183,7 +184,8 @@ class ServingEngine:
                 self.timing["decode_steps"] += k - 1
                 tokens, logprobs = np.concatenate([tokens, out], axis=1), np.concatenate([logprobs, out_lp], axis=1)
                 if tops is not None:
-                    tops = tuple(np.concatenate([a, host(b)[:, :k - 1]], axis=1) for a, b in zip(tops, more[2]))
+                    more_top = top_on_host(requests, more[2], k - 1)
+                    tops = tuple(np.concatenate([a, b], axis=1) for a, b in zip(tops, more_top))
             before = sum(len(r.output_token_ids) for r in plan.decode_requests)
             sched.update_decode(plan, tokens, logprobs, tops=tops)
             gained = sum(len(r.output_token_ids) for r in plan.decode_requests) - before
@@ -219,8 +221,7 @@ class ServingEngine:
             steps = 1
         k = plan.decode_steps
         out, out_lp = host(out)[:, :k], host(out_lp)[:, :k]
-        want_top = any(r.sampling.top_logprobs for r in plan.decode_requests)
-        tops = tuple(host(x)[:, :k] for x in top) if want_top else None
+        tops = top_on_host(plan.decode_requests, top, k)
         self.timing["decode_s"] += time.perf_counter() - t0
         self.timing["decode_steps"] += steps
         self.scheduler.update_decode(plan, out, out_lp, counts, tops=tops)
@@ -251,7 +252,6 @@ class ServingEngine:
         runner.caches = caches
         counts = host(counts)
         self.spec_counts["spec_drafted_tokens"] += int(valid[plan.decode_slots, 1:].sum())
-        self.spec_counts["spec_accepted_tokens"] += int((counts[plan.decode_slots] - 1).sum())
         self.spec_counts["spec_verify_steps"] += len(plan.decode_slots)
         accepted = counts[plan.decode_slots] - 1
         self.spec_accepted_per_pos += (np.arange(width - 1)[None] < accepted[:, None]).sum(axis=0)
@@ -265,7 +265,7 @@ class ServingEngine:
         if self.scheduler.kv.host is not None:
             out.update(self.copier.counts, host_bytes=host_bytes(self.scheduler.kv.host.blocks.values()))
         if self.speculative is not None:
-            c = self.spec_counts
+            c = dict(self.spec_counts, spec_accepted_tokens=int(self.spec_accepted_per_pos.sum()))
             steps = c["spec_verify_steps"]
             out.update(c, speculative=self.speculative.method, num_speculative_tokens=self.speculative.num_tokens,
                        spec_accepted_per_pos=[int(x) for x in self.spec_accepted_per_pos],
@@ -283,6 +283,14 @@ class ServingEngine:
         self.copy_kv()  # (copies already scheduled run first: nothing half-dropped)
         self.copier.finish()
         return self.scheduler.reset_prefix_cache()
+
+
+def top_on_host(requests, top, steps: int | None = None):
+    """A step's top logprobs (ids, log-probabilities) on the host, the first `steps` columns, when any
+    of `requests` asked for them; else None (the arrays stay on the device)."""
+    if not any(r.sampling.top_logprobs for r in requests):
+        return None
+    return tuple(host(x) if steps is None else host(x)[:, :steps] for x in top)
 
 
 def run_requests(engine: ServingEngine, requests: list[Request], arrivals=None, on_step=None,

@@ -18,7 +18,7 @@ import time
 import uuid
 
 from dcp_jax.errors import UserError
-from dcp_jax.sampling import MAX_TOP_LOGPROBS, SEED_LIMIT, SamplingParams, check_seed
+from dcp_jax.sampling import MAX_TOP_LOGPROBS, SamplingParams, check_seed
 from dcp_jax.serving.protocol import UNSUPPORTED, APIError, RequestBody
 from dcp_jax.serving.request import Request
 
@@ -186,13 +186,8 @@ class Intake:
             raise APIError(400, "stop strings need a tokenizer", param="stop")
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options needs stream: true", param="stream_options")
-        rid, first, out = f"{next(self.ids)}-{uuid.uuid4().hex[:12]}", None, []
-        for j in range(body.n):
-            r = Request(rid if body.n == 1 else f"{rid}.{j}", prompt_ids, sampling=sampling,
-                        seed=(seed + j) % SEED_LIMIT, max_tokens=max_tokens, ignore_eos=body.ignore_eos, stop=stop,
-                        stop_token_ids=tuple(body.stop_token_ids or ()), min_tokens=body.min_tokens,
-                        include_stop_str_in_output=body.include_stop_str_in_output,
-                        skip_special_tokens=body.skip_special_tokens, arrival_time=time.monotonic(), follows=first)
-            first = first or r
-            out.append(r)
-        return out
+        return Request.samples(f"{next(self.ids)}-{uuid.uuid4().hex[:12]}", prompt_ids, body.n, seed=seed,
+                               sampling=sampling, max_tokens=max_tokens, ignore_eos=body.ignore_eos, stop=stop,
+                               stop_token_ids=tuple(body.stop_token_ids or ()), min_tokens=body.min_tokens,
+                               include_stop_str_in_output=body.include_stop_str_in_output,
+                               skip_special_tokens=body.skip_special_tokens, arrival_time=time.monotonic())

@@ -9,7 +9,7 @@ import dataclasses
 import enum
 from collections.abc import Callable, Sequence
 
-from dcp_jax.sampling import MAX_BANNED, SamplingParams, check_seed
+from dcp_jax.sampling import MAX_BANNED, SEED_LIMIT, SamplingParams, check_seed
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -97,6 +97,16 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.state is RequestState.FINISHED
+
+    @classmethod
+    def samples(cls, request_id: str, prompt_token_ids, n: int, *, seed: int, **kw) -> list[Request]:
+        """n samples of one prompt (ids `request_id`, or `request_id`.j when n > 1): sample j draws with
+        seed + j and follows sample 0, whose prefill the others wait for and then share (the scheduler)."""
+        out: list[Request] = []
+        for j in range(n):
+            out.append(cls(request_id if n == 1 else f"{request_id}.{j}", prompt_token_ids,
+                           seed=(seed + j) % SEED_LIMIT, follows=out[0] if out else None, **kw))
+        return out
 
     def tokens_left(self, max_model_len: int) -> int:
         """Tokens it may still produce before a "length" stop (max_tokens or the model length)."""
