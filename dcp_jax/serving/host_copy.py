@@ -26,10 +26,7 @@ import numpy as np
 
 from dcp_jax.kv.host import HostBlock
 from dcp_jax.kv.manager import NULL_PAGE
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+from pallas_kernels.attention.configs import pow2
 
 
 def _place(index: tuple, n: int) -> tuple:
@@ -101,7 +98,7 @@ class HostCopier:
     @staticmethod
     def padded(pages) -> np.ndarray:
         """Page indices padded with the null page to a power of two."""
-        out = np.full(_pow2(len(pages)), NULL_PAGE, np.int32)
+        out = np.full(pow2(len(pages)), NULL_PAGE, np.int32)
         out[:len(pages)] = pages
         return out
 
@@ -127,7 +124,7 @@ class HostCopier:
         dict from each shard's place to its [L, 1, K_local, page, D] piece (this process's shards only)."""
         t = time.perf_counter()
         for blocks, leaves in self.pending:
-            n = _pow2(len(blocks))
+            n = pow2(len(blocks))
             payloads = [[{} for _ in leaves] for _ in blocks]
             for i, leaf in enumerate(leaves):
                 for sh in leaf.addressable_shards:
