@@ -67,6 +67,21 @@ def non_negative_float(name, upper=None, positive=False):
     return parse
 
 
+def penalty_arg(name):
+    """An argparse type: a presence or frequency penalty, a number in [-2, 2]."""
+    from dcp_jax.sampling import MAX_PENALTY
+
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise argparse.ArgumentTypeError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {text}")
+        return value
+    return parse
+
+
 def positive_float(name, upper=None):
     """An argparse type: a number > 0, at most `upper` when given."""
     return non_negative_float(name, upper, positive=True)

@@ -30,6 +30,7 @@ from dcp_jax.cli import (
     interleave_arg,
     mesh_shape,
     non_negative_float,
+    penalty_arg,
     positive_float,
     positive_int,
     token_ids_arg,
@@ -68,6 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logprobs", action="store_true", help="report the log-probability of each token")
     p.add_argument("--top-logprobs", type=top_logprobs_arg, default=0, metavar="N",
                    help="report each token's N most likely alternatives and their log-probabilities (0-20)")
+    p.add_argument("--min-p", type=non_negative_float("--min-p", 1), default=0.0,
+                   help="drop tokens less likely than this times the most likely one (0 = off)")
+    p.add_argument("--presence-penalty", type=penalty_arg("--presence-penalty"), default=0.0,
+                   help="subtracted from a token's logit once it occurs in the output ([-2, 2])")
+    p.add_argument("--frequency-penalty", type=penalty_arg("--frequency-penalty"), default=0.0,
+                   help="subtracted from a token's logit per occurrence in the output ([-2, 2])")
+    p.add_argument("--repetition-penalty", type=positive_float("--repetition-penalty"), default=1.0,
+                   help="divides the positive logits (multiplies the negative) of tokens in the prompt or "
+                        "output (> 0; 1 = off)")
+    p.add_argument("--bad-word", action="append", default=[], metavar="TEXT",
+                   help="a word never generated (repeat for more; vLLM's bad_words)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     d = p.add_argument_group("multi-process (jax.distributed)")
@@ -159,7 +171,9 @@ def run(argv=None) -> int:
         top_k = DEFAULT_SAMPLING["top_k"] if sampled else (args.top_k or 0)
         out = llm.generate(prompts, max_new_tokens=new_tokens, temperature=temperature, top_k=top_k,
                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
-                           top_logprobs=args.top_logprobs, on_chunk=show.prefill, on_token=show.token)
+                           top_logprobs=args.top_logprobs, min_p=args.min_p, presence_penalty=args.presence_penalty,
+                           frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                           bad_words=args.bad_word, on_chunk=show.prefill, on_token=show.token)
         show.close()
     except ValueError as e:  # UserError and the library's own ValueErrors (bad mesh, bad sizes)
         print(f"error: {e}", file=sys.stderr)

@@ -31,7 +31,7 @@ from dcp_jax.errors import UserError
 from dcp_jax.layout import PagedLayout
 from dcp_jax.model import CausalLM
 from dcp_jax.outputs import Generation, generation, request_stats
-from dcp_jax.sampling import SamplingParams, check_seed
+from dcp_jax.sampling import SamplingParams, bad_words_ids, check_seed
 from dcp_jax.serving.config import DEFAULT_PAGE_SIZE, ServingConfig, default_prefill_chunk, parse_bytes
 from dcp_jax.serving.engine import ServingEngine, run_requests
 from dcp_jax.serving.request import Request
@@ -258,7 +258,8 @@ class LLM:
     def requests(self, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, top_logprobs: int = 0,
                  min_p: float = 0.0, logit_bias=None, allowed_token_ids=None, n: int = 1,
-                 prefix: str = "r") -> list[Request]:
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                 bad_words=None, min_tokens: int = 0, prefix: str = "r") -> list[Request]:
         """`generate`'s arguments checked and made into requests (ids `prefix`0, `prefix`1, ...).
         UserError names a bad one; a prompt that cannot fit fails alone when it is added."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
@@ -270,14 +271,29 @@ class LLM:
         if (problem := check_seed(seed)) is not None:
             raise UserError(problem)
         _positive_int("n", n)
-        sampling = SamplingParams(temperature, top_k, top_p, top_logprobs, min_p, logit_bias or (), allowed_token_ids)
+        sampling = SamplingParams(temperature, top_k, top_p, top_logprobs, min_p, logit_bias or (), allowed_token_ids,
+                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                  repetition_penalty=repetition_penalty, bad_words_ids=self.bad_words(bad_words))
         return [r for i, p in enumerate(ids) for r in Request.samples(
-            f"{prefix}{i}", p, n, seed=seed, sampling=sampling, max_tokens=max_new_tokens, ignore_eos=ignore_eos)]
+            f"{prefix}{i}", p, n, seed=seed, sampling=sampling, max_tokens=max_new_tokens, ignore_eos=ignore_eos,
+            min_tokens=min_tokens)]
+
+    def bad_words(self, words) -> tuple:
+        """`bad_words` as token sequences: strings through the tokenizer (vLLM's rule,
+        `dcp_jax.sampling.bad_words_ids`), id lists as they are."""
+        if not words:
+            return ()
+        if isinstance(words, str) or all(isinstance(w, str) for w in words):
+            if self.tokenizer is None:
+                raise UserError("bad_words as text needs a tokenizer: give them as token id lists")
+            return bad_words_ids(lambda text: self.tokenizer.encode(text, add_special_tokens=False).ids, words)
+        return tuple(words)
 
     def generate(self, prompts, *, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, top_logprobs: int = 0,
                  min_p: float = 0.0, logit_bias: dict | None = None, allowed_token_ids=None, n: int = 1,
-                 on_chunk=None, on_token=None) -> Generation:
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                 bad_words=None, min_tokens: int = 0, on_chunk=None, on_token=None) -> Generation:
         """`prompts`: a string, a list of strings, a list of ids, or a list of id lists.
 
         The requests go to this LLM's engine: admitted while pages and slots are free, prefilled in
@@ -289,14 +305,18 @@ class LLM:
         `min_p`, `logit_bias` ({token id: bias in [-100, 100]}) and `allowed_token_ids` as vLLM's. `n`:
         samples per prompt (results prompt-major: prompt i's sample j is entry i·n + j), sample j drawn
         with seed + j; with prefix caching the first sample's prefill fills the prompt's full blocks and
-        the others share them (one prefill, pages by reference count).
+        the others share them (one prefill, pages by reference count). `presence_penalty`,
+        `frequency_penalty` (in [-2, 2]), `repetition_penalty` (> 0, 1 = off), `bad_words` (strings, or
+        token id lists) and `min_tokens` (no EOS before it) as vLLM's.
         A request that can never run fails alone; if every one fails, UserError. `on_chunk(done, total)`
         reports prefill tokens; `on_token(step, tokens [B])` receives new tokens as they come (-1 for
         requests with none at that step).
         """
         requests = self.requests(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                  top_p=top_p, seed=seed, ignore_eos=ignore_eos, top_logprobs=top_logprobs,
-                                 min_p=min_p, logit_bias=logit_bias, allowed_token_ids=allowed_token_ids, n=n)
+                                 min_p=min_p, logit_bias=logit_bias, allowed_token_ids=allowed_token_ids, n=n,
+                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                 repetition_penalty=repetition_penalty, bad_words=bad_words, min_tokens=min_tokens)
         server = self.engine
         if not server.lock.acquire(blocking=False):
             raise UserError("this LLM's engine is in use (a server or another generate call drives it): wait for "

@@ -5,7 +5,8 @@ device programs all take their sampling rules from here, so each range is checke
 
     SamplingParams   temperature (0 = greedy), top-k (0 = off), top-p (1 = off), min-p (0 = off),
                      logit_bias, allowed_token_ids, top_logprobs (0..20 alternatives reported per
-                     token); checked on creation
+                     token), presence / frequency / repetition penalties, bad words (as token id
+                     sequences: `bad_words_ids` makes them from strings); checked on creation
     check_seed       a request's seed: an integer in [0, 2**32) (it becomes a uint32 on the device)
     filter_logits    the one top-k / top-p / min-p rule, per row
     bias_logits      logit_bias and allowed_token_ids, per row (before greedy and sampling alike)
@@ -14,6 +15,9 @@ device programs all take their sampling rules from here, so each range is checke
     ban_stops        min_tokens: no stop id before a row's minimum (logits masked per row)
     sample_rows      per-row sampling with keys from (seed, position): the serving engine's sampler
     top_logprobs     each row's most likely tokens and their log-probabilities (when a row asks)
+    write_history    the tokens of the rows that need them (penalties, bad words) into the per-slot
+                     token history the programs keep on the device
+    penalize         presence / frequency / repetition penalties and bad words, per row, from that history
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ MAX_BANNED = 16  # stop ids one row may hold back until its min_tokens (EOS ids 
 MAX_TOP_LOGPROBS = 20  # alternatives a token may report (OpenAI's and vLLM's limit)
 MAX_LISTED = 300  # token ids one row may list in logit_bias and allowed_token_ids together (fixed shape)
 MAX_BIAS = 100.0  # |logit_bias| (OpenAI's range)
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
+MAX_BAD_WORDS, MAX_BAD_LEN = 32, 8  # token sequences one row may ban, tokens per sequence (fixed shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +50,13 @@ class SamplingParams:
     (None = all) the only ids that may be emitted, both before greedy and sampled choices alike (the
     reported logprobs stay the model's own). Token ids are checked against the vocabulary where the
     request meets a model (`Request.problem`). Every other value is checked here, where a request
-    enters, so nothing out of range reaches a device array."""
+    enters, so nothing out of range reaches a device array.
+
+    Penalties as vLLM defines them: repetition_penalty (1 = off, > 0) divides the positive logits and
+    multiplies the negative ones of every token in the prompt or the output so far; frequency_penalty
+    (0 = off, in [-2, 2]) is subtracted once per occurrence of a token in the output, presence_penalty
+    (likewise) once for any occurrence. bad_words_ids: token sequences never completed in the output
+    (the last token of each is banned where the output ends with the ones before it)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -53,6 +65,10 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: tuple = ()  # ((token id, bias), ...); a dict is accepted and sorted
     allowed_token_ids: tuple | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    bad_words_ids: tuple = ()  # ((token id, ...), ...)
 
     def __post_init__(self):
         t = self.temperature
@@ -93,14 +109,66 @@ class SamplingParams:
         if len(self.listed_ids) > MAX_LISTED:
             raise UserError(f"logit_bias and allowed_token_ids list {len(self.listed_ids)} token ids together; "
                             f"at most {MAX_LISTED} are supported")
+        for name in ("presence_penalty", "frequency_penalty"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, (int, float, np.number)) or not -MAX_PENALTY <= x <= MAX_PENALTY:
+                raise UserError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {x!r}")
+            object.__setattr__(self, name, float(x))
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float, np.number)) or not (math.isfinite(r) and r > 0):
+            raise UserError(f"repetition_penalty must be a finite number > 0 (1 = off), got {r!r}")
+        object.__setattr__(self, "repetition_penalty", float(r))
+        try:
+            words = tuple(dict.fromkeys(tuple(_token_id(t) for t in w) for w in self.bad_words_ids))
+        except (TypeError, ValueError):
+            raise UserError("bad_words must be a list of words (token id sequences)") from None
+        if any(not 0 < len(w) <= MAX_BAD_LEN for w in words) or len(words) > MAX_BAD_WORDS:
+            raise UserError(f"bad_words takes at most {MAX_BAD_WORDS} token sequences (a word counts once or twice: "
+                            f"with and without a leading space) of 1 to {MAX_BAD_LEN} tokens each")
+        object.__setattr__(self, "bad_words_ids", words)
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_k", int(k))
         object.__setattr__(self, "top_p", float(p))
 
     @property
     def listed_ids(self) -> tuple[int, ...]:
-        """Every token id logit_bias or allowed_token_ids names (their vocabulary check)."""
+        """Every token id logit_bias or allowed_token_ids names (one table on the device)."""
         return tuple(sorted({k for k, _ in self.logit_bias} | set(self.allowed_token_ids or ())))
+
+    @property
+    def named_ids(self) -> tuple[int, ...]:
+        """Every token id the parameters name (their vocabulary check)."""
+        return tuple(sorted(set(self.listed_ids) | {t for w in self.bad_words_ids for t in w}))
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty is on."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling reads the request's earlier tokens (penalties, bad words): the device keeps
+        them for it (`write_history`)."""
+        return self.penalized or bool(self.bad_words_ids)
+
+
+def bad_words_ids(encode, words) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad words as token sequences: each word encoded (no special tokens) as it is (its leading
+    spaces stripped) and with one leading space, the second kept when it starts with another token and
+    is as long (a word alone and a word after a space are different tokens to byte-level BPE).
+    `encode(text) -> ids`."""
+    out: list[tuple[int, ...]] = []
+    if isinstance(words, str):
+        words = [words]
+    for word in words:
+        if not isinstance(word, str) or not word.strip():
+            raise UserError("bad_words must be a list of non-empty strings")
+        bare = tuple(encode(word.lstrip()))
+        out.append(bare)
+        spaced = tuple(encode(" " + word.lstrip()))
+        if spaced and bare and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return tuple(w for w in out if w)
 
 
 def _token_id(x) -> int:
@@ -188,6 +256,11 @@ class SamplingRows:
     listed: jax.Array  # int32 [R, MAX_LISTED]: ids logit_bias or allowed_token_ids names; -1 = none
     bias: jax.Array  # float32 [R, MAX_LISTED]: their logit_bias (0 for an allowed id without one)
     only_listed: jax.Array  # bool: allowed_token_ids given (only listed ids may be emitted)
+    presence: jax.Array  # float32; 0 = off
+    frequency: jax.Array  # float32; 0 = off
+    repetition: jax.Array  # float32; 1 = off
+    prompt_len: jax.Array  # int32: positions below it are the prompt's (penalties, bad words)
+    bad_words: jax.Array  # int32 [R, MAX_BAD_WORDS, MAX_BAD_LEN], each word right-aligned; -1 = none
 
     @classmethod
     def spec(cls, rows: int) -> "SamplingRows":
@@ -195,7 +268,9 @@ class SamplingRows:
         return cls(*(jax.ShapeDtypeStruct((rows,), dt) for dt in (f32, i32, f32, jnp.uint32, i32)),
                    jax.ShapeDtypeStruct((rows, MAX_BANNED), i32), jax.ShapeDtypeStruct((rows,), i32),
                    jax.ShapeDtypeStruct((rows,), f32), jax.ShapeDtypeStruct((rows, MAX_LISTED), i32),
-                   jax.ShapeDtypeStruct((rows, MAX_LISTED), f32), jax.ShapeDtypeStruct((rows,), jnp.bool_))
+                   jax.ShapeDtypeStruct((rows, MAX_LISTED), f32), jax.ShapeDtypeStruct((rows,), jnp.bool_),
+                   *(jax.ShapeDtypeStruct((rows,), dt) for dt in (f32, f32, f32, i32)),
+                   jax.ShapeDtypeStruct((rows, MAX_BAD_WORDS, MAX_BAD_LEN), i32))
 
     @classmethod
     def of(cls, rows, eos_token_ids=()) -> "SamplingRows":
@@ -205,7 +280,10 @@ class SamplingRows:
         until = np.zeros(len(rows), np.int32)
         listed, bias = np.full((len(rows), MAX_LISTED), -1, np.int32), np.zeros((len(rows), MAX_LISTED), np.float32)
         only = np.zeros(len(rows), bool)
+        bad = np.full((len(rows), MAX_BAD_WORDS, MAX_BAD_LEN), -1, np.int32)
         for i, r in enumerate(rows):
+            for j, word in enumerate(r.sampling.bad_words_ids if r is not None else ()):
+                bad[i, j, MAX_BAD_LEN - len(word):] = word
             if r is not None and (r.sampling.logit_bias or r.sampling.allowed_token_ids is not None):
                 ids, biases = r.sampling.listed_ids, dict(r.sampling.logit_bias)
                 listed[i, :len(ids)] = ids
@@ -221,7 +299,19 @@ class SamplingRows:
                    seed=np.asarray([r.seed if r else 0 for r in rows], np.uint32), ban_until=until, ban_ids=ban,
                    num_top=np.asarray([r.sampling.top_logprobs if r else 0 for r in rows], np.int32),
                    min_p=np.asarray([r.sampling.min_p if r else 0.0 for r in rows], np.float32),
-                   listed=listed, bias=bias, only_listed=only)
+                   listed=listed, bias=bias, only_listed=only,
+                   presence=np.asarray([r.sampling.presence_penalty if r else 0.0 for r in rows], np.float32),
+                   frequency=np.asarray([r.sampling.frequency_penalty if r else 0.0 for r in rows], np.float32),
+                   repetition=np.asarray([r.sampling.repetition_penalty if r else 1.0 for r in rows], np.float32),
+                   prompt_len=np.asarray([r.num_prompt_tokens if r else 0 for r in rows], np.int32), bad_words=bad)
+
+    def needs_history(self):
+        """[R] bool: the rows whose sampling reads their earlier tokens (`SamplingParams.needs_history`)."""
+        return self.penalized() | jnp.any(self.bad_words >= 0, axis=(1, 2))
+
+    def penalized(self):
+        """[R] bool: the rows with a penalty on."""
+        return (self.presence != 0) | (self.frequency != 0) | (self.repetition != 1)
 
 
 def ban_stops(logits, params: SamplingRows, positions):
@@ -255,15 +345,78 @@ def top_logprobs(logprobs, params: SamplingRows):
                         lambda: (jnp.zeros(shape, jnp.int32), jnp.zeros(shape, logprobs.dtype)))
 
 
-def sample_rows(logits, params: SamplingRows, positions):
+def write_history(history, params: SamplingRows, rows, positions, tokens, ok):
+    """history int32 [S, L] (each slot's tokens by position) with `tokens` written at (`rows`,
+    `positions`) where `ok` and the row needs its history (penalties, bad words); all four of one shape.
+    A batch in which no row needs it is returned as it is."""
+    need = params.needs_history()
+
+    def write():
+        keep = ok & need[rows]
+        return history.at[rows, jnp.where(keep, positions, history.shape[1])].set(tokens, mode="drop")
+
+    return jax.lax.cond(jnp.any(need), write, lambda: history)
+
+
+def penalize(logits, params: SamplingRows, history, positions):
+    """logits [R, T, V] with each row's penalties and bad words applied, the token at (r, t) following
+    the context history[r, :positions[r, t]] (prompt below params.prompt_len, output from it on).
+
+    Penalties (vLLM's): where a token occurs in the context, a positive logit is divided by the row's
+    repetition penalty and a negative one multiplied; then frequency x (its count in the output) and
+    presence x (whether it occurs in the output) are subtracted. Bad words: a word's last token is
+    banned where the output ends with the word's other tokens. Each part is skipped (a `lax.cond`) when no
+    row of the batch uses it."""
+    r, t, v = logits.shape
+    length = history.shape[1]
+    idx = jnp.arange(length, dtype=jnp.int32)
+    tok = jnp.clip(history, 0, v - 1)  # (what a row that keeps no history holds is never used)
+
+    def penalties():
+        rows = jnp.broadcast_to(jnp.arange(r)[:, None, None], (r, t, length))
+        cols = jnp.broadcast_to(jnp.arange(t)[None, :, None], (r, t, length))
+        ids = jnp.broadcast_to(tok[:, None], (r, t, length))
+        before = idx[None, None] < positions[..., None]
+        prompt = before & (idx < params.prompt_len[:, None])[:, None]
+        counts = jnp.zeros((r, t, v), jnp.int32).at[rows, cols, ids].add((before & ~prompt).astype(jnp.int32))
+        seen = jnp.zeros((r, t, v), bool).at[rows, cols, ids].max(prompt) | (counts > 0)
+        col = lambda x: x[:, None, None]  # noqa: E731
+        rep = jnp.where(seen, col(params.repetition), 1.0)
+        x = jnp.where(logits > 0, logits / rep, logits * rep)
+        x = x - col(params.frequency) * counts - col(params.presence) * (counts > 0)
+        return x.astype(logits.dtype)
+
+    def bad_words():
+        m = MAX_BAD_LEN - 1
+        at = positions[..., None] + jnp.arange(-m, 0, dtype=jnp.int32)  # [R, T, m]: the context's last m
+        ctx = jnp.take_along_axis(history, jnp.clip(at, 0, length - 1).reshape(r, -1), axis=1).reshape(at.shape)
+        ctx = jnp.where(at >= params.prompt_len[:, None, None], ctx, -2)  # the output's tokens only (vLLM's)
+        words = params.bad_words  # [R, W, MAX_BAD_LEN]
+        prefix, last = words[..., :m], words[..., m]
+        match = jnp.all((prefix[:, None] < 0) | (prefix[:, None] == ctx[:, :, None]), axis=-1)  # [R, T, W]
+        hit = match & (last[:, None] >= 0)
+        rows = jnp.broadcast_to(jnp.arange(r)[:, None, None], hit.shape)
+        cols = jnp.broadcast_to(jnp.arange(t)[None, :, None], hit.shape)
+        ids = jnp.broadcast_to(jnp.maximum(last, 0)[:, None], hit.shape)
+        banned = jnp.zeros((r, t, v), bool).at[rows, cols, ids].max(hit)
+        return jnp.where(banned, -jnp.inf, x)
+
+    x = jax.lax.cond(jnp.any(params.penalized()), penalties, lambda: logits)
+    return jax.lax.cond(jnp.any(params.bad_words >= 0), bad_words, lambda: x)
+
+
+def sample_rows(logits, params: SamplingRows, positions, history):
     """logits [R, V] float32 -> (tokens [R] int32, log-probability of each under the model [R], and
-    `top_logprobs`' (ids, log-probabilities) [R, MAX_TOP_LOGPROBS]).
+    `top_logprobs`' (ids, log-probabilities) [R, MAX_TOP_LOGPROBS]). history [R, L]: each row's
+    tokens by position, the new token's context history[r, :positions[r]] (read by penalties and bad
+    words only).
 
     Each row samples with its own parameters and a key from (seed, position of the new token): the same
     row at the same position draws the same token, whatever else shares the batch.
     """
     logprobs = jax.nn.log_softmax(logits, axis=-1)  # under the model's raw logits
     x = bias_logits(ban_stops(logits, params, positions), params)
+    x = penalize(x[:, None], params, history, positions[:, None])[:, 0]
     greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
 
     def draw():

@@ -40,6 +40,20 @@ def test_json_output(capsys):
     assert stats["kv_bytes_per_device"] * 8 == stats["kv_bytes_total"]
 
 
+def test_sampling_flags_are_generate_arguments(capsys):
+    # --min-p, the penalties and --bad-word reach LLM.generate as its keywords (the fixture's reference)
+    case = json.loads((FIX / "llama-gqa" / "processors.json").read_text())["cases"][1]
+    pen = case["penalties"][2]["params"]
+    code, out, err = cli(capsys, "--model", LLAMA, "--prompt-ids", ",".join(map(str, case["prompt"])),
+                         "--max-new-tokens", "12", "--ignore-eos", "--json", "--min-p", "0.01",
+                         "--repetition-penalty", pen["repetition_penalty"], "--presence-penalty", pen["presence_penalty"],
+                         "--frequency-penalty", pen["frequency_penalty"])
+    assert code == 0, err
+    assert json.loads(out)["tokens"] == [case["penalties"][2]["tokens"]]  # (greedy: min_p changes nothing)
+    code, out, err = cli(capsys, "--model", LLAMA, "--prompt-ids", "1,2", "--bad-word", "the")
+    assert code == 1 and err == "error: bad_words as text needs a tokenizer: give them as token id lists\n"
+
+
 def test_text_output(capsys):
     code, out, err = cli(capsys, "--model", LLAMA, "--dcp", "2", "--prompt-ids", "1,2,3", "--prompt-ids", "4,5",
                          "--max-new-tokens", "3")
@@ -112,6 +126,10 @@ USAGE = [
     (["--model", LLAMA, "--prompt-ids", "1", "--kv-host-memory", "0"], "--kv-host-memory: memory size '0'"),
     (["--model", LLAMA, "--prompt-ids", "1", "--top-logprobs", "21"], "--top-logprobs must be in [0, 20], got 21"),
     (["--model", LLAMA, "--prompt-ids", "1", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--presence-penalty", "3"], "--presence-penalty must be in [-2, 2], got 3"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--frequency-penalty", "x"], "--frequency-penalty must be a number"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--min-p", "2"], "--min-p must be in [0, 1]"),
     (["--model", LLAMA, "--prompt-ids", "1", "--page-size", "0"], "--page-size must be >= 1"),
     (["--model", LLAMA, "--prompt-ids", "1", "--temperature", "-1"], "--temperature must be >= 0"),
     (["--model", LLAMA, "--prompt-ids", "1", "--dtype", "int8"], "invalid choice"),

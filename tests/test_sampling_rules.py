@@ -1,7 +1,8 @@
-"""logit_bias, allowed_token_ids and min_p (vLLM's and OpenAI's request parameters), per row on the device:
-greedy tokens against transformers' own logits processors (tests/fixtures/llama-gqa/processors.json, made
-by scripts/make_processor_fixture.py), on several meshes and under speculation; min_p's support checked
-on the tokens it samples; every rule's range checks."""
+"""logit_bias, allowed_token_ids, min_p, the presence / frequency / repetition penalties, bad words and
+min_tokens (vLLM's and OpenAI's request parameters), per row on the device: greedy tokens against
+transformers' own logits processors (tests/fixtures/llama-gqa/processors.json, made by
+scripts/make_processor_fixture.py), on several meshes, under speculation, with prefix hits and
+preemption; min_p's support checked on the tokens it samples; every rule's range checks."""
 
 import json
 
@@ -45,7 +46,73 @@ def test_min_p_keeps_sampled_tokens_within_its_support():
                for lp, alts in zip(lps, tops))
 
 
+@pytest.mark.parametrize("tp,dcp,spec", [(1, 1, None), (2, 4, None), (1, 2, "ngram")])
+def test_penalties_bad_words_and_min_tokens_match_transformers(tp, dcp, spec):
+    extra = dict(speculative=spec, num_speculative_tokens=3) if spec else {}
+    llm = LLM.load(FIXTURES / "llama-gqa", tp=tp, dcp=dcp, page_size=4, decode_steps=3, **extra)
+    kw = dict(max_new_tokens=12, ignore_eos=True)
+    for case in CASES:  # each prompt alone, as the reference ran them; from the second call on, the
+        # prompt's full blocks are prefix hits (the history of their tokens is filled from the host)
+        assert llm.generate([case["prompt"]], **kw).tokens[0] == case["greedy12"]
+        for pen in case["penalties"]:
+            assert llm.generate([case["prompt"]], **pen["params"], **kw).tokens[0] == pen["tokens"], pen
+        assert llm.generate([case["prompt"]], bad_words=case["bad_words"], **kw).tokens[0] == case["banned"]
+        early = llm.generate([case["prompt"]], max_new_tokens=12, min_tokens=case["min_tokens"],
+                             logit_bias={case["eos"]: 100.0})
+        assert early.tokens[0] == case["min_tokens_tokens"] and early.finish_reasons == ["stop"]
+    assert llm.engine.stats()["prefix_hit_tokens"] > 0
+    # the test can fail: each penalty and the bad words change some prompt's tokens
+    for i in range(len(CASES[0]["penalties"])):
+        assert any(c["penalties"][i]["tokens"] != c["greedy12"] for c in CASES)
+    assert all(c["banned"] != c["greedy12"][:len(c["banned"])] for c in CASES)
+
+
+def test_penalties_are_per_row_through_preemption_and_sampling():
+    # Every prompt with every rule in one batch, on a pool so small that requests are preempted and
+    # recomputed: each request gets its reference tokens. Sampled with penalties: a seed gives the same
+    # tokens alone and in a mixed batch.
+    from dcp_jax.serving.engine import run_requests
+
+    llm = LLM.load(FIXTURES / "llama-gqa", tp=1, dcp=2, page_size=2, max_num_seqs=6, decode_steps=4)
+    jobs = [(c, pen["params"], pen["tokens"]) for c in CASES for pen in c["penalties"]]
+    jobs += [(c, dict(bad_words=c["bad_words"]), c["banned"]) for c in CASES]
+    jobs += [(c, {}, c["greedy12"]) for c in CASES]
+    engine = llm.engine_with(num_pages=24)
+    requests = [r for i, (c, params, _) in enumerate(jobs)
+                for r in llm.requests([c["prompt"]], max_new_tokens=12, ignore_eos=True, prefix=f"j{i}-", **params)]
+    run_requests(engine, requests)
+    assert engine.stats()["preemptions"] > 0
+    assert [r.output_token_ids for r in requests] == [want for *_, want in jobs]
+    kw = dict(max_new_tokens=10, ignore_eos=True, temperature=1.0, top_k=40, seed=5, frequency_penalty=1.5,
+              repetition_penalty=1.4)
+    prompts = [c["prompt"] for c in CASES]
+    alone = [llm.generate([p], **kw).tokens[0] for p in prompts]
+    assert llm.generate(prompts, **kw).tokens == alone
+    assert llm.generate(prompts, **dict(kw, frequency_penalty=0.0, repetition_penalty=1.0)).tokens != alone
+
+
+def test_bad_words_from_text():
+    # vLLM's rule: each word as it is and after a space (a different token to byte-level BPE)
+    from dcp_jax.sampling import bad_words_ids
+
+    vocab = {"cat": [5], " cat": [9], "big dog": [3, 4], " big dog": [8, 4]}
+    assert bad_words_ids(vocab.__getitem__, ["cat", " big dog"]) == ((5,), (9,), (3, 4), (8, 4))
+    with pytest.raises(UserError, match="bad_words must be a list of non-empty strings"):
+        bad_words_ids(vocab.__getitem__, [""])
+    llm = LLM.load(FIXTURES / "llama-gqa", tp=1, dcp=1, page_size=4)
+    with pytest.raises(UserError, match="bad_words as text needs a tokenizer"):
+        llm.generate([[5, 6]], max_new_tokens=2, bad_words=["cat"])
+
+
 @pytest.mark.parametrize("kw,match", [
+    (dict(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\]"),
+    (dict(frequency_penalty=-2.1), r"frequency_penalty must be in \[-2, 2\]"),
+    (dict(frequency_penalty=True), r"frequency_penalty must be in"),
+    (dict(repetition_penalty=0.0), r"repetition_penalty must be a finite number > 0"),
+    (dict(repetition_penalty=float("inf")), r"repetition_penalty must be a finite number > 0"),
+    (dict(bad_words_ids=((1,) * 9,)), r"bad_words takes at most 32 token sequences .* of 1 to 8 tokens"),
+    (dict(bad_words_ids=tuple((i,) for i in range(33))), r"bad_words takes at most 32"),
+    (dict(bad_words_ids=(("a",),)), r"bad_words must be a list of words"),
     (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
     (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"),
     (dict(logit_bias={5: 100.5}), r"logit_bias must map distinct token ids to numbers in \[-100, 100\]"),
@@ -64,7 +131,7 @@ def test_rules_are_checked(kw, match):
 
 def test_ids_outside_the_vocabulary_fail_the_request():
     llm = LLM.load(FIXTURES / "llama-gqa", tp=1, dcp=1, page_size=4)
-    with pytest.raises(UserError, match=r"logit_bias / allowed_token_ids id 256 is outside the vocabulary \[0, 256\)"):
+    with pytest.raises(UserError, match=r"logit_bias / allowed_token_ids / bad_words id 256 is outside the vocabulary \[0, 256\)"):
         llm.generate([[5, 6, 7]], max_new_tokens=2, logit_bias={256: 1})
 
 

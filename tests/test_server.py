@@ -225,6 +225,27 @@ def test_logit_bias_min_p_and_allowed_token_ids(server):
         assert chosen >= max(alts.values()) + np.log(0.3) - 1e-5
 
 
+def test_penalties_and_bad_words(server):
+    # OpenAI's presence/frequency penalties and vLLM's repetition_penalty and bad_words: the tokens
+    # LLM.generate gives with the same values (bad words tokenized by the same rule); a banned word
+    # never appears
+    c, llm = server["client"], server["llm"]
+    ids = llm.encode("the the the the the the")  # (a prompt whose tokens the tiny model repeats)
+    pen = dict(presence_penalty=0.7, frequency_penalty=1.1)
+    r = c.completions.create(model=MODEL, prompt=ids, max_tokens=16, temperature=0, **pen,
+                             extra_body=dict(repetition_penalty=1.6, ignore_eos=True))
+    want = llm.generate([ids], max_new_tokens=16, ignore_eos=True, repetition_penalty=1.6, **pen)
+    assert r.choices[0].text == want.text[0] and want.tokens[0] != llm.generate([ids], max_new_tokens=16,
+                                                                                ignore_eos=True).tokens[0]
+    word = llm.decode(want.tokens[0][:2])
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=12,
+                                  temperature=0.8, seed=4, extra_body=dict(bad_words=[word], ignore_eos=True))
+    assert r.choices[0].finish_reason == "length"
+    banned = llm.bad_words([word])
+    assert banned and not any(tuple(out[i:i + len(w)]) == w for w in banned for out in [
+        llm.encode(r.choices[0].message.content)] for i in range(len(out)))
+
+
 def test_n_samples(server):
     # n seeded samples: choice j is what seed + j gives alone; streamed choices (interleaved chunks, each
     # with its index) equal the whole response's; usage counts the prompt once and every sample's tokens
@@ -330,9 +351,14 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "stop": ["x"] * 17}, "stop"),
     ({"model": MODEL, "prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+    # out of range: the penalties, bad words
+    ({"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"model": MODEL, "prompt": "hi", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"model": MODEL, "prompt": "hi", "bad_words": [""]}, "bad_words"),
+    ({"model": MODEL, "prompt": "hi", "bad_words": [f"w{i}" for i in range(40)]}, "bad_words"),
     # vLLM's extensions this server does not implement: refused by name
-    ({"model": MODEL, "prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
-    ({"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": MODEL, "prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs"),
     ({"model": MODEL, "prompt": "hi", "min_p": 1.5}, "min_p"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"five": 1}}, "logit_bias"),

@@ -145,6 +145,10 @@ def test_pool_bytes_per_device_and_aliasing(name, tp, dcp):
     shape = leaf.sharding.shard_shape(leaf.shape)  # [layers, pages, K, page, D] of one stack
     shard, one_layer = ("f32[" + ",".join(map(str, dims)) + "]" for dims in (shape, shape[1:]))
     assert copies_in_loops(prog.as_text(), [shard, one_layer]) == []
+    # the token history (penalties, bad words) is donated too, and its loop copies it never
+    history = server.runner.history_spec()
+    assert prog.memory_analysis().alias_size_in_bytes >= shard_bytes + history.size * 4
+    assert copies_in_loops(prog.as_text(), ["s32[" + ",".join(map(str, history.shape)) + "]"]) == []
 
 
 def test_program_size_does_not_grow_with_depth():

@@ -15,8 +15,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from dcp_jax import LLM, SpeculativeConfig, make_mesh
-from dcp_jax.sampling import SamplingParams
-from dcp_jax.sampling import MAX_BANNED, MAX_LISTED, SamplingRows
+from dcp_jax.sampling import SamplingParams, SamplingRows
 from dcp_jax.serving.engine import run_requests
 from dcp_jax.serving.request import Request
 from dcp_jax.spec import layer_skip_draft, propose_ngram
@@ -209,16 +208,14 @@ def accept_samples(p_logits, q, mode, rows=20000, top_k=0, q_claimed=None):
     rng = np.random.default_rng(0)
     drafts = np.stack([rng.choice(v, size=rows, p=q[i]) for i in range(k)], axis=1).astype(np.int32)
     logits = jnp.broadcast_to(jnp.asarray(p_logits, jnp.float32), (rows, k + 1, v))
-    params = SamplingRows(jnp.ones(rows, jnp.float32), jnp.full(rows, top_k, jnp.int32), jnp.ones(rows, jnp.float32),
-                          jnp.arange(rows, dtype=jnp.uint32), jnp.zeros(rows, jnp.int32),  # no min_tokens
-                          jnp.full((rows, MAX_BANNED), -1, jnp.int32), jnp.zeros(rows, jnp.int32),
-                          jnp.zeros(rows, jnp.float32), jnp.full((rows, MAX_LISTED), -1, jnp.int32),
-                          jnp.zeros((rows, MAX_LISTED), jnp.float32), jnp.zeros(rows, bool))
+    params = dataclasses.replace(  # temperature 1, seed = the row, no other rule
+        SamplingRows.of([None] * rows), temperature=np.ones(rows, np.float32),
+        top_k=np.full(rows, top_k, np.int32), seed=np.arange(rows, dtype=np.uint32))
     claimed = q if q_claimed is None else q_claimed
     probs = None if mode == "ngram" else jnp.broadcast_to(jnp.asarray(claimed, jnp.float32), (rows, k, v))
     accept = jax.jit(lambda *a: spec_verify.accept(*a))  # traced anew: sees a monkeypatched rule
     tokens, counts, _, _ = accept(logits, jnp.asarray(drafts), jnp.ones((rows, k), bool), params,
-                                                     jnp.zeros(rows, jnp.int32), probs)
+                                  jnp.zeros(rows, jnp.int32), jnp.zeros((rows, 1), jnp.int32), probs)
     return np.asarray(tokens), np.asarray(counts)
 
 

@@ -152,9 +152,10 @@ class ServingEngine:
         n = runner.step_size(num_tokens)
         inputs = RaggedInputs.build(rows, n, self.config.max_num_seqs, plan.block_table, self.config.ragged_tile,
                                     sched.config.eos_token_ids)
+        self.fill_history(rows)
         program, caches = runner.ragged_program(n), runner.allocate()
         # the pools are donated: if this raises after donating them, `recover` sees them deleted
-        caches, tok, lp, top = program(runner.weights, caches, inputs)
+        caches, runner.history, tok, lp, top = program(runner.weights, caches, runner.history, inputs)
         runner.caches = caches
         k = plan.decode_steps if with_decode else 0
         if k > 1:  # queued behind the step (nothing comes back to the host in between)
@@ -199,10 +200,12 @@ class ServingEngine:
         rows = [None] * s
         for r, slot in zip(plan.decode_requests, plan.decode_slots):
             rows[slot] = r
+        self.fill_history([(slot, r, int(positions[slot])) for r, slot in zip(plan.decode_requests, plan.decode_slots)])
         inputs = StepInputs(tokens, np.asarray(positions, np.int32)[:, None], plan.decode_mask[:, None],
                             np.zeros(s, np.int32), plan.block_table,
                             SamplingRows.of(rows, self.scheduler.config.eos_token_ids))
-        caches, out, out_lp, top = runner.step_program()(runner.weights, runner.allocate(), inputs, np.int32(steps))
+        caches, runner.history, out, out_lp, top = runner.step_program()(
+            runner.weights, runner.allocate(), runner.history, inputs, np.int32(steps))
         runner.caches = caches
         return out, out_lp, top
 
@@ -248,7 +251,10 @@ class ServingEngine:
         kv_len = np.where(plan.decode_mask, plan.decode_positions + valid.sum(axis=1), 0).astype(np.int32)
         inputs = StepInputs(tokens, positions, valid, kv_len, plan.block_table,
                             SamplingRows.of(rows, self.scheduler.config.eos_token_ids))
-        caches, out, counts, out_lp, top = runner.step_program()(runner.weights, runner.allocate(), inputs)
+        self.fill_history([(slot, r, int(plan.decode_positions[slot]))
+                           for r, slot in zip(plan.decode_requests, plan.decode_slots)])
+        caches, runner.history, out, counts, out_lp, top = runner.step_program()(
+            runner.weights, runner.allocate(), runner.history, inputs)
         runner.caches = caches
         counts = host(counts)
         self.spec_counts["spec_drafted_tokens"] += int(valid[plan.decode_slots, 1:].sum())
@@ -256,6 +262,14 @@ class ServingEngine:
         accepted = counts[plan.decode_slots] - 1
         self.spec_accepted_per_pos += (np.arange(width - 1)[None] < accepted[:, None]).sum(axis=0)
         return out, out_lp, counts, top
+
+    def fill_history(self, rows) -> None:
+        """Before a program: for each (slot, request, first position, ...) row whose request's sampling
+        reads its earlier tokens (penalties, bad words), the tokens before the row's first position into
+        the slot's history row (those already in the cache: no program wrote them there)."""
+        for slot, r, start, *_ in rows:
+            if r.sampling.needs_history:
+                self.runner.fill_history(slot, r, start)
 
     def stats(self) -> dict:
         """The scheduler's stats, plus speculation's when it is on: drafted and accepted tokens, verify

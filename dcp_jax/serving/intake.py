@@ -18,7 +18,7 @@ import time
 import uuid
 
 from dcp_jax.errors import UserError
-from dcp_jax.sampling import MAX_TOP_LOGPROBS, SamplingParams, check_seed
+from dcp_jax.sampling import MAX_TOP_LOGPROBS, SamplingParams, bad_words_ids, check_seed
 from dcp_jax.serving.protocol import UNSUPPORTED, APIError, RequestBody
 from dcp_jax.serving.request import Request
 
@@ -168,15 +168,21 @@ class Intake:
         if (problem := check_seed(seed)) is not None:
             raise APIError(400, problem, param="seed")
         field, n_top = top_logprobs
+        if body.bad_words and self.tokenizer is None:
+            raise APIError(400, "bad_words need a tokenizer", param="bad_words")
         try:
+            words = bad_words_ids(lambda text: self.tokenize(text, False), body.bad_words) if body.bad_words else ()
             sampling = SamplingParams(body.temperature, body.top_k, body.top_p, n_top, body.min_p,
-                                      body.logit_bias or (), body.allowed_token_ids)
+                                      body.logit_bias or (), body.allowed_token_ids,
+                                      presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                                      repetition_penalty=body.repetition_penalty, bad_words_ids=words)
         except UserError as e:  # SamplingParams owns these ranges; its message starts with the field
             name = str(e).split()[0]
             if name == "top_logprobs":
                 raise APIError(400, f"{field} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {n_top!r}",
                                param=field) from None
-            known = ("temperature", "top_k", "top_p", "min_p", "logit_bias", "allowed_token_ids")
+            known = ("temperature", "top_k", "top_p", "min_p", "logit_bias", "allowed_token_ids", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "bad_words")
             raise APIError(400, str(e), param=name if name in known else None) from None
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if len(stop) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stop):

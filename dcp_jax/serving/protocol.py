@@ -17,15 +17,14 @@ except ImportError as e:  # pragma: no cover - the message names the fix
 
 # Parameters of OpenAI's API, and vLLM's extensions, that this server does not implement: a request that
 # sets one to anything but its neutral value is refused (400, by name) rather than silently answered
-# differently. (vLLM's stop_token_ids, min_tokens, include_stop_str_in_output, skip_special_tokens and
+# differently. (vLLM's stop_token_ids, min_tokens, min_p, logit_bias, allowed_token_ids, the presence,
+# frequency and repetition penalties, bad_words, include_stop_str_in_output, skip_special_tokens and
 # ignore_eos are implemented: fields of RequestBody.)
-UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None, "presence_penalty": 0,
-               "frequency_penalty": 0, "tools": None, "tool_choice": None, "functions": None,
+UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None, "tools": None, "tool_choice": None, "functions": None,
                "function_call": None, "response_format": None, "parallel_tool_calls": None,
                "prediction": None, "audio": None, "modalities": None,
                # vLLM's sampling and structured-output extensions
-               "repetition_penalty": 1, "length_penalty": 1, "use_beam_search": False,
-               "prompt_logprobs": None, "bad_words": None, "logits_processors": None,
+               "length_penalty": 1, "use_beam_search": False, "prompt_logprobs": None, "logits_processors": None,
                "truncate_prompt_tokens": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
                "guided_grammar": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
                "structured_outputs": None, "spaces_between_special_tokens": True, "priority": 0}
@@ -82,6 +81,10 @@ class RequestBody(BaseModel):
     min_tokens: int = 0
     min_p: float = 0.0
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a string key) -> bias in [-100, 100]
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True

@@ -192,7 +192,7 @@ class Request:
         if n == 0:
             return "the prompt is empty: give at least one token"
         for what, ids in (("token id", self.prompt_token_ids), ("stop token id", self.stop_token_ids),
-                          ("logit_bias / allowed_token_ids id", self.sampling.listed_ids)):
+                          ("logit_bias / allowed_token_ids / bad_words id", self.sampling.named_ids)):
             bad = [t for t in ids if vocab is not None and not 0 <= t < vocab]
             if bad:
                 return f"{what} {bad[0]} is outside the vocabulary [0, {vocab}): check the tokenizer"

@@ -13,6 +13,11 @@
                        [S, k+1] in one forward, written; the accepted drafts + one target token come
                        back [S, k+1] with a count per slot; a draft model drafts inside it [jit, donated]
 
+    history:           each slot's tokens by position [S, max_model_len] int32 (replicated), written by
+                       every program for the rows whose sampling reads earlier tokens (penalties, bad
+                       words) and by `fill_history` for the tokens a request brings into its slot
+                       already computed (prefix hits, a resumed request); donated like the pools
+
 Shapes depend only on the `ServingConfig` (slots, blocks per sequence, step sizes, K): requests come
 and go with no recompilation. Sampling is per row (`dcp_jax.sampling.sample_rows`) with a key derived
 from (seed, position), so a request recomputed after preemption samples the same tokens again. Nothing
@@ -40,12 +45,13 @@ from dcp_jax.errors import UserError
 from dcp_jax.layers import AttentionContext
 from dcp_jax.layout import PagedLayout
 from dcp_jax.model import CausalLM
-from dcp_jax.sampling import MAX_TOP_LOGPROBS, SamplingRows, bias_logits, sample_rows
+from dcp_jax.sampling import MAX_TOP_LOGPROBS, SamplingRows, bias_logits, sample_rows, write_history
 from dcp_jax.serving.config import ServingConfig
 from dcp_jax.serving.host_copy import HostCopier
 from dcp_jax.spec import verify as spec_verify
 from dcp_jax.spec.proposers import SpeculativeConfig
 from pallas_kernels.attention import ragged
+from pallas_kernels.attention.configs import pow2
 
 
 @jax.tree_util.register_dataclass
@@ -160,6 +166,8 @@ class ModelRunner:
         self.compiled: dict = {}  # (program, shape) -> executable: a test counts these
         self.compile_s = 0.0  # seconds spent compiling them
         self.caches: Caches | None = None
+        self.history: jax.Array | None = None  # [S, max_model_len] int32: each slot's tokens by position
+        self.history_owner: list = [None] * config.max_num_seqs  # the request whose tokens each row holds
         self.before_pool_write = None  # called before a transfer writes the pools (the host tier's copies)
         self.copier = HostCopier(self)  # the host tier's copy programs (dcp_jax.serving.host_copy)
 
@@ -184,12 +192,21 @@ class ModelRunner:
 
         return Caches(spec(shapes.target, self.shardings.target), spec(shapes.draft, self.shardings.draft))
 
+    def history_spec(self) -> jax.ShapeDtypeStruct:
+        """The abstract token history [S, max_model_len] int32, replicated."""
+        return jax.ShapeDtypeStruct((self.config.max_num_seqs, self.config.max_model_len), jnp.int32,
+                                    sharding=self.replicated)
+
     def allocate(self) -> Caches:
-        """The zeroed pools, sharded from the start (never whole on one device)."""
+        """The zeroed pools, sharded from the start (never whole on one device), and the token history."""
         if self.caches is None:
             spec = self.pool_spec()
             self.caches = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec),
                                   out_shardings=self.shardings)()
+        if self.history is None:
+            spec = self.history_spec()
+            self.history = jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=self.replicated)()
+            self.history_owner = [None] * self.config.max_num_seqs
         return self.caches
 
     @property
@@ -201,11 +218,36 @@ class ModelRunner:
         """Whether a failed program left the pools (or a shard of them) donated and deleted."""
         return self.caches is not None and any(
             x.is_deleted() or any(sh.data.is_deleted() for sh in x.addressable_shards)
-            for x in jax.tree.leaves(self.caches))
+            for x in jax.tree.leaves((self.caches, self.history)))
 
     def reset_pools(self) -> None:
-        """Drop the pools (their KV is lost); the next use allocates zeroed ones."""
-        self.caches = None
+        """Drop the pools (their KV is lost) and the token history; the next use allocates zeroed ones."""
+        self.caches = self.history = None
+
+    def fill_history(self, slot: int, request, count: int) -> None:
+        """Write the first `count` tokens of `request` into history row `slot` (the tokens it brings into
+        the slot already in the cache: a prefix hit, a resumed or transferred request), unless the row
+        already holds them, and make it the row's owner. A request's tokens never change, so a row its
+        own request left holds them still."""
+        self.allocate()
+        if self.history_owner[slot] is request:
+            return
+        if count:
+            n = min(pow2(count, 16), self.config.max_model_len)
+            key = ("history", n)
+            if key not in self.compiled:
+                t = time.perf_counter()
+                length = self.config.max_model_len
+                fill = lambda h, row, ids, m: h.at[row, jnp.where(jnp.arange(n) < m, jnp.arange(n), length)].set(  # noqa: E731
+                    ids, mode="drop")
+                i32 = jax.ShapeDtypeStruct((), jnp.int32)
+                self.compiled[key] = jax.jit(fill, donate_argnums=(0,), out_shardings=self.replicated).lower(
+                    self.history_spec(), i32, jax.ShapeDtypeStruct((n,), jnp.int32), i32).compile()
+                self.compile_s += time.perf_counter() - t
+            ids = np.zeros(n, np.int32)
+            ids[:count] = request.token_ids(0, count)
+            self.history = self.compiled[key](self.history, np.int32(slot), ids, np.int32(count))
+        self.history_owner[slot] = request
 
     def write_pool_shards(self, write) -> None:
         """Per-device writes into the target's pools (prefill/decode disaggregation): `write(device,
@@ -243,10 +285,10 @@ class ModelRunner:
         return AttentionContext(self.mesh, layout or self.layout, self.impl, self.combine, block_table=block_table,
                                 max_seq_len=self.config.max_model_len)
 
-    def ragged_step(self, weights: Weights, caches: Caches, step: RaggedInputs):
+    def ragged_step(self, weights: Weights, caches: Caches, history, step: RaggedInputs):
         """One ragged step: every row's tokens written and attended in one forward over the flat batch,
-        the token after each row's last one sampled. Returns (caches, tokens [S], logprobs [S], top
-        logprobs: (ids, log-probabilities) [S, 20])."""
+        the token after each row's last one sampled. Returns (caches, history, tokens [S], logprobs [S],
+        top logprobs: (ids, log-probabilities) [S, 20])."""
         flat = (step.tokens, step.positions, step.valid, step.kv_len)
         draft_pools = caches.draft
         if self.draft is not None:  # the draft model's cache takes the same tokens
@@ -256,15 +298,17 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, weights.target)
         ctx = dataclasses.replace(self.context(step.block_table), ragged=step.tiles)
         logits, pools = model(*flat, caches.target, ctx, logits_at=step.logits_at)
-        tok, lp, top = sample_rows(logits, step.sampling, step.kv_len)  # the new token's position is kv_len
-        return Caches(pools, draft_pools), tok, lp, top
+        history = write_history(history, step.sampling, step.tiles.token_row, step.positions[0], step.tokens[0],
+                                step.valid[0])
+        tok, lp, top = sample_rows(logits, step.sampling, step.kv_len, history)  # the new token lands at kv_len
+        return Caches(pools, draft_pools), history, tok, lp, top
 
-    def verify(self, weights: Weights, caches: Caches, step: StepInputs):
+    def verify(self, weights: Weights, caches: Caches, history, step: StepInputs):
         """One speculative step. step [S, k+1]: column 0 the last token (position p, not yet in cache),
         columns 1..k the drafts (n-gram; ignored with a draft model, which drafts them here); valid[:, i]
         for i >= 1 says draft i exists; kv_len = p + 1 + drafts. Writes the KV of every valid column,
-        accepts (dcp_jax.spec.verify) and returns (caches, tokens [S, k+1], counts [S], logprobs [S, k+1],
-        top logprobs [S, k+1, 20])."""
+        accepts (dcp_jax.spec.verify) and returns (caches, history, tokens [S, k+1], counts [S], logprobs
+        [S, k+1], top logprobs [S, k+1, 20])."""
         tokens, draft_probs, draft_pools = step.tokens, None, caches.draft
         if self.draft is not None:
             drafts, draft_probs, draft_pools = self.draft_tokens(weights.draft, caches.draft, step)
@@ -272,9 +316,12 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, weights.target)
         logits, pools = model(tokens, step.positions, step.valid, step.kv_len, caches.target,
                               self.context(step.block_table))
+        s, t = tokens.shape
+        history = write_history(history, step.sampling, jnp.broadcast_to(jnp.arange(s)[:, None], (s, t)),
+                                step.positions, tokens, step.valid)
         out, counts, lps, top = spec_verify.accept(logits.astype(jnp.float32), tokens[:, 1:], step.valid[:, 1:],
-                                                   step.sampling, step.positions[:, 0] + 1, draft_probs)
-        return Caches(pools, draft_pools), out, counts, lps, top
+                                                   step.sampling, step.positions[:, 0] + 1, history, draft_probs)
+        return Caches(pools, draft_pools), history, out, counts, lps, top
 
     def draft_tokens(self, draft_params, draft_pools, step: StepInputs):
         """The draft model's k drafts per row [S, k] and their distributions [S, k, V]: one-token steps
@@ -313,43 +360,47 @@ class ModelRunner:
         draft_pools, _, drafts, qs = jax.lax.fori_loop(0, jnp.max(jnp.where(active, n_drafts, -1)) + 1, body, init)
         return drafts[:, :-1], qs[:, :-1], draft_pools
 
-    def decode(self, weights: Weights, caches: Caches, step: StepInputs, num_steps):
+    def decode(self, weights: Weights, caches: Caches, history, step: StepInputs, num_steps):
         model, pools = nnx.merge(self.graphdef, weights.target), caches.target
         s, k_max = step.tokens.shape[0], self.config.decode_steps
         ctx = self.context(step.block_table)
         active = step.valid[:, 0]
 
         def body(state):
-            k, pools, cur, pos, out, out_lp, out_top = state
+            k, pools, history, cur, pos, out, out_lp, out_top = state
             kv_len = jnp.where(active, pos + 1, 0)
             logits, pools = model(cur[:, None], pos[:, None], active[:, None], kv_len, pools, ctx)
-            tok, lp, top = sample_rows(logits[:, 0], step.sampling, pos + 1)
+            history = write_history(history, step.sampling, jnp.arange(s), pos, cur, active)
+            tok, lp, top = sample_rows(logits[:, 0], step.sampling, pos + 1, history)
             out = jax.lax.dynamic_update_index_in_dim(out, tok, k, axis=1)
             out_lp = jax.lax.dynamic_update_index_in_dim(out_lp, lp, k, axis=1)
             out_top = jax.tree.map(lambda acc, x: jax.lax.dynamic_update_index_in_dim(acc, x, k, axis=1), out_top, top)
-            return k + 1, pools, tok, pos + 1, out, out_lp, out_top
+            return k + 1, pools, history, tok, pos + 1, out, out_lp, out_top
 
         n_top = (s, k_max, MAX_TOP_LOGPROBS)
-        state = (jnp.int32(0), pools, step.tokens[:, 0], step.positions[:, 0], jnp.zeros((s, k_max), jnp.int32),
-                 jnp.zeros((s, k_max), jnp.float32), (jnp.zeros(n_top, jnp.int32), jnp.zeros(n_top, jnp.float32)))
-        _, pools, _, _, out, out_lp, out_top = jax.lax.while_loop(lambda st: st[0] < num_steps, body, state)
-        return Caches(pools, caches.draft), out, out_lp, out_top
+        state = (jnp.int32(0), pools, history, step.tokens[:, 0], step.positions[:, 0],
+                 jnp.zeros((s, k_max), jnp.int32), jnp.zeros((s, k_max), jnp.float32),
+                 (jnp.zeros(n_top, jnp.int32), jnp.zeros(n_top, jnp.float32)))
+        _, pools, history, _, _, out, out_lp, out_top = jax.lax.while_loop(lambda st: st[0] < num_steps, body, state)
+        return Caches(pools, caches.draft), history, out, out_lp, out_top
 
     def program(self, name: str, fn, *args, outputs: int = 2):
-        """`fn` jitted with the pools donated and compiled for `args` (abstract), once per shape."""
+        """`fn` (weights, caches, history, ...) -> (caches, history, `outputs` more) jitted with the pools
+        and the history donated and compiled for `args` (abstract), once per shape."""
         key = (name,) + tuple(np.shape(a) for a in jax.tree.leaves(args[2:]))
         if key not in self.compiled:
             t = time.perf_counter()
-            jitted = jax.jit(fn, donate_argnames=("caches",), out_shardings=(self.shardings,) + (self.replicated,) * outputs)
+            jitted = jax.jit(fn, donate_argnames=("caches", "history"),
+                             out_shardings=(self.shardings,) + (self.replicated,) * (outputs + 1))
             self.compiled[key] = jitted.lower(*args).compile()
             self.compile_s += time.perf_counter() - t
         return self.compiled[key]
 
     def ragged_program(self, n: int):
         """The compiled ragged step of `n` tokens (one of `config.step_sizes`) over every slot:
-        (weights, caches, RaggedInputs) -> (caches, tokens [S], logprobs [S], top logprobs)."""
+        (weights, caches, history, RaggedInputs) -> (caches, history, tokens [S], logprobs [S], top logprobs)."""
         s, nb = self.config.max_num_seqs, self.max_blocks_per_seq
-        return self.program("ragged", self.ragged_step, self.weights, self.pool_spec(),
+        return self.program("ragged", self.ragged_step, self.weights, self.pool_spec(), self.history_spec(),
                             RaggedInputs.spec(n, s, nb, self.config.ragged_tile), outputs=3)
 
     def step_size(self, tokens: int) -> int:
@@ -357,22 +408,22 @@ class ModelRunner:
         return next(n for n in self.config.step_sizes if n >= tokens)
 
     def decode_program(self):
-        """The compiled decode loop over every slot: (weights, caches, StepInputs [S, 1] (the tokens and
-        positions to start from, valid = the slot decodes), num_steps) -> (caches, tokens [S, K],
-        logprobs [S, K], top logprobs [S, K, 20]); runs num_steps <= K steps."""
+        """The compiled decode loop over every slot: (weights, caches, history, StepInputs [S, 1] (the
+        tokens and positions to start from, valid = the slot decodes), num_steps) -> (caches, history,
+        tokens [S, K], logprobs [S, K], top logprobs [S, K, 20]); runs num_steps <= K steps."""
         if self.speculative is not None:
             raise RuntimeError("a speculative engine decodes with verify_program()")
         s, nb = self.config.max_num_seqs, self.max_blocks_per_seq
-        return self.program("decode", self.decode, self.weights, self.pool_spec(), StepInputs.spec(s, 1, nb),
-                            jax.ShapeDtypeStruct((), jnp.int32), outputs=3)
+        return self.program("decode", self.decode, self.weights, self.pool_spec(), self.history_spec(),
+                            StepInputs.spec(s, 1, nb), jax.ShapeDtypeStruct((), jnp.int32), outputs=3)
 
     def verify_program(self):
-        """The compiled speculative step over every slot: (weights, caches, StepInputs [S, k+1]) ->
-        (caches, tokens [S, k+1], counts [S], logprobs [S, k+1], top logprobs) (see `verify`)."""
+        """The compiled speculative step over every slot: (weights, caches, history, StepInputs [S, k+1])
+        -> (caches, history, tokens [S, k+1], counts [S], logprobs [S, k+1], top logprobs) (see `verify`)."""
         s, nb = self.config.max_num_seqs, self.max_blocks_per_seq
         t = self.speculative.num_tokens + 1
-        return self.program("verify", self.verify, self.weights, self.pool_spec(), StepInputs.spec(s, t, nb),
-                            outputs=4)
+        return self.program("verify", self.verify, self.weights, self.pool_spec(), self.history_spec(),
+                            StepInputs.spec(s, t, nb), outputs=4)
 
     def step_program(self):
         """The program a decode iteration runs: the verify step with speculation, else the decode loop."""
