@@ -259,7 +259,8 @@ class LLM:
                  top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, top_logprobs: int = 0,
                  min_p: float = 0.0, logit_bias=None, allowed_token_ids=None, n: int = 1,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                 bad_words=None, min_tokens: int = 0, prefix: str = "r") -> list[Request]:
+                 bad_words=None, min_tokens: int = 0, prompt_logprobs: int | None = None,
+                 prefix: str = "r") -> list[Request]:
         """`generate`'s arguments checked and made into requests (ids `prefix`0, `prefix`1, ...).
         UserError names a bad one; a prompt that cannot fit fails alone when it is added."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
@@ -273,7 +274,8 @@ class LLM:
         _positive_int("n", n)
         sampling = SamplingParams(temperature, top_k, top_p, top_logprobs, min_p, logit_bias or (), allowed_token_ids,
                                   presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                  repetition_penalty=repetition_penalty, bad_words_ids=self.bad_words(bad_words))
+                                  repetition_penalty=repetition_penalty, bad_words_ids=self.bad_words(bad_words),
+                                  prompt_logprobs=prompt_logprobs)
         return [r for i, p in enumerate(ids) for r in Request.samples(
             f"{prefix}{i}", p, n, seed=seed, sampling=sampling, max_tokens=max_new_tokens, ignore_eos=ignore_eos,
             min_tokens=min_tokens)]
@@ -293,7 +295,8 @@ class LLM:
                  top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, top_logprobs: int = 0,
                  min_p: float = 0.0, logit_bias: dict | None = None, allowed_token_ids=None, n: int = 1,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                 bad_words=None, min_tokens: int = 0, on_chunk=None, on_token=None) -> Generation:
+                 bad_words=None, min_tokens: int = 0, prompt_logprobs: int | None = None, on_chunk=None,
+                 on_token=None) -> Generation:
         """`prompts`: a string, a list of strings, a list of ids, or a list of id lists.
 
         The requests go to this LLM's engine: admitted while pages and slots are free, prefilled in
@@ -307,7 +310,10 @@ class LLM:
         with seed + j; with prefix caching the first sample's prefill fills the prompt's full blocks and
         the others share them (one prefill, pages by reference count). `presence_penalty`,
         `frequency_penalty` (in [-2, 2]), `repetition_penalty` (> 0, 1 = off), `bad_words` (strings, or
-        token id lists) and `min_tokens` (no EOS before it) as vLLM's.
+        token id lists) and `min_tokens` (no EOS before it) as vLLM's. `prompt_logprobs=N` (0..20):
+        `prompt_logprobs` and `prompt_top_logprobs`, each prompt token's log-probability given the ones
+        before it and its N most likely alternatives (None for the first token); such a request computes
+        its whole prompt (no prefix cache hit), as vLLM's does.
         A request that can never run fails alone; if every one fails, UserError. `on_chunk(done, total)`
         reports prefill tokens; `on_token(step, tokens [B])` receives new tokens as they come (-1 for
         requests with none at that step).
@@ -316,7 +322,8 @@ class LLM:
                                  top_p=top_p, seed=seed, ignore_eos=ignore_eos, top_logprobs=top_logprobs,
                                  min_p=min_p, logit_bias=logit_bias, allowed_token_ids=allowed_token_ids, n=n,
                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                 repetition_penalty=repetition_penalty, bad_words=bad_words, min_tokens=min_tokens)
+                                 repetition_penalty=repetition_penalty, bad_words=bad_words, min_tokens=min_tokens,
+                                 prompt_logprobs=prompt_logprobs)
         server = self.engine
         if not server.lock.acquire(blocking=False):
             raise UserError("this LLM's engine is in use (a server or another generate call drives it): wait for "

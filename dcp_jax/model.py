@@ -243,27 +243,32 @@ class CausalLM(nnx.Module):
         return tuple(tuple((len(st.indices), *one) for _ in range(1 if self.config.mla else 2))
                      for st in self.stacks)
 
-    def __call__(self, tokens, positions, valid, kv_len, cache, ctx: AttentionContext, logits_at=None):
+    def __call__(self, tokens, positions, valid, kv_len, cache, ctx: AttentionContext, logits_at=None,
+                 hidden: bool = False):
         """tokens, positions, valid [B, T]; kv_len [B] cache length after this block is written;
         cache: tuple over layer stacks of (k, v) [n, B, K, S, D] (MLA: (latent,)), or of paged pools
         [n, N·pages, K, page, D] with `ctx.block_table`. Returns (logits, cache): logits
         [B, T, V], or [B, V] at index `logits_at` [B] of each sequence when given (prefill needs only the last).
         A ragged batch (`ctx.ragged`): tokens, positions, valid [1, N] are many sequences' tokens end to end,
         kv_len [R] per sequence, and `logits_at` [R] indexes the flat tokens: logits [R, V].
+        With `hidden`, also the last layer's output at every token [B, T, E] (its logits: `head_logits`).
         """
-        x, new_cache = self._trunk(tokens, positions, valid, kv_len, cache, ctx, ctx.seq_len)
+        out, new_cache = self._trunk(tokens, positions, valid, kv_len, cache, ctx, ctx.seq_len)
+        x = out
         if logits_at is not None and ctx.ragged is not None:
             x = x[0, logits_at]
         elif logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)[:, 0]
-        return self._logits(x), new_cache
+        if hidden:
+            return self.head_logits(x), new_cache, out
+        return self.head_logits(x), new_cache
 
     def forward(self, tokens):
         """Cache-free causal forward over whole sequences [B, T] -> logits [B, T, V] (training, scoring)."""
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         x, _ = self._trunk(tokens, positions, None, jnp.full((b,), t, jnp.int32), None, None, t)
-        return self._logits(x)
+        return self.head_logits(x)
 
     def _trunk(self, tokens, positions, valid, kv_len, cache, ctx, max_seq_len):
         inv_freq = jnp.asarray(self.config.rope.inv_freq(self.config.rope_dim, max_seq_len), jnp.float32)
@@ -276,7 +281,8 @@ class CausalLM(nnx.Module):
             new_cache.append(stack_cache)
         return x, (None if cache is None else tuple(new_cache))
 
-    def _logits(self, x):
+    def head_logits(self, x):
+        """The last layer's output [..., E] -> logits [..., V] float32 (final norm, then the LM head)."""
         x = self.norm(x)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return jnp.einsum("...e,ve->...v", x, head[...], preferred_element_type=jnp.float32)

@@ -22,6 +22,10 @@ class Generation:
     errors: list[str | None] | None = None
     # with top_logprobs=N: per request, per generated token, its N most likely (id, logprob) pairs
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+    # with prompt_logprobs=N: per request, per prompt token, its log-probability given the tokens
+    # before it (None for the first) and its N most likely (id, logprob) alternatives (None first)
+    prompt_logprobs: list[list[float | None]] | None = None
+    prompt_top_logprobs: list[list[list[tuple[int, float]] | None]] | None = None
 
 
 def request_stats(requests, first_token_s: dict, timing: dict) -> dict:
@@ -52,5 +56,9 @@ def generation(requests, stats: dict, detokenize=None) -> Generation:
                      stats, finish_reasons=[r.finish_reason for r in requests], errors=errors)
     if any(r.sampling.top_logprobs for r in requests):
         out.top_logprobs = [[list(t) for t in r.output_top_logprobs] for r in requests]
+    if any(r.sampling.prompt_logprobs is not None for r in requests):
+        scores = [r.prompt_scores() or ([], [], []) for r in requests]
+        out.prompt_logprobs = [list(lps) for lps, _, _ in scores]
+        out.prompt_top_logprobs = [list(tops) for _, _, tops in scores]
     out.text = None if detokenize is None else [detokenize(r.output_token_ids) for r in requests]
     return out

@@ -18,6 +18,8 @@ device programs all take their sampling rules from here, so each range is checke
     write_history    the tokens of the rows that need them (penalties, bad words) into the per-slot
                      token history the programs keep on the device
     penalize         presence / frequency / repetition penalties and bad words, per row, from that history
+    score_tokens     the log-probability, rank and top alternatives of given tokens at every position of a
+                     flat batch (prompt logprobs, echo), chunk by chunk
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ MAX_LISTED = 300  # token ids one row may list in logit_bias and allowed_token_i
 MAX_BIAS = 100.0  # |logit_bias| (OpenAI's range)
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
 MAX_BAD_WORDS, MAX_BAD_LEN = 32, 8  # token sequences one row may ban, tokens per sequence (fixed shape)
+SCORE_CHUNK = 256  # tokens whose full logits `score_tokens` holds at once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +59,9 @@ class SamplingParams:
     multiplies the negative ones of every token in the prompt or the output so far; frequency_penalty
     (0 = off, in [-2, 2]) is subtracted once per occurrence of a token in the output, presence_penalty
     (likewise) once for any occurrence. bad_words_ids: token sequences never completed in the output
-    (the last token of each is banned where the output ends with the ones before it)."""
+    (the last token of each is banned where the output ends with the ones before it). prompt_logprobs
+    (None = off, else 0..20 alternatives): each prompt token's log-probability given the tokens before
+    it, its rank and the most likely alternatives (vLLM's; what `echo` with logprobs reports)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -69,6 +74,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     bad_words_ids: tuple = ()  # ((token id, ...), ...)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         t = self.temperature
@@ -126,6 +132,11 @@ class SamplingParams:
             raise UserError(f"bad_words takes at most {MAX_BAD_WORDS} token sequences (a word counts once or twice: "
                             f"with and without a leading space) of 1 to {MAX_BAD_LEN} tokens each")
         object.__setattr__(self, "bad_words_ids", words)
+        n = self.prompt_logprobs
+        if n is not None:
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= MAX_TOP_LOGPROBS:
+                raise UserError(f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {n!r}")
+            object.__setattr__(self, "prompt_logprobs", int(n))
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_k", int(k))
         object.__setattr__(self, "top_p", float(p))
@@ -403,6 +414,39 @@ def penalize(logits, params: SamplingRows, history, positions):
 
     x = jax.lax.cond(jnp.any(params.penalized()), penalties, lambda: logits)
     return jax.lax.cond(jnp.any(params.bad_words >= 0), bad_words, lambda: x)
+
+
+def score_tokens(head_logits, hidden, targets):
+    """Scores of `targets` [N] int32 (each position's next token; -1 = not asked) under the logits of
+    `hidden` [N, E] (`head_logits`: [C, E] -> [C, V] float32): (log-probability [N] float32, rank [N]
+    int32 (1 = the most likely), and the MAX_TOP_LOGPROBS most likely (ids [N, 20], log-probabilities
+    [N, 20])). The logits are made SCORE_CHUNK positions at a time (one [chunk, V] block live), and not
+    at all (a `lax.cond`) when no position is asked."""
+    n = targets.shape[0]
+    c = min(SCORE_CHUNK, n)
+    m = -(-n // c)
+    h = jnp.pad(hidden, ((0, m * c - n), (0, 0))).reshape(m, c, hidden.shape[-1])
+    t = jnp.pad(targets, (0, m * c - n), constant_values=-1).reshape(m, c)
+
+    def chunk(args):
+        x, tg = args
+        lsm = jax.nn.log_softmax(head_logits(x), axis=-1)
+        lp = jnp.take_along_axis(lsm, jnp.maximum(tg, 0)[:, None], axis=-1)[:, 0]
+        rank = 1 + jnp.sum(lsm > lp[:, None], axis=-1, dtype=jnp.int32)
+        k = min(MAX_TOP_LOGPROBS, lsm.shape[-1])
+        top_lp, top_id = jax.lax.top_k(lsm, k)
+        pad = ((0, 0), (0, MAX_TOP_LOGPROBS - k))
+        return lp, rank, jnp.pad(top_id.astype(jnp.int32), pad, constant_values=-1), jnp.pad(top_lp, pad)
+
+    def run():
+        out = jax.lax.map(chunk, (h, t))
+        return tuple(x.reshape((m * c,) + x.shape[2:])[:n] for x in out)
+
+    def skip():
+        return (jnp.zeros(n, jnp.float32), jnp.zeros(n, jnp.int32), jnp.zeros((n, MAX_TOP_LOGPROBS), jnp.int32),
+                jnp.zeros((n, MAX_TOP_LOGPROBS), jnp.float32))
+
+    return jax.lax.cond(jnp.any(targets >= 0), run, skip)
 
 
 def sample_rows(logits, params: SamplingRows, positions, history):

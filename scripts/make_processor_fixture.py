@@ -18,7 +18,9 @@ and, 12 new tokens:
     of what it gives instead (a two-token word: its last token is banned after its first);
   - min_tokens 4 with logit_bias +100 on EOS (MinNewTokensLengthLogitsProcessor, SequenceBias): four
     tokens, then EOS, which stops.
-The tests compare dcp_jax's greedy tokens under the same rules with these.
+The tests compare dcp_jax's greedy tokens under the same rules with these. And `prompt_scores`: for a
+45-token prompt, transformers' log-softmax at every position, the log-probability of each next prompt
+token and the 5 most likely (id, logprob) pairs (prompt logprobs and `echo`).
 """
 
 from __future__ import annotations
@@ -86,7 +88,15 @@ def main() -> None:
                                    **dict(kw12, eos_token_id=eos))[0, len(prompt):]
         case.update(bad_words=words, banned=banned.tolist(), eos=eos, min_tokens=4, min_tokens_tokens=early.tolist())
         cases.append(case)
-    out = dict(transformers_version=transformers.__version__, torch_version=torch.__version__, cases=cases)
+    prompt = [int(t) for t in torch.randint(3, 250, (45,), generator=torch.Generator().manual_seed(7))]
+    with torch.no_grad():
+        lsm = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    top = torch.topk(lsm, 5, dim=-1)
+    scores = dict(prompt=prompt, logprobs=[None] + [lsm[i - 1, prompt[i]].item() for i in range(1, len(prompt))],
+                  top=[None] + [[[int(a), float(b)] for a, b in zip(top.indices[i - 1], top.values[i - 1])]
+                                for i in range(1, len(prompt))])
+    out = dict(transformers_version=transformers.__version__, torch_version=torch.__version__, cases=cases,
+               prompt_scores=scores)
     (FIX / "processors.json").write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {FIX / 'processors.json'}")
 

@@ -67,6 +67,31 @@ def test_small_decode_pool_admits_as_pages_free_and_sampling_matches():
     assert [r["ttft_s"] for r in out.stats["requests"]] == sorted(r["ttft_s"] for r in out.stats["requests"])
 
 
+def test_every_sampling_rule_reaches_the_prefill_side():
+    # The first token is sampled on the prefill instance: with the request's own rules (the penalties
+    # over its prompt, bad words, logit_bias, min_p, min_tokens' ban on EOS), so every token equals a
+    # single instance's; prompt logprobs are refused by name.
+    import json
+
+    from dcp_jax import LLM
+
+    case = json.loads((FIXTURES / "llama-gqa" / "processors.json").read_text())["cases"][1]
+    pair = DisaggregatedLLM.load(FIXTURES / "llama-gqa", prefill=dict(tp=1, dcp=1, page_size=2),
+                                 decode=dict(tp=1, dcp=2, page_size=2), prefill_chunk=4)
+    one = LLM.load(FIXTURES / "llama-gqa", tp=1, dcp=2, page_size=2)
+    prompt = case["prompt"]
+    for kw in (case["penalties"][0]["params"], dict(bad_words=case["bad_words"]),
+               dict(logit_bias={case["greedy12"][0]: -100.0}, min_p=0.05, temperature=0.8, seed=3),
+               dict(min_tokens=case["min_tokens"], logit_bias={case["eos"]: 100.0})):
+        want = one.generate([prompt], max_new_tokens=12, **dict(dict(ignore_eos="min_tokens" not in kw), **kw))
+        got = pair.generate([prompt], max_new_tokens=12, **dict(dict(ignore_eos="min_tokens" not in kw), **kw))
+        assert got.tokens == want.tokens, kw
+    assert pair.generate([prompt], max_new_tokens=12, **case["penalties"][0]["params"]).tokens[0][:1] == \
+        case["penalties"][0]["tokens"][:1]
+    with pytest.raises(UserError, match="prompt_logprobs is not supported by a disaggregated pair"):
+        pair.generate([prompt], prompt_logprobs=1)
+
+
 def test_pieces_travel_in_power_of_two_chunks():
     from dcp_jax.disagg.handoff import chunks
 

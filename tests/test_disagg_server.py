@@ -117,6 +117,10 @@ def test_pair_matches_transformers_and_moves_the_prompt_kv(pair):
     assert stats["source"]["dcp"] == 2 and stats["scheduler"]["pages_used"] == 0
     pre = httpx.get(pair["pbase"] + "/disagg/stats", timeout=10, headers=AUTH).json()
     assert pre["offered_bytes"] == stats["transfer_bytes"] and pre["pending_offers"] == 0
+    # prompt scores would stay on the prefill instance: refused by name, and nothing is transferred
+    bad = httpx.post(pair["dbase"] + "/v1/completions", timeout=30, headers=AUTH, json=dict(
+        model=FIX.name, prompt=EXP["prompts"][0], max_tokens=1, echo=True, logprobs=1))
+    assert bad.status_code == 400 and "prompt_logprobs (and echo with logprobs) are not supported" in bad.text
 
 
 def test_a_decode_side_that_never_pulls_has_its_offer_dropped(pair):

@@ -1,7 +1,10 @@
 """Top logprobs (`top_logprobs=N`, up to 20): each generated token's N most likely tokens and their
 log-probabilities, computed on the device from the logits the token was sampled from, against
 transformers' log-softmax (tests/fixtures' first_logprobs) on several meshes, the decode loop, the
-ragged step and speculative verify steps alike."""
+ragged step and speculative verify steps alike; prompt logprobs (`prompt_logprobs=N`, what `echo` reports)
+against transformers' scores of a prompt (tests/fixtures/llama-gqa/processors.json)."""
+
+import json
 
 import numpy as np
 import pytest
@@ -61,3 +64,46 @@ def test_top_logprobs_under_speculation(method):
     for a, b in zip(got.top_logprobs, want.top_logprobs):
         assert [[i for i, _ in t] for t in a] == [[i for i, _ in t] for t in b]
         np.testing.assert_allclose([[x for _, x in t] for t in a], [[x for _, x in t] for t in b], atol=1e-5)
+
+
+@pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 4), (1, 3)])
+def test_prompt_logprobs_match_transformers(tp, dcp):
+    # a 45-token prompt prefilled in chunks of 16 (several steps, pages of 4): each prompt token's
+    # log-probability given the ones before it, its rank and its 5 most likely alternatives, as
+    # transformers scores the prompt; the prompt is computed whole even when its blocks are cached
+    ref = json.loads((FIXTURES / "llama-gqa" / "processors.json").read_text())["prompt_scores"]
+    prompt = ref["prompt"]
+    llm = LLM.load(FIXTURES / "llama-gqa", tp=tp, dcp=dcp, page_size=4, prefill_chunk=16, max_model_len=128)
+    plain = llm.generate([prompt], max_new_tokens=3, ignore_eos=True)
+    assert plain.prompt_logprobs is None
+    hits = llm.engine.stats()["prefix_hit_tokens"]
+    out = llm.generate([prompt, [5, 6, 7]], max_new_tokens=3, ignore_eos=True, prompt_logprobs=5)
+    assert llm.engine.stats()["prefix_hit_tokens"] == hits  # (the cached blocks were not taken)
+    assert out.tokens[0] == plain.tokens[0]
+    lps, tops = out.prompt_logprobs[0], out.prompt_top_logprobs[0]
+    assert lps[0] is None and tops[0] is None and len(lps) == len(tops) == len(prompt)
+    # float32 over 45 positions: the model's own cache-free forward differs from transformers' by up to
+    # 1.05e-5 here (XLA's sums against torch's), the paged prefill by up to 1.8e-5
+    np.testing.assert_allclose(lps[1:], ref["logprobs"][1:], atol=3e-5)
+    for got, want in zip(tops[1:], ref["top"][1:]):
+        assert [i for i, _ in got] == [i for i, _ in want]  # the same order
+        np.testing.assert_allclose([x for _, x in got], [x for _, x in want], atol=3e-5)
+    assert len(out.prompt_logprobs[1]) == 3 and out.prompt_logprobs[1][0] is None
+
+
+def test_prompt_logprobs_ranks_and_n_samples():
+    ref = json.loads((FIXTURES / "llama-gqa" / "processors.json").read_text())["prompt_scores"]
+    prompt = ref["prompt"]
+    llm = LLM.load(FIXTURES / "llama-gqa", tp=1, dcp=2, page_size=4, prefill_chunk=16, max_model_len=128)
+    requests = llm.requests([prompt], max_new_tokens=2, ignore_eos=True, prompt_logprobs=20, n=3, temperature=1.0)
+    from dcp_jax.serving.engine import run_requests
+
+    run_requests(llm.engine, requests)
+    lps, ranks, tops = requests[0].prompt_scores()
+    for lp, rank, alts in zip(lps[1:], ranks[1:], tops[1:]):
+        assert rank == 1 + sum(x > lp for _, x in alts) or (rank > 20 and all(x > lp for _, x in alts))
+    assert any(r > 1 for r in ranks[1:])  # (a random prompt: not every token is the model's first choice)
+    # the other samples follow the first: they share its prompt blocks and report its scores
+    assert all(r.prompt_scores() == (lps, ranks, tops) for r in requests[1:])
+    with pytest.raises(UserError, match=r"prompt_logprobs must be an integer in \[0, 20\] or None"):
+        SamplingParams(prompt_logprobs=21)

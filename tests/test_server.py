@@ -246,6 +246,45 @@ def test_penalties_and_bad_words(server):
         llm.encode(r.choices[0].message.content)] for i in range(len(out)))
 
 
+def test_echo_and_prompt_logprobs(server):
+    # echo (what lm-eval's loglikelihood sends): the prompt's text and tokens before the completion's,
+    # the first token with no logprob, the others scored as LLM.generate(prompt_logprobs=N) scores them;
+    # max_tokens 0 scores the prompt alone; vLLM's prompt_logprobs: per token a dict with its rank
+    c, llm = server["client"], server["llm"]
+    ids = llm.encode("the cat sat on the mat")
+    ref = llm.generate([ids], max_new_tokens=3, ignore_eos=True, prompt_logprobs=2)
+    r = c.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0, echo=True, logprobs=2,
+                             extra_body=dict(ignore_eos=True))
+    lp = r.choices[0].logprobs
+    prompt_text = llm.decode(ids)
+    assert r.choices[0].text == prompt_text + ref.text[0]
+    assert lp.tokens[:len(ids)] == [llm.decode([t]) for t in ids] and len(lp.tokens) == len(ids) + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1:len(ids)], ref.prompt_logprobs[0][1:], atol=1e-6)
+    np.testing.assert_allclose(lp.token_logprobs[len(ids):], ref.logprobs[0], atol=1e-6)
+    assert [list(d) for d in lp.top_logprobs[1:len(ids)]] == [
+        [llm.decode([i]) for i, _ in alts] for alts in ref.prompt_top_logprobs[0][1:]]
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    zero = c.completions.create(model=MODEL, prompt="the cat sat on the mat", max_tokens=0, echo=True, logprobs=1)
+    assert zero.choices[0].text == "the cat sat on the mat" and zero.usage.completion_tokens == 0
+    assert len(zero.choices[0].logprobs.tokens) == len(ids)
+    np.testing.assert_allclose(zero.choices[0].logprobs.token_logprobs[1:], ref.prompt_logprobs[0][1:], atol=1e-6)
+    streamed = list(c.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0, echo=True,
+                                         logprobs=0, stream=True, extra_body=dict(ignore_eos=True)))
+    assert "".join(ch.choices[0].text for ch in streamed) == prompt_text + ref.text[0]
+    assert streamed[0].choices[0].logprobs.token_logprobs[0] is None
+    vllm = httpx.post(server["base"] + "/v1/completions", timeout=30, json=dict(
+        model=MODEL, prompt=ids, max_tokens=1, prompt_logprobs=2)).json()["choices"][0]["prompt_logprobs"]
+    assert vllm[0] is None and len(vllm) == len(ids)
+    for tok, entry, lp_ref in zip(ids[1:], vllm[1:], ref.prompt_logprobs[0][1:]):
+        assert abs(entry[str(tok)]["logprob"] - lp_ref) < 1e-6
+        ranks = sorted(e["rank"] for e in entry.values())
+        assert ranks[:2] == [1, 2] and len(entry) in (2, 3)
+    chat = httpx.post(server["base"] + "/v1/chat/completions", timeout=30, json=dict(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1, prompt_logprobs=0)).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+
+
 def test_n_samples(server):
     # n seeded samples: choice j is what seed + j gives alone; streamed choices (interleaved chunks, each
     # with its index) equal the whole response's; usage counts the prompt once and every sample's tokens
@@ -334,7 +373,6 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "n": 0}, "n"),
     ({"model": MODEL, "prompt": "hi", "n": 17}, "n"),
     ({"model": MODEL, "prompt": "hi", "best_of": 3}, "best_of"),
-    ({"model": MODEL, "prompt": "hi", "echo": True}, "echo"),
     ({"model": MODEL, "prompt": "hi", "temperature": -1}, "temperature"),
     ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
     ({"model": MODEL, "prompt": "hi", "top_k": -1}, "top_k"),
@@ -357,8 +395,10 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "frequency_penalty": -3}, "frequency_penalty"),
     ({"model": MODEL, "prompt": "hi", "bad_words": [""]}, "bad_words"),
     ({"model": MODEL, "prompt": "hi", "bad_words": [f"w{i}" for i in range(40)]}, "bad_words"),
+    ({"model": MODEL, "prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"model": MODEL, "prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),  # (0 only with echo)
     # vLLM's extensions this server does not implement: refused by name
-    ({"model": MODEL, "prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs"),
     ({"model": MODEL, "prompt": "hi", "min_p": 1.5}, "min_p"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"five": 1}}, "logit_bias"),
@@ -397,6 +437,7 @@ def test_bad_completion_requests(server, case):
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
      "top_logprobs"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),  # (completions' only)
 ])
 def test_bad_chat_requests(server, body, param):
     r = httpx.post(server["base"] + "/v1/chat/completions", json=body, timeout=30)

@@ -78,14 +78,17 @@ class DisaggregatedLLM:
         return self.decode_llm.decode(ids)
 
     def generate(self, prompts, *, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False) -> Generation:
-        """As `LLM.generate`; `stats` adds transfer_bytes (what the transfers delivered), transfer_s (time
+                 top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, **sampling) -> Generation:
+        """As `LLM.generate` (`sampling`: its other sampling keywords, min_p to min_tokens; not
+        prompt_logprobs, whose prompt scores stay on the prefill side); `stats` adds transfer_bytes (what the transfers delivered), transfer_s (time
         in the pulls), stage_s (gathering the KV pieces on the prefill side), write_s (writing the KV
         into the decode pool), max_device_bytes (the most KV bytes one decode device held for one
         request's handoff) and both sides' meshes; ttft_s counts until a request's KV is in the
         decode pool (its first token is then emitted)."""
+        if sampling.get("prompt_logprobs") is not None:
+            raise UserError("prompt_logprobs is not supported by a disaggregated pair: score prompts on one LLM")
         requests = self.decode_llm.requests(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                            top_k=top_k, top_p=top_p, seed=seed, ignore_eos=ignore_eos)
+                                            top_k=top_k, top_p=top_p, seed=seed, ignore_eos=ignore_eos, **sampling)
         pre, dec = self.prefill, self.decode_instance
         eng, sched = dec.engine, dec.engine.scheduler
         tc = time.perf_counter()

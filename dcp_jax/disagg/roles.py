@@ -41,12 +41,14 @@ from dcp_jax.sampling import SamplingParams
 from dcp_jax.serving.request import Request
 
 
-def request_item(r: Request, decode: dict) -> dict:
-    """What the prefill side needs of a request (JSON-able): its prompt and sampling, and `decode`, the
-    decode side's `placement` (how to cut the KV into pieces for it)."""
-    s = r.sampling
-    return dict(request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids), temperature=s.temperature,
-                top_k=s.top_k, top_p=s.top_p, seed=r.seed, decode=decode)
+def request_item(r: Request, decode: dict, eos_token_ids=()) -> dict:
+    """What the prefill side needs of a request (JSON-able): its prompt, what its first token is sampled
+    with (every sampling rule; with min_tokens, the stop ids the first token may not be) and `decode`,
+    the decode side's `placement` (how to cut the KV into pieces for it)."""
+    sampling = dataclasses.asdict(r.sampling)
+    sampling.update(top_logprobs=0, prompt_logprobs=None)  # (reported by neither side for the first token)
+    return dict(request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids), sampling=sampling, seed=r.seed,
+                banned_ids=r.banned_ids(eos_token_ids) if r.min_tokens else [], decode=decode)
 
 
 class PrefillInstance:
@@ -84,10 +86,11 @@ class PrefillInstance:
                         on_result(len(reqs) - 1, dict(request_id=it["request_id"], error=reqs[-1][1]))
                     continue
                 try:  # one malformed item is refused alone: it shares the batch with other callers' items
-                    sampling = SamplingParams(float(it.get("temperature", 0.0)), int(it.get("top_k", 0)),
-                                              float(it.get("top_p", 1.0)))
+                    sampling = SamplingParams(**it.get("sampling", {}))
+                    banned = [int(t) for t in it.get("banned_ids", ())]  # min_tokens: not the first token
                     r = Request(f"p{new_uuid()}", [int(t) for t in it["prompt_token_ids"]], sampling=sampling,
-                                seed=int(it.get("seed", 0)), max_tokens=1, ignore_eos=True)
+                                seed=int(it.get("seed", 0)), max_tokens=1, ignore_eos=True, stop_token_ids=banned,
+                                min_tokens=1 if banned else 0)
                 except (TypeError, ValueError) as e:  # UserError included
                     reqs.append((it["request_id"], f"the request is malformed: {e}"))
                     if on_result is not None:
@@ -197,7 +200,8 @@ class DecodeInstance:
         """Prefill `requests` on the prefill instance (one batch) and pull each one's KV. Blocking, every
         wait bounded by `timeout_s`; per request a Landed or the TransferError that failed it."""
         try:
-            offers = self.prefill.prefill([request_item(r, self.placement) for r in requests], self.timeout_s)
+            eos = self.engine.scheduler.config.eos_token_ids
+            offers = self.prefill.prefill([request_item(r, self.placement, eos) for r in requests], self.timeout_s)
         except TransferError as e:
             self.stats["failed"] += len(requests)
             return [e] * len(requests)

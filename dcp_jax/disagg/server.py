@@ -263,6 +263,9 @@ class DisaggAsyncEngine(AsyncEngine):
         if kind == "add":
             self.tracked[arg.request.request_id] = arg
             try:
+                if arg.request.sampling.prompt_logprobs is not None:  # (scored on the prefill instance)
+                    raise ValueError("prompt_logprobs (and echo with logprobs) are not supported by a "
+                                     "disaggregated server: send them to a single instance")
                 refused = sched.refuse(arg.request)  # a refused one is never sent to the prefill instance
             except Exception as e:  # noqa: BLE001 - e.g. a duplicate id: this request fails, the engine goes on
                 sched.fail(arg.request, f"the request was refused: {e}")

@@ -69,8 +69,9 @@ class KVCacheManager:
     def lookup(self, r) -> list[int]:
         """Pages of the longest run of cached full blocks of `r`'s prompt + output so far, stopping
         before its last token: the device must still run that token to sample the next one, and the
-        block it lands in will be written, so it must be a private page (never a cached one)."""
-        if not self.enable_prefix_caching:
+        block it lands in will be written, so it must be a private page (never a cached one). A request
+        that scores its prompt (prompt logprobs) computes every token: no hit."""
+        if not self.enable_prefix_caching or r.scores_prompt:
             return []
         tpb = self.layout.tokens_per_block
         chain_keys(r.token_ids(0, r.num_tokens), tpb, r.block_keys)
@@ -79,7 +80,7 @@ class KVCacheManager:
     def lookup_host(self, r, device_hits: int) -> int:
         """How many full blocks of `r` after its `device_hits` cached ones the host tier holds (stopping,
         as `lookup`, before the block of its last token)."""
-        if self.host is None:
+        if self.host is None or r.scores_prompt:
             return 0
         last = (r.num_tokens - 1) // self.layout.tokens_per_block
         return self.host.lookup(r.block_keys[device_hits:last])

@@ -155,13 +155,15 @@ class ServingEngine:
         self.fill_history(rows)
         program, caches = runner.ragged_program(n), runner.allocate()
         # the pools are donated: if this raises after donating them, `recover` sees them deleted
-        caches, runner.history, tok, lp, top = program(runner.weights, caches, runner.history, inputs)
+        caches, runner.history, tok, lp, top, scores = program(runner.weights, caches, runner.history, inputs)
         runner.caches = caches
         k = plan.decode_steps if with_decode else 0
         if k > 1:  # queued behind the step (nothing comes back to the host in between)
             more = self.decode_loop(plan, tok[:, None], plan.decode_positions + 1, k - 1)
         tok, lp = host(tok), host(lp)
         requests = [r for _, r, *_ in rows]
+        if any(c.request.scores_prompt for c in plan.prefills):
+            self.record_prompt_scores(rows, scores)
         top = top_on_host(requests, top)
         self.timing["ragged_steps"] += 1
         self.timing["rows_computed"] += n
@@ -262,6 +264,18 @@ class ServingEngine:
         accepted = counts[plan.decode_slots] - 1
         self.spec_accepted_per_pos += (np.arange(width - 1)[None] < accepted[:, None]).sum(axis=0)
         return out, out_lp, counts, top
+
+    @staticmethod
+    def record_prompt_scores(rows, scores) -> None:
+        """Give each row whose request scores its prompt the scores of its tokens (rows end to end in
+        the flat batch, as `RaggedInputs.build` laid them)."""
+        lps, ranks, ids, top = (host(x) for x in scores)
+        at = 0
+        for _, r, start, tokens in rows:
+            m = len(tokens)
+            if r.scores_prompt:
+                r.record_prompt_scores(start, lps[at:at + m], ranks[at:at + m], ids[at:at + m], top[at:at + m])
+            at += m
 
     def fill_history(self, rows) -> None:
         """Before a program: for each (slot, request, first position, ...) row whose request's sampling

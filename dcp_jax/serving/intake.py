@@ -137,10 +137,12 @@ class Intake:
 
     # --- the request ---
     def requests(self, body: RequestBody, prompt_ids: list[int], default_max: int | None,
-                 top_logprobs: tuple[str, int] = ("logprobs", 0)) -> list[Request]:
+                 top_logprobs: tuple[str, int] = ("logprobs", 0), echo_logprobs: int | None = None) -> list[Request]:
         """The `n` requests (samples) of a validated body: sample j has seed + j and follows sample 0
         (whose prefill the others share); APIError (400) names the first bad field. `top_logprobs`:
-        (the field that asked, how many alternatives each token reports)."""
+        (the field that asked, how many alternatives each token reports); `echo_logprobs`: completions'
+        echo with logprobs N (the prompt's tokens are scored with N alternatives; max_tokens 0 allowed:
+        one token is generated, which the endpoint leaves out)."""
         if not 1 <= body.n <= MAX_N:
             raise APIError(400, f"n must be in [1, {MAX_N}], got {body.n}", param="n")
         cap = self.max_model_len
@@ -157,6 +159,8 @@ class Intake:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:
             max_tokens = default_max
+        if max_tokens == 0 and getattr(body, "echo", False):
+            max_tokens = 1  # scoring the prompt alone (the endpoint drops the one token generated)
         if max_tokens is not None and max_tokens < 1:
             raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
         if max_tokens is not None and max_tokens + len(prompt_ids) > cap:
@@ -168,6 +172,9 @@ class Intake:
         if (problem := check_seed(seed)) is not None:
             raise APIError(400, problem, param="seed")
         field, n_top = top_logprobs
+        if body.prompt_logprobs is not None and body.stream:
+            raise APIError(400, "prompt_logprobs is not supported with stream: true", param="prompt_logprobs")
+        scored = [k for k in (body.prompt_logprobs, echo_logprobs) if k is not None]
         if body.bad_words and self.tokenizer is None:
             raise APIError(400, "bad_words need a tokenizer", param="bad_words")
         try:
@@ -175,14 +182,15 @@ class Intake:
             sampling = SamplingParams(body.temperature, body.top_k, body.top_p, n_top, body.min_p,
                                       body.logit_bias or (), body.allowed_token_ids,
                                       presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                                      repetition_penalty=body.repetition_penalty, bad_words_ids=words)
+                                      repetition_penalty=body.repetition_penalty, bad_words_ids=words,
+                                      prompt_logprobs=max(scored) if scored else None)
         except UserError as e:  # SamplingParams owns these ranges; its message starts with the field
             name = str(e).split()[0]
             if name == "top_logprobs":
                 raise APIError(400, f"{field} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {n_top!r}",
                                param=field) from None
             known = ("temperature", "top_k", "top_p", "min_p", "logit_bias", "allowed_token_ids", "presence_penalty",
-                     "frequency_penalty", "repetition_penalty", "bad_words")
+                     "frequency_penalty", "repetition_penalty", "bad_words", "prompt_logprobs")
             raise APIError(400, str(e), param=name if name in known else None) from None
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if len(stop) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stop):

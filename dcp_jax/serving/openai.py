@@ -11,6 +11,7 @@ and is answered 400 here. Every error is OpenAI's JSON shape, never a traceback.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import time
@@ -182,6 +183,21 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
     def token_strings(ids: list[int]) -> list[str]:
         return [detokenize([t]) if detokenize else str(t) for t in ids]
 
+    def prompt_logprobs(request: Request, n: int | None):
+        """vLLM's prompt_logprobs of a finished prefill: per prompt token (None for the first), a dict
+        from token id to {logprob, rank, decoded_token} for the token itself and its n most likely
+        alternatives (ranks 1..n); None when not asked."""
+        scores = request.prompt_scores() if n is not None else None
+        if scores is None:
+            return None
+        out = [None]
+        for tok, lp, rank, alts in zip(request.prompt_token_ids[1:], *(x[1:] for x in scores)):
+            entry = {str(i): {"logprob": x, "rank": k + 1, "decoded_token": s}
+                     for k, ((i, x), s) in enumerate(zip(alts[:n], token_strings([i for i, _ in alts[:n]])))}
+            entry.setdefault(str(tok), {"logprob": lp, "rank": rank, "decoded_token": token_strings([tok])[0]})
+            out.append(entry)
+        return out
+
 
     def sse(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
@@ -253,30 +269,54 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
                                param="prompt", code="unsupported_parameter")
             p = p[0]
         prompt_ids = await intake.encode(p) if isinstance(p, str) else list(p)
-        requests = intake.requests(body, prompt_ids, 16, ("logprobs", body.logprobs or 0))
+        want_lp = body.logprobs is not None
+        requests = intake.requests(body, prompt_ids, 16, ("logprobs", body.logprobs or 0),
+                                   echo_logprobs=body.logprobs if body.echo and want_lp else None)
         rid = f"cmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
-        want_lp, offset = body.logprobs is not None, [0] * len(requests)  # text_offset runs on across chunks
+        offset = [0] * len(requests)  # text_offset runs on across chunks
+        echoed: set[int] = set()  # choices whose prompt went out (echo: before their first tokens)
+        if body.echo:
+            prompt_text = (p if isinstance(p, str) else detokenize(prompt_ids) if detokenize else "")
 
-        def lp_block(j, ids, lps, tops):
+        def alternatives(alts):
+            return {s: x for s, (_, x) in zip(token_strings([i for i, _ in alts]), alts)}
+
+        def lp_block(j, ids, lps, tops, head=None):
             if not want_lp:
                 return None
-            toks = token_strings(ids)
+            toks, lps = token_strings(ids), [float(x) for x in lps]
+            top = [alternatives(alts) for alts in tops] if body.logprobs else None
+            if head is not None:  # echo: the prompt's tokens first (the first has no logprob)
+                p_lps, _, p_tops = head
+                toks, lps = token_strings(prompt_ids) + toks, p_lps + lps
+                if top is not None:
+                    top = [None if alts is None else alternatives(alts) for alts in p_tops] + top
             offsets = list(itertools.accumulate([len(t) for t in toks], initial=offset[j]))
             offset[j] = offsets.pop()
-            top = ([{s: x for s, (_, x) in zip(token_strings([i for i, _ in alts]), alts)} for alts in tops]
-                   if body.logprobs else None)
-            return {"tokens": toks, "token_logprobs": [float(x) for x in lps], "top_logprobs": top,
-                    "text_offset": offsets}
+            return {"tokens": toks, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
+
+        def head(j):
+            """echo: the prompt text and its scores, once per choice (its first chunk)."""
+            if not body.echo or j in echoed:
+                return "", None
+            echoed.add(j)
+            return prompt_text, requests[0].prompt_scores() or ([None] * len(prompt_ids), None,
+                                                                 [None] * len(prompt_ids))
 
         def chunk(j, delta, u, reason):
-            return dict(base, choices=[{"index": j, "text": delta, "finish_reason": reason,
-                                        "logprobs": lp_block(j, u.token_ids, u.logprobs, u.top_logprobs)}])
+            text, scores = head(j)
+            return dict(base, choices=[{"index": j, "text": text + delta, "finish_reason": reason,
+                                        "logprobs": lp_block(j, u.token_ids, u.logprobs, u.top_logprobs, scores)}])
 
         def choice(j, text, ids, lps):
-            return {"index": j, "text": text, "logprobs": lp_block(j, ids, *lps)}
+            echo_text, scores = head(j)
+            return {"index": j, "text": echo_text + text, "logprobs": lp_block(j, ids, *lps, head=scores),
+                    "prompt_logprobs": prompt_logprobs(requests[0], body.prompt_logprobs)}
 
-        return await respond(http, body, requests, base, base, chunk, choice)
+        # echo with max_tokens 0 scores the prompt alone: the one token generated is left out
+        return await respond(http, body, requests, base, base, chunk, choice,
+                             keep_output=not (body.echo and body.max_tokens == 0))
 
     @app.post("/v1/chat/completions")
     async def chat(http: HTTPRequest):
@@ -319,14 +359,18 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
         def choice(j, text, ids, lps):
             return {"index": j, "message": {"role": "assistant", "content": text}, "logprobs": lp_block(ids, *lps)}
 
-        return await respond(http, body, requests, base, cbase, chunk, choice)
+        out = await respond(http, body, requests, base, cbase, chunk, choice)
+        if body.prompt_logprobs is not None:  # (never with stream: the intake refuses it)
+            out["prompt_logprobs"] = prompt_logprobs(requests[0], body.prompt_logprobs)
+        return out
 
     async def respond(http: HTTPRequest, body, requests: list[Request], base: dict, chunk_base: dict, make_chunk,
-                      make_choice):
+                      make_choice, keep_output: bool = True):
         """The tail both endpoints share, for the request's n samples (choice j = sample j): submitted
         together, then a server-sent-event stream of `make_chunk(j, ...)` chunks, or the whole response
         (each `make_choice(j, ...)` with its finish reason, and usage over all). An error (or a client
-        that goes away) before the end cancels every sample."""
+        that goes away) before the end cancels every sample. Without `keep_output` the tokens generated
+        are left out (echo with max_tokens 0)."""
         sinks, firsts, ok = [], [], False
         try:
             sinks += [submit(r) for r in requests]
@@ -335,12 +379,14 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
             if body.stream:
                 include_usage = body.stream_options is not None and body.stream_options.include_usage
                 ok = True  # the stream owns the samples from here
-                return StreamingResponse(stream_with(requests, sinks, firsts, make_chunk, include_usage, chunk_base),
-                                         media_type="text/event-stream")
+                return StreamingResponse(stream_with(requests, sinks, firsts, make_chunk, include_usage, chunk_base,
+                                                     keep_output), media_type="text/event-stream")
             choices, n_out = [], 0
             for j, (r, sink, first) in enumerate(zip(requests, sinks, firsts)):
                 out_ids, out_lps, last, _ = await generate(http, r, sink, first)
                 text = (last.text if last.text is not None else r.decode(detokenize, out_ids)) if detokenize else ""
+                if not keep_output:
+                    out_ids, out_lps, text = [], ([], []), ""
                 choices.append(dict(make_choice(j, text, out_ids, out_lps), finish_reason=finish_reason(last)))
                 n_out += len(out_ids)
             ok = True
@@ -351,7 +397,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
                     engine.cancel(r.request_id)
 
     async def stream_with(requests: list[Request], sinks: list[asyncio.Queue], firsts: list, make_chunk,
-                          include_usage: bool, base):
+                          include_usage: bool, base, keep_output: bool = True):
         """SSE: one chunk per update of any sample (tokens as they come), each sample's finish, usage if
         asked, then [DONE]. A client that disconnects cancels every sample, which frees their pages."""
         merged: asyncio.Queue = asyncio.Queue()
@@ -374,6 +420,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
             while left:
                 j, u = await merged.get()
                 r = requests[j]
+                if not keep_output:
+                    u = dataclasses.replace(u, token_ids=[], logprobs=[], top_logprobs=[], text="")
                 if u.token_ids and t_first[j] is None:
                     t_first[j] = u.time
                 ids_so_far[j] += u.token_ids

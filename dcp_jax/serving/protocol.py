@@ -18,13 +18,13 @@ except ImportError as e:  # pragma: no cover - the message names the fix
 # Parameters of OpenAI's API, and vLLM's extensions, that this server does not implement: a request that
 # sets one to anything but its neutral value is refused (400, by name) rather than silently answered
 # differently. (vLLM's stop_token_ids, min_tokens, min_p, logit_bias, allowed_token_ids, the presence,
-# frequency and repetition penalties, bad_words, include_stop_str_in_output, skip_special_tokens and
-# ignore_eos are implemented: fields of RequestBody.)
-UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None, "tools": None, "tool_choice": None, "functions": None,
+# frequency and repetition penalties, bad_words, prompt_logprobs, include_stop_str_in_output,
+# skip_special_tokens and ignore_eos are implemented: fields of RequestBody; completions' echo too.)
+UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None, "tools": None,  # (echo: completions have it) "tool_choice": None, "functions": None,
                "function_call": None, "response_format": None, "parallel_tool_calls": None,
                "prediction": None, "audio": None, "modalities": None,
                # vLLM's sampling and structured-output extensions
-               "length_penalty": 1, "use_beam_search": False, "prompt_logprobs": None, "logits_processors": None,
+               "length_penalty": 1, "use_beam_search": False, "logits_processors": None,
                "truncate_prompt_tokens": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
                "guided_grammar": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
                "structured_outputs": None, "spaces_between_special_tokens": True, "priority": 0}
@@ -85,6 +85,7 @@ class RequestBody(BaseModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -94,6 +95,7 @@ class CompletionBody(RequestBody):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    echo: bool = False  # the prompt before the completion (and its tokens' logprobs with logprobs)
 
 
 class ChatMessage(BaseModel):

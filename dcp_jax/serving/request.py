@@ -54,6 +54,12 @@ class Request:
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
     # per output token, its sampling.top_logprobs most likely (id, logprob) pairs (empty when not asked)
     output_top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    # with sampling.prompt_logprobs: per prompt token (None for the first, which nothing precedes), its
+    # log-probability given the tokens before it, its rank, and the sampling.prompt_logprobs most likely
+    # (id, logprob) pairs there; a sample that follows another reads that one's (`prompt_scores`)
+    prompt_logprobs: list[float | None] = dataclasses.field(default_factory=list)
+    prompt_ranks: list[int | None] = dataclasses.field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] = dataclasses.field(default_factory=list)
     text: str | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
@@ -107,6 +113,33 @@ class Request:
             out.append(cls(request_id if n == 1 else f"{request_id}.{j}", prompt_token_ids,
                            seed=(seed + j) % SEED_LIMIT, follows=out[0] if out else None, **kw))
         return out
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its prefill scores its prompt (prompt_logprobs asked, not a follower): every prompt
+        token is then computed, none taken from the prefix cache."""
+        return self.sampling.prompt_logprobs is not None and self.follows is None
+
+    def prompt_scores(self) -> tuple[list, list, list] | None:
+        """(logprobs, ranks, top logprobs) of its prompt tokens (its first sample's for a follower), or
+        None when not asked."""
+        if self.sampling.prompt_logprobs is None:
+            return None
+        src = self.follows or self
+        return src.prompt_logprobs, src.prompt_ranks, src.prompt_top_logprobs
+
+    def record_prompt_scores(self, start: int, logprobs, ranks, top_ids, top_lps) -> None:
+        """Scores computed at positions start, start + 1, ... (of the next token at each): those of prompt
+        tokens are kept (a recompute writes the same values again)."""
+        n, k = self.num_prompt_tokens, self.sampling.prompt_logprobs
+        if not self.prompt_logprobs:
+            self.prompt_logprobs, self.prompt_ranks, self.prompt_top_logprobs = [None] * n, [None] * n, [None] * n
+        for i in range(len(logprobs)):
+            t = start + i + 1  # the token scored
+            if t >= n:
+                break
+            self.prompt_logprobs[t], self.prompt_ranks[t] = float(logprobs[i]), int(ranks[i])
+            self.prompt_top_logprobs[t] = [(int(a), float(b)) for a, b in zip(top_ids[i][:k], top_lps[i][:k])]
 
     def tokens_left(self, max_model_len: int) -> int:
         """Tokens it may still produce before a "length" stop (max_tokens or the model length)."""

@@ -45,7 +45,8 @@ from dcp_jax.errors import UserError
 from dcp_jax.layers import AttentionContext
 from dcp_jax.layout import PagedLayout
 from dcp_jax.model import CausalLM
-from dcp_jax.sampling import MAX_TOP_LOGPROBS, SamplingRows, bias_logits, sample_rows, write_history
+from dcp_jax.sampling import (MAX_TOP_LOGPROBS, SamplingRows, bias_logits, sample_rows, score_tokens,
+                              write_history)
 from dcp_jax.serving.config import ServingConfig
 from dcp_jax.serving.host_copy import HostCopier
 from dcp_jax.spec import verify as spec_verify
@@ -107,18 +108,20 @@ class RaggedInputs(StepInputs):
     s): kv_len int32 [S] (tokens in cache once the row is written; 0 for a slot with nothing this step),
     block_table int32 [S, blocks], sampling SamplingRows [S]; and logits_at int32 [S]: the flat index of
     each row's last token, whose logits are sampled; tiles: how the tokens are cut per row
-    (pallas_kernels.attention.ragged).
+    (pallas_kernels.attention.ragged); next_token int32 [N]: for the prompt tokens of a request that
+    scores its prompt (prompt logprobs), the prompt token after each, else -1.
     """
 
     logits_at: jax.Array
     tiles: ragged.RaggedTiles
+    next_token: jax.Array
 
     @classmethod
     def spec(cls, n: int, rows: int, blocks: int, tile: int) -> "RaggedInputs":
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         return cls(i32(1, n), i32(1, n), jax.ShapeDtypeStruct((1, n), jnp.bool_), i32(rows), i32(rows, blocks),
                    SamplingRows.spec(rows), i32(rows),
-                   ragged.RaggedTiles.spec(n, ragged.group_shapes(n, rows, tile)))
+                   ragged.RaggedTiles.spec(n, ragged.group_shapes(n, rows, tile)), i32(n))
 
     @classmethod
     def build(cls, rows, n: int, slots: int, block_table, tile: int, eos_token_ids=()) -> "RaggedInputs":
@@ -126,16 +129,20 @@ class RaggedInputs(StepInputs):
         padded to `n` tokens; the row of a slot samples the token after its last one."""
         tokens, positions, valid = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, bool)
         kv_len, logits_at = np.zeros(slots, np.int32), np.zeros(slots, np.int32)
+        next_token = np.full(n, -1, np.int32)
         by_slot, starts, lens, slot_ids, firsts, at = [None] * slots, [], [], [], [], 0
         for slot, request, start, ids in rows:
             m = len(ids)
             tokens[at:at + m], positions[at:at + m], valid[at:at + m] = ids, np.arange(start, start + m), True
             kv_len[slot], logits_at[slot], by_slot[slot] = start + m, at + m - 1, request
+            if request.scores_prompt and start + 1 < request.num_prompt_tokens:
+                after = request.prompt_token_ids[start + 1:start + m + 1]
+                next_token[at:at + len(after)] = after
             starts.append(at), lens.append(m), slot_ids.append(slot), firsts.append(start)
             at += m
         tiles = ragged.plan(starts, lens, slot_ids, n, ragged.group_shapes(n, slots, tile), positions=firsts)
         return cls(tokens[None], positions[None], valid[None], kv_len, np.asarray(block_table, np.int32),
-                   SamplingRows.of(by_slot, eos_token_ids), logits_at, tiles)
+                   SamplingRows.of(by_slot, eos_token_ids), logits_at, tiles, next_token)
 
 
 class ModelRunner:
@@ -288,7 +295,8 @@ class ModelRunner:
     def ragged_step(self, weights: Weights, caches: Caches, history, step: RaggedInputs):
         """One ragged step: every row's tokens written and attended in one forward over the flat batch,
         the token after each row's last one sampled. Returns (caches, history, tokens [S], logprobs [S],
-        top logprobs: (ids, log-probabilities) [S, 20])."""
+        top logprobs: (ids, log-probabilities) [S, 20], and the prompt scores of `step.next_token`
+        (`sampling.score_tokens`: logprobs [N], ranks [N], top ids and logprobs [N, 20]))."""
         flat = (step.tokens, step.positions, step.valid, step.kv_len)
         draft_pools = caches.draft
         if self.draft is not None:  # the draft model's cache takes the same tokens
@@ -297,11 +305,12 @@ class ModelRunner:
             _, draft_pools = draft(*flat, draft_pools, ctx, logits_at=step.logits_at)
         model = nnx.merge(self.graphdef, weights.target)
         ctx = dataclasses.replace(self.context(step.block_table), ragged=step.tiles)
-        logits, pools = model(*flat, caches.target, ctx, logits_at=step.logits_at)
+        logits, pools, hidden = model(*flat, caches.target, ctx, logits_at=step.logits_at, hidden=True)
+        scores = score_tokens(model.head_logits, hidden[0], step.next_token)
         history = write_history(history, step.sampling, step.tiles.token_row, step.positions[0], step.tokens[0],
                                 step.valid[0])
         tok, lp, top = sample_rows(logits, step.sampling, step.kv_len, history)  # the new token lands at kv_len
-        return Caches(pools, draft_pools), history, tok, lp, top
+        return Caches(pools, draft_pools), history, tok, lp, top, scores
 
     def verify(self, weights: Weights, caches: Caches, history, step: StepInputs):
         """One speculative step. step [S, k+1]: column 0 the last token (position p, not yet in cache),
@@ -398,10 +407,11 @@ class ModelRunner:
 
     def ragged_program(self, n: int):
         """The compiled ragged step of `n` tokens (one of `config.step_sizes`) over every slot:
-        (weights, caches, history, RaggedInputs) -> (caches, history, tokens [S], logprobs [S], top logprobs)."""
+        (weights, caches, history, RaggedInputs) -> (caches, history, tokens [S], logprobs [S], top logprobs,
+        prompt scores)."""
         s, nb = self.config.max_num_seqs, self.max_blocks_per_seq
         return self.program("ragged", self.ragged_step, self.weights, self.pool_spec(), self.history_spec(),
-                            RaggedInputs.spec(n, s, nb, self.config.ragged_tile), outputs=3)
+                            RaggedInputs.spec(n, s, nb, self.config.ragged_tile), outputs=4)
 
     def step_size(self, tokens: int) -> int:
         """The smallest step size that holds `tokens` tokens."""
