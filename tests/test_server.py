@@ -138,6 +138,12 @@ def test_tokenize_and_detokenize_as_vllm_answers(server):
     assert bare["count"] < r["count"]  # without "<assistant>"
     d = httpx.post(base + "/detokenize", json=dict(model=MODEL, tokens=ids), timeout=30).json()
     assert d == {"prompt": llm.decode(ids)}
+    # /tokenizer_info, as lm-eval's remote tokenizer reads it (the EOS token's text encodes to its id)
+    info = httpx.get(base + "/tokenizer_info", timeout=30).json()
+    assert info["model_max_length"] == MAX_MODEL_LEN and info["chat_template"] == TEMPLATE
+    eos = llm.model.config.eos_token_ids[0]
+    assert httpx.post(base + "/tokenize", json=dict(prompt=info["eos_token"], add_special_tokens=False),
+                      timeout=30).json()["tokens"] == [eos]
     for path, body, status, text in [
         ("/tokenize", dict(prompt="a", messages=messages), 400, "either prompt or messages"),
         ("/tokenize", dict(), 400, "either prompt or messages"),

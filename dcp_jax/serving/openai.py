@@ -1,8 +1,9 @@
 """An OpenAI-compatible HTTP front end (FastAPI) over an `AsyncEngine`.
 
 `create_app(...)` serves `POST /v1/completions`, `POST /v1/chat/completions` (streaming with SSE or
-not), `GET /v1/models`, `GET /health` and `GET /metrics` (Prometheus text, one registry per app so
-two apps in one process never share counters). Requests become `dcp_jax.serving.request.Request`s and
+not), `GET /v1/models`, vLLM's `POST /tokenize`, `POST /detokenize` and `GET /tokenizer_info` (what
+lm-eval's remote tokenizer reads), `GET /health` and `GET /metrics` (Prometheus text, one registry per
+app so two apps in one process never share counters). Requests become `dcp_jax.serving.request.Request`s and
 go through the scheduler like any other: validation that the scheduler owns (prompt longer than the
 context, a pool too small, stop strings without a tokenizer) comes back from it as an "error" finish
 and is answered 400 here. Every error is OpenAI's JSON shape, never a traceback.
@@ -68,7 +69,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
 
     @app.middleware("http")
     async def count(request: HTTPRequest, call_next):
-        guarded = request.url.path.startswith("/v1") or request.url.path in ("/tokenize", "/detokenize")
+        guarded = request.url.path.startswith("/v1") or request.url.path in ("/tokenize", "/detokenize",
+                                                                               "/tokenizer_info")
         if guarded and not authorized(request.headers.get("authorization"), api_key):
             metrics.requests.labels("401").inc()
             return unauthorized()
@@ -245,6 +247,20 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
             ids = await intake.encode(body.prompt, special=body.add_special_tokens is not False)
         return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
                 "token_strs": token_strings(ids) if body.return_token_strs else None}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's: the special tokens (as text), the chat template and the context length."""
+        if detokenize is None:
+            raise APIError(400, "this model has no tokenizer", code="no_tokenizer")
+
+        def text(ids):
+            return detokenize(ids[:1], skip_special_tokens=False) if ids else None
+
+        eos = text(list(engine.engine.scheduler.config.eos_token_ids))
+        return {"tokenizer_class": type(tokenizer).__name__, "model_max_length": max_model_len, "eos_token": eos,
+                "bos_token": chat_template.bos_token or None if chat_template else None, "pad_token": None,
+                "chat_template": chat_template.source if chat_template else None}
 
     @app.post("/detokenize")
     async def detokenize_ids(http: HTTPRequest):

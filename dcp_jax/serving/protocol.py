@@ -162,7 +162,7 @@ class ChatTemplate:
                                                                                       ensure_ascii=ensure_ascii)
         env.globals["raise_exception"] = raise_exception
         self.template = env.from_string(source)
-        self.bos_token, self.eos_token = bos_token, eos_token
+        self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
 
     @classmethod
     def from_tokenizer_config(cls, path) -> ChatTemplate | None:
