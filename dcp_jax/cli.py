@@ -69,7 +69,7 @@ def non_negative_float(name, upper=None, positive=False):
 
 def penalty_arg(name):
     """An argparse type: a presence or frequency penalty, a number in [-2, 2]."""
-    from dcp_jax.sampling import MAX_PENALTY
+    from dcp_jax.penalties import MAX_PENALTY
 
     def parse(text):
         try:

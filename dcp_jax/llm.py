@@ -31,7 +31,8 @@ from dcp_jax.errors import UserError
 from dcp_jax.layout import PagedLayout
 from dcp_jax.model import CausalLM
 from dcp_jax.outputs import Generation, generation, request_stats
-from dcp_jax.sampling import SamplingParams, bad_words_ids, check_seed
+from dcp_jax.penalties import bad_words_ids
+from dcp_jax.sampling import SamplingParams, check_seed
 from dcp_jax.serving.config import DEFAULT_PAGE_SIZE, ServingConfig, default_prefill_chunk, parse_bytes
 from dcp_jax.serving.engine import ServingEngine, run_requests
 from dcp_jax.serving.request import Request

@@ -6,7 +6,8 @@ device programs all take their sampling rules from here, so each range is checke
     SamplingParams   temperature (0 = greedy), top-k (0 = off), top-p (1 = off), min-p (0 = off),
                      logit_bias, allowed_token_ids, top_logprobs (0..20 alternatives reported per
                      token), presence / frequency / repetition penalties, bad words (as token id
-                     sequences: `bad_words_ids` makes them from strings); checked on creation
+                     sequences: `penalties.bad_words_ids` makes them from strings), prompt_logprobs;
+                     checked on creation
     check_seed       a request's seed: an integer in [0, 2**32) (it becomes a uint32 on the device)
     filter_logits    the one top-k / top-p / min-p rule, per row
     bias_logits      logit_bias and allowed_token_ids, per row (before greedy and sampling alike)
@@ -15,9 +16,7 @@ device programs all take their sampling rules from here, so each range is checke
     ban_stops        min_tokens: no stop id before a row's minimum (logits masked per row)
     sample_rows      per-row sampling with keys from (seed, position): the serving engine's sampler
     top_logprobs     each row's most likely tokens and their log-probabilities (when a row asks)
-    write_history    the tokens of the rows that need them (penalties, bad words) into the per-slot
-                     token history the programs keep on the device
-    penalize         presence / frequency / repetition penalties and bad words, per row, from that history
+    (the penalties and bad words, and the token history they read: dcp_jax.penalties)
     score_tokens     the log-probability, rank and top alternatives of given tokens at every position of a
                      flat batch (prompt logprobs, echo), chunk by chunk
 """
@@ -32,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dcp_jax.errors import UserError
+from dcp_jax.penalties import MAX_BAD_LEN, MAX_BAD_WORDS, MAX_PENALTY, penalize
 
 INT32_MAX = 2**31 - 1  # top_k becomes an int32 on the device
 SEED_LIMIT = 2**32  # a seed becomes a uint32 on the device
@@ -39,8 +39,6 @@ MAX_BANNED = 16  # stop ids one row may hold back until its min_tokens (EOS ids 
 MAX_TOP_LOGPROBS = 20  # alternatives a token may report (OpenAI's and vLLM's limit)
 MAX_LISTED = 300  # token ids one row may list in logit_bias and allowed_token_ids together (fixed shape)
 MAX_BIAS = 100.0  # |logit_bias| (OpenAI's range)
-MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
-MAX_BAD_WORDS, MAX_BAD_LEN = 32, 8  # token sequences one row may ban, tokens per sequence (fixed shape)
 SCORE_CHUNK = 256  # tokens whose full logits `score_tokens` holds at once
 
 
@@ -161,25 +159,6 @@ class SamplingParams:
         """Whether sampling reads the request's earlier tokens (penalties, bad words): the device keeps
         them for it (`write_history`)."""
         return self.penalized or bool(self.bad_words_ids)
-
-
-def bad_words_ids(encode, words) -> tuple[tuple[int, ...], ...]:
-    """vLLM's bad words as token sequences: each word encoded (no special tokens) as it is (its leading
-    spaces stripped) and with one leading space, the second kept when it starts with another token and
-    is as long (a word alone and a word after a space are different tokens to byte-level BPE).
-    `encode(text) -> ids`."""
-    out: list[tuple[int, ...]] = []
-    if isinstance(words, str):
-        words = [words]
-    for word in words:
-        if not isinstance(word, str) or not word.strip():
-            raise UserError("bad_words must be a list of non-empty strings")
-        bare = tuple(encode(word.lstrip()))
-        out.append(bare)
-        spaced = tuple(encode(" " + word.lstrip()))
-        if spaced and bare and spaced[0] != bare[0] and len(spaced) == len(bare):
-            out.append(spaced)
-    return tuple(w for w in out if w)
 
 
 def _token_id(x) -> int:
@@ -354,66 +333,6 @@ def top_logprobs(logprobs, params: SamplingRows):
 
     return jax.lax.cond(jnp.any(params.num_top > 0), top,
                         lambda: (jnp.zeros(shape, jnp.int32), jnp.zeros(shape, logprobs.dtype)))
-
-
-def write_history(history, params: SamplingRows, rows, positions, tokens, ok):
-    """history int32 [S, L] (each slot's tokens by position) with `tokens` written at (`rows`,
-    `positions`) where `ok` and the row needs its history (penalties, bad words); all four of one shape.
-    A batch in which no row needs it is returned as it is."""
-    need = params.needs_history()
-
-    def write():
-        keep = ok & need[rows]
-        return history.at[rows, jnp.where(keep, positions, history.shape[1])].set(tokens, mode="drop")
-
-    return jax.lax.cond(jnp.any(need), write, lambda: history)
-
-
-def penalize(logits, params: SamplingRows, history, positions):
-    """logits [R, T, V] with each row's penalties and bad words applied, the token at (r, t) following
-    the context history[r, :positions[r, t]] (prompt below params.prompt_len, output from it on).
-
-    Penalties (vLLM's): where a token occurs in the context, a positive logit is divided by the row's
-    repetition penalty and a negative one multiplied; then frequency x (its count in the output) and
-    presence x (whether it occurs in the output) are subtracted. Bad words: a word's last token is
-    banned where the output ends with the word's other tokens. Each part is skipped (a `lax.cond`) when no
-    row of the batch uses it."""
-    r, t, v = logits.shape
-    length = history.shape[1]
-    idx = jnp.arange(length, dtype=jnp.int32)
-    tok = jnp.clip(history, 0, v - 1)  # (what a row that keeps no history holds is never used)
-
-    def penalties():
-        rows = jnp.broadcast_to(jnp.arange(r)[:, None, None], (r, t, length))
-        cols = jnp.broadcast_to(jnp.arange(t)[None, :, None], (r, t, length))
-        ids = jnp.broadcast_to(tok[:, None], (r, t, length))
-        before = idx[None, None] < positions[..., None]
-        prompt = before & (idx < params.prompt_len[:, None])[:, None]
-        counts = jnp.zeros((r, t, v), jnp.int32).at[rows, cols, ids].add((before & ~prompt).astype(jnp.int32))
-        seen = jnp.zeros((r, t, v), bool).at[rows, cols, ids].max(prompt) | (counts > 0)
-        col = lambda x: x[:, None, None]  # noqa: E731
-        rep = jnp.where(seen, col(params.repetition), 1.0)
-        x = jnp.where(logits > 0, logits / rep, logits * rep)
-        x = x - col(params.frequency) * counts - col(params.presence) * (counts > 0)
-        return x.astype(logits.dtype)
-
-    def bad_words():
-        m = MAX_BAD_LEN - 1
-        at = positions[..., None] + jnp.arange(-m, 0, dtype=jnp.int32)  # [R, T, m]: the context's last m
-        ctx = jnp.take_along_axis(history, jnp.clip(at, 0, length - 1).reshape(r, -1), axis=1).reshape(at.shape)
-        ctx = jnp.where(at >= params.prompt_len[:, None, None], ctx, -2)  # the output's tokens only (vLLM's)
-        words = params.bad_words  # [R, W, MAX_BAD_LEN]
-        prefix, last = words[..., :m], words[..., m]
-        match = jnp.all((prefix[:, None] < 0) | (prefix[:, None] == ctx[:, :, None]), axis=-1)  # [R, T, W]
-        hit = match & (last[:, None] >= 0)
-        rows = jnp.broadcast_to(jnp.arange(r)[:, None, None], hit.shape)
-        cols = jnp.broadcast_to(jnp.arange(t)[None, :, None], hit.shape)
-        ids = jnp.broadcast_to(jnp.maximum(last, 0)[:, None], hit.shape)
-        banned = jnp.zeros((r, t, v), bool).at[rows, cols, ids].max(hit)
-        return jnp.where(banned, -jnp.inf, x)
-
-    x = jax.lax.cond(jnp.any(params.penalized()), penalties, lambda: logits)
-    return jax.lax.cond(jnp.any(params.bad_words >= 0), bad_words, lambda: x)
 
 
 def score_tokens(head_logits, hidden, targets):

@@ -70,7 +70,7 @@ def build_tasks(text: str, out: Path, limit: int, seed: int) -> list[str]:
         cont.append(dict(context=context, target=" " + " ".join(words[cut:cut + 3])))
     for name, rows in (("choice", choice), ("continue", cont)):
         (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {{path}}\ntest_split: test\n"
+    common = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {path}\ntest_split: test\n"
     (out / "local_choice.yaml").write_text(
         "task: local_choice\n" + common.format(path=out / "choice.jsonl")
         + "output_type: multiple_choice\ndoc_to_text: '{{context}}'\ndoc_to_choice: '{{choices}}'\n"

@@ -93,7 +93,7 @@ def test_penalties_are_per_row_through_preemption_and_sampling():
 
 def test_bad_words_from_text():
     # vLLM's rule: each word as it is and after a space (a different token to byte-level BPE)
-    from dcp_jax.sampling import bad_words_ids
+    from dcp_jax.penalties import bad_words_ids
 
     vocab = {"cat": [5], " cat": [9], "big dog": [3, 4], " big dog": [8, 4]}
     assert bad_words_ids(vocab.__getitem__, ["cat", " big dog"]) == ((5,), (9,), (3, 4), (8, 4))

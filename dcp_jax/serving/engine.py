@@ -31,7 +31,8 @@ from dcp_jax.sampling import SamplingRows
 from dcp_jax.serving.config import ServingConfig
 from dcp_jax.serving.host_copy import host_bytes
 from dcp_jax.serving.request import Request
-from dcp_jax.serving.runner import ModelRunner, RaggedInputs, StepInputs
+from dcp_jax.serving.inputs import RaggedInputs, StepInputs
+from dcp_jax.serving.runner import ModelRunner
 from dcp_jax.serving.scheduler import SchedulePlan, Scheduler
 from dcp_jax.spec.proposers import NgramProposer, SpeculativeConfig
 

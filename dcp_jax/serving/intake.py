@@ -18,7 +18,8 @@ import time
 import uuid
 
 from dcp_jax.errors import UserError
-from dcp_jax.sampling import MAX_TOP_LOGPROBS, SamplingParams, bad_words_ids, check_seed
+from dcp_jax.penalties import bad_words_ids
+from dcp_jax.sampling import MAX_TOP_LOGPROBS, SamplingParams, check_seed
 from dcp_jax.serving.protocol import UNSUPPORTED, APIError, RequestBody
 from dcp_jax.serving.request import Request
 

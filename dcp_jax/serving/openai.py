@@ -22,8 +22,8 @@ from dcp_jax.serving.async_engine import AsyncEngine, QueueFull
 from dcp_jax.serving.intake import DEFAULT_MAX_REQUEST_BYTES, Intake
 from dcp_jax.serving.metrics import Metrics
 from dcp_jax.serving.protocol import (APIError, ChatBody, ChatTemplate, CompletionBody, DetokenizeBody, TextStream,
-                                      TokenBytes, TokenizeBody, chat_messages,
-                                      authorized, error_response, unauthorized)
+                                      TokenBytes, TokenizeBody, authorized, chat_messages, error_response,
+                                      unauthorized, validation_response, vllm_prompt_logprobs)
 from dcp_jax.serving.request import Request
 
 try:
@@ -85,19 +85,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, e: RequestValidationError):
-        errs = e.errors()
-        first = errs[0] if errs else {}
-        if first.get("type") == "json_invalid":
-            return error_response(400, "the body is not valid JSON", code="invalid_json")
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = loc[0] if loc else None  # the field; a union's member names follow it
-        msg = first.get("msg", "invalid request")
-        if first.get("type") == "missing":
-            msg = f"missing required field {'.'.join(loc)!r}"
-        elif param:
-            msg = f"{param}: wrong type or value ({msg})"
-        return error_response(400, msg, param=param, code="invalid_type" if first.get("type") != "missing"
-                              else "missing_field")
+        return validation_response(e.errors())
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e: StarletteHTTPException):
@@ -186,20 +174,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, max_model_len: int, toke
         return [detokenize([t]) if detokenize else str(t) for t in ids]
 
     def prompt_logprobs(request: Request, n: int | None):
-        """vLLM's prompt_logprobs of a finished prefill: per prompt token (None for the first), a dict
-        from token id to {logprob, rank, decoded_token} for the token itself and its n most likely
-        alternatives (ranks 1..n); None when not asked."""
-        scores = request.prompt_scores() if n is not None else None
-        if scores is None:
-            return None
-        out = [None]
-        for tok, lp, rank, alts in zip(request.prompt_token_ids[1:], *(x[1:] for x in scores)):
-            entry = {str(i): {"logprob": x, "rank": k + 1, "decoded_token": s}
-                     for k, ((i, x), s) in enumerate(zip(alts[:n], token_strings([i for i, _ in alts[:n]])))}
-            entry.setdefault(str(tok), {"logprob": lp, "rank": rank, "decoded_token": token_strings([tok])[0]})
-            out.append(entry)
-        return out
-
+        return vllm_prompt_logprobs(request, n, token_strings)
 
     def sse(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"

@@ -53,6 +53,38 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
                         status_code=status, headers={"Retry-After": "1"} if status == 503 else None)
 
 
+def validation_response(errors: list[dict]):
+    """The 400 of a body pydantic refused (FastAPI's RequestValidationError.errors()), naming the field."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return error_response(400, "the body is not valid JSON", code="invalid_json")
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = loc[0] if loc else None  # the field; a union's member names follow it
+    msg = first.get("msg", "invalid request")
+    if first.get("type") == "missing":
+        msg = f"missing required field {'.'.join(loc)!r}"
+    elif param:
+        msg = f"{param}: wrong type or value ({msg})"
+    return error_response(400, msg, param=param, code="invalid_type" if first.get("type") != "missing"
+                          else "missing_field")
+
+
+def vllm_prompt_logprobs(request, n: int | None, token_strings):
+    """vLLM's prompt_logprobs of a request whose prefill is done: per prompt token (None for the first),
+    a dict from token id to {logprob, rank, decoded_token} for the token itself and its n most likely
+    alternatives (ranks 1..n); None when not asked. `token_strings(ids)`: each id's text."""
+    scores = request.prompt_scores() if n is not None else None
+    if scores is None:
+        return None
+    out = [None]
+    for tok, lp, rank, alts in zip(request.prompt_token_ids[1:], *(x[1:] for x in scores)):
+        entry = {str(i): {"logprob": x, "rank": k + 1, "decoded_token": s}
+                 for k, ((i, x), s) in enumerate(zip(alts[:n], token_strings([i for i, _ in alts[:n]])))}
+        entry.setdefault(str(tok), {"logprob": lp, "rank": rank, "decoded_token": token_strings([tok])[0]})
+        out.append(entry)
+    return out
+
+
 # --- request bodies (strict: a wrong type is a 400, not a silent coercion) ------------------------------
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")

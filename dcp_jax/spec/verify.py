@@ -25,7 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dcp_jax.sampling import ban_stops, bias_logits, filter_logits, penalize, top_logprobs
+from dcp_jax.penalties import penalize
+from dcp_jax.sampling import ban_stops, bias_logits, filter_logits, top_logprobs
 
 # purposes folded into a row's (seed, position) key
 ACCEPT, RESIDUAL, DRAFT = 1, 2, 3
