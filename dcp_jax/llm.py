@@ -217,7 +217,7 @@ class LLM:
         another (e.g. a benchmark's pool of other sizes) has its own pool and programs."""
         return ServingEngine(self.model, self.mesh, config, interleave=self.paged_layout().interleave,
                              impl=self.impl, detokenize=None if self.tokenizer is None else self.decode,
-                             speculative=self.speculative)
+                             speculative=self.speculative, tokenizer=self.tokenizer)
 
     def engine_with(self, **sizes) -> ServingEngine:
         """A new `ServingEngine` whose `ServingConfig` is this LLM's with `sizes` replaced (num_pages,
@@ -260,7 +260,7 @@ class LLM:
                  top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, top_logprobs: int = 0,
                  min_p: float = 0.0, logit_bias=None, allowed_token_ids=None, n: int = 1,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                 bad_words=None, min_tokens: int = 0, prompt_logprobs: int | None = None,
+                 bad_words=None, min_tokens: int = 0, prompt_logprobs: int | None = None, structured=None,
                  prefix: str = "r") -> list[Request]:
         """`generate`'s arguments checked and made into requests (ids `prefix`0, `prefix`1, ...).
         UserError names a bad one; a prompt that cannot fit fails alone when it is added."""
@@ -276,7 +276,7 @@ class LLM:
         sampling = SamplingParams(temperature, top_k, top_p, top_logprobs, min_p, logit_bias or (), allowed_token_ids,
                                   presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                   repetition_penalty=repetition_penalty, bad_words_ids=self.bad_words(bad_words),
-                                  prompt_logprobs=prompt_logprobs)
+                                  prompt_logprobs=prompt_logprobs, structured=structured)
         return [r for i, p in enumerate(ids) for r in Request.samples(
             f"{prefix}{i}", p, n, seed=seed, sampling=sampling, max_tokens=max_new_tokens, ignore_eos=ignore_eos,
             min_tokens=min_tokens)]
@@ -296,8 +296,8 @@ class LLM:
                  top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, top_logprobs: int = 0,
                  min_p: float = 0.0, logit_bias: dict | None = None, allowed_token_ids=None, n: int = 1,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                 bad_words=None, min_tokens: int = 0, prompt_logprobs: int | None = None, on_chunk=None,
-                 on_token=None) -> Generation:
+                 bad_words=None, min_tokens: int = 0, prompt_logprobs: int | None = None, structured=None,
+                 on_chunk=None, on_token=None) -> Generation:
         """`prompts`: a string, a list of strings, a list of ids, or a list of id lists.
 
         The requests go to this LLM's engine: admitted while pages and slots are free, prefilled in
@@ -314,7 +314,9 @@ class LLM:
         token id lists) and `min_tokens` (no EOS before it) as vLLM's. `prompt_logprobs=N` (0..20):
         `prompt_logprobs` and `prompt_top_logprobs`, each prompt token's log-probability given the ones
         before it and its N most likely alternatives (None for the first token); such a request computes
-        its whole prompt (no prefix cache hit), as vLLM's does.
+        its whole prompt (no prefix cache hit), as vLLM's does. `structured`: what the output must
+        match, one of {"json": schema}, {"json_object": True}, {"regex": r}, {"choice": [...]},
+        {"grammar": lark} (vLLM's structured_outputs; llguidance masks each token on the device).
         A request that can never run fails alone; if every one fails, UserError. `on_chunk(done, total)`
         reports prefill tokens; `on_token(step, tokens [B])` receives new tokens as they come (-1 for
         requests with none at that step).
@@ -324,7 +326,7 @@ class LLM:
                                  min_p=min_p, logit_bias=logit_bias, allowed_token_ids=allowed_token_ids, n=n,
                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                  repetition_penalty=repetition_penalty, bad_words=bad_words, min_tokens=min_tokens,
-                                 prompt_logprobs=prompt_logprobs)
+                                 prompt_logprobs=prompt_logprobs, structured=structured)
         server = self.engine
         if not server.lock.acquire(blocking=False):
             raise UserError("this LLM's engine is in use (a server or another generate call drives it): wait for "

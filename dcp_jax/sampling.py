@@ -32,6 +32,7 @@ import numpy as np
 
 from dcp_jax.errors import UserError
 from dcp_jax.penalties import MAX_BAD_LEN, MAX_BAD_WORDS, MAX_PENALTY, penalize
+from dcp_jax.structured import KINDS, mask_logits, structured_spec
 
 INT32_MAX = 2**31 - 1  # top_k becomes an int32 on the device
 SEED_LIMIT = 2**32  # a seed becomes a uint32 on the device
@@ -59,7 +60,9 @@ class SamplingParams:
     (likewise) once for any occurrence. bad_words_ids: token sequences never completed in the output
     (the last token of each is banned where the output ends with the ones before it). prompt_logprobs
     (None = off, else 0..20 alternatives): each prompt token's log-probability given the tokens before
-    it, its rank and the most likely alternatives (vLLM's; what `echo` with logprobs reports)."""
+    it, its rank and the most likely alternatives (vLLM's; what `echo` with logprobs reports).
+    structured: what the output must match (`dcp_jax.structured`: a dict such as {"json": schema}, kept
+    as a (kind, text) pair; the grammar is compiled where the request meets a tokenizer)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -73,6 +76,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     bad_words_ids: tuple = ()  # ((token id, ...), ...)
     prompt_logprobs: int | None = None
+    structured: tuple | dict | None = None
 
     def __post_init__(self):
         t = self.temperature
@@ -130,6 +134,14 @@ class SamplingParams:
             raise UserError(f"bad_words takes at most {MAX_BAD_WORDS} token sequences (a word counts once or twice: "
                             f"with and without a leading space) of 1 to {MAX_BAD_LEN} tokens each")
         object.__setattr__(self, "bad_words_ids", words)
+        spec = self.structured
+        if isinstance(spec, dict):
+            spec = structured_spec(spec)
+        elif spec is not None:  # a (kind, text) pair (a list once it went through JSON)
+            if not isinstance(spec, (tuple, list)) or len(spec) != 2 or spec[0] not in KINDS or not isinstance(spec[1], str):
+                raise UserError(f"structured must be a dict with one of {', '.join(KINDS)}")
+            spec = tuple(spec)
+        object.__setattr__(self, "structured", spec)
         n = self.prompt_logprobs
         if n is not None:
             if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= MAX_TOP_LOGPROBS:
@@ -251,6 +263,7 @@ class SamplingRows:
     repetition: jax.Array  # float32; 1 = off
     prompt_len: jax.Array  # int32: positions below it are the prompt's (penalties, bad words)
     bad_words: jax.Array  # int32 [R, MAX_BAD_WORDS, MAX_BAD_LEN], each word right-aligned; -1 = none
+    constrained: jax.Array  # bool: structured output (the step's token mask applies)
 
     @classmethod
     def spec(cls, rows: int) -> "SamplingRows":
@@ -260,7 +273,8 @@ class SamplingRows:
                    jax.ShapeDtypeStruct((rows,), f32), jax.ShapeDtypeStruct((rows, MAX_LISTED), i32),
                    jax.ShapeDtypeStruct((rows, MAX_LISTED), f32), jax.ShapeDtypeStruct((rows,), jnp.bool_),
                    *(jax.ShapeDtypeStruct((rows,), dt) for dt in (f32, f32, f32, i32)),
-                   jax.ShapeDtypeStruct((rows, MAX_BAD_WORDS, MAX_BAD_LEN), i32))
+                   jax.ShapeDtypeStruct((rows, MAX_BAD_WORDS, MAX_BAD_LEN), i32),
+                   jax.ShapeDtypeStruct((rows,), jnp.bool_))
 
     @classmethod
     def of(cls, rows, eos_token_ids=()) -> "SamplingRows":
@@ -293,7 +307,8 @@ class SamplingRows:
                    presence=np.asarray([r.sampling.presence_penalty if r else 0.0 for r in rows], np.float32),
                    frequency=np.asarray([r.sampling.frequency_penalty if r else 0.0 for r in rows], np.float32),
                    repetition=np.asarray([r.sampling.repetition_penalty if r else 1.0 for r in rows], np.float32),
-                   prompt_len=np.asarray([r.num_prompt_tokens if r else 0 for r in rows], np.int32), bad_words=bad)
+                   prompt_len=np.asarray([r.num_prompt_tokens if r else 0 for r in rows], np.int32), bad_words=bad,
+                   constrained=np.asarray([r is not None and r.sampling.structured is not None for r in rows]))
 
     def needs_history(self):
         """[R] bool: the rows whose sampling reads their earlier tokens (`SamplingParams.needs_history`)."""
@@ -368,18 +383,19 @@ def score_tokens(head_logits, hidden, targets):
     return jax.lax.cond(jnp.any(targets >= 0), run, skip)
 
 
-def sample_rows(logits, params: SamplingRows, positions, history):
+def sample_rows(logits, params: SamplingRows, positions, history, mask):
     """logits [R, V] float32 -> (tokens [R] int32, log-probability of each under the model [R], and
     `top_logprobs`' (ids, log-probabilities) [R, MAX_TOP_LOGPROBS]). history [R, L]: each row's
     tokens by position, the new token's context history[r, :positions[r]] (read by penalties and bad
-    words only).
+    words only); mask [R, 1, ⌈V/32⌉] int32: the constrained rows' allowed tokens (structured outputs).
 
     Each row samples with its own parameters and a key from (seed, position of the new token): the same
     row at the same position draws the same token, whatever else shares the batch.
     """
     logprobs = jax.nn.log_softmax(logits, axis=-1)  # under the model's raw logits
     x = bias_logits(ban_stops(logits, params, positions), params)
-    x = penalize(x[:, None], params, history, positions[:, None])[:, 0]
+    x = mask_logits(x[:, None], params.constrained, mask)
+    x = penalize(x, params, history, positions[:, None])[:, 0]
     greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
 
     def draw():

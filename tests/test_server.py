@@ -291,6 +291,39 @@ def test_echo_and_prompt_logprobs(server):
     assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
 
 
+def test_structured_outputs(server):
+    # OpenAI's response_format (json_schema, json_object) and vLLM's structured_outputs / guided_*: the
+    # outputs of the random-weight model parse and validate; a schema llguidance cannot compile is a 400
+    # naming it; two structured fields at once are refused
+    import jsonschema
+
+    c = server["client"]
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+              "w": {"enum": ["a", "b"]}}, "required": ["n", "w"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "give me json"}]
+    r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0.8, seed=2, n=3,
+                                  response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    for choice in r.choices:
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    r = c.completions.create(model=MODEL, prompt="Hello", max_tokens=30, temperature=0,
+                             extra_body=dict(structured_outputs={"regex": "[a-f]{4}-[0-9]{2}"}))
+    assert re.fullmatch("[a-f]{4}-[0-9]{2}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    r = c.completions.create(model=MODEL, prompt="Hello", max_tokens=30, temperature=1.0, seed=1, stream=True,
+                             extra_body=dict(guided_choice=["alpha", "beta"]))
+    assert "".join(ch.choices[0].text for ch in r) in ("alpha", "beta")
+    for body, param, text in [
+        (dict(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "wat"}}}), None,
+         "the json grammar cannot be compiled: Invalid type: wat"),
+        (dict(response_format={"type": "yaml"}), "response_format", "response_format type must be"),
+        (dict(structured_outputs={"regex": "a", "choice": ["a"]}), "structured_outputs", "exactly one of"),
+        (dict(guided_regex="a", response_format={"type": "json_object"}), "guided_regex", "give one structured output"),
+    ]:
+        bad = httpx.post(server["base"] + "/v1/completions", timeout=30,
+                         json=dict(model=MODEL, prompt="hi", max_tokens=4, **body))
+        assert bad.status_code == 400 and text in bad.json()["error"]["message"], bad.text
+        assert bad.json()["error"]["param"] == param
+
+
 def test_n_samples(server):
     # n seeded samples: choice j is what seed + j gives alone; streamed choices (interleaved chunks, each
     # with its index) equal the whole response's; usage counts the prompt once and every sample's tokens
@@ -411,7 +444,7 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"300": 1}}, None),  # outside the vocabulary
     ({"model": MODEL, "prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
-    ({"model": MODEL, "prompt": "hi", "guided_json": {"type": "object"}}, "guided_json"),
+    ({"model": MODEL, "prompt": "hi", "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
 ]
 
 
@@ -443,6 +476,8 @@ def test_bad_completion_requests(server, case):
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
      "top_logprobs"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, "tool_choice"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}, "functions"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),  # (completions' only)
 ])
 def test_bad_chat_requests(server, body, param):

@@ -215,7 +215,8 @@ def accept_samples(p_logits, q, mode, rows=20000, top_k=0, q_claimed=None):
     probs = None if mode == "ngram" else jnp.broadcast_to(jnp.asarray(claimed, jnp.float32), (rows, k, v))
     accept = jax.jit(lambda *a: spec_verify.accept(*a))  # traced anew: sees a monkeypatched rule
     tokens, counts, _, _ = accept(logits, jnp.asarray(drafts), jnp.ones((rows, k), bool), params,
-                                  jnp.zeros(rows, jnp.int32), jnp.zeros((rows, 1), jnp.int32), probs)
+                                  jnp.zeros(rows, jnp.int32), jnp.zeros((rows, 1), jnp.int32),
+                                  jnp.full((rows, k + 1, (v + 31) // 32), -1, jnp.int32), probs)
     return np.asarray(tokens), np.asarray(counts)
 
 

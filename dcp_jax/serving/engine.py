@@ -41,7 +41,8 @@ class ServingEngine:
     """A `CausalLM` on a ("tp","dcp") mesh serving requests from a paged, sequence-sharded KV pool."""
 
     def __init__(self, model, mesh, config: ServingConfig, *, interleave: int = 1, impl: str | None = None,
-                 combine: str = "auto", detokenize=None, speculative: SpeculativeConfig | None = None):
+                 combine: str = "auto", detokenize=None, speculative: SpeculativeConfig | None = None,
+                 tokenizer=None):
         self.config = config
         self.runner = ModelRunner(model, mesh, config, interleave=interleave, impl=impl, combine=combine,
                                   speculative=speculative)
@@ -65,6 +66,9 @@ class ServingEngine:
         self.copier = self.runner.copier
         if self.scheduler.kv.host is not None:
             self.runner.before_pool_write = self.copy_kv
+        # structured outputs (dcp_jax.structured): the grammars, made when the first such request comes
+        self.tokenizer, self.grammars = tokenizer, None
+        self.scheduler.structured = self.structured_problem
         # held by whoever drives the engine (an AsyncEngine's thread, an LLM.generate call): one at a time
         self.lock = threading.Lock()
 
@@ -151,8 +155,10 @@ class ServingEngine:
         rows += [(c.slot, c.request, c.start, c.token_ids) for c in plan.prefills]
         num_tokens = sum(len(ids) for *_, ids in rows)
         n = runner.step_size(num_tokens)
+        sampled = [(slot, r, []) for slot, r, *_ in rows[:len(rows) - len(plan.prefills)]]  # decode rows
+        sampled += [(c.slot, c.request, []) for c in plan.prefills if c.is_last]  # and first tokens
         inputs = RaggedInputs.build(rows, n, self.config.max_num_seqs, plan.block_table, self.config.ragged_tile,
-                                    sched.config.eos_token_ids)
+                                    self.token_mask(sampled, 1), sched.config.eos_token_ids)
         self.fill_history(rows)
         program, caches = runner.ragged_program(n), runner.allocate()
         # the pools are donated: if this raises after donating them, `recover` sees them deleted
@@ -178,6 +184,7 @@ class ServingEngine:
         sched.update_prefill(plan, [int(tok[c.slot]) if c.is_last else None for c in plan.prefills],
                              [float(lp[c.slot]) if c.is_last else None for c in plan.prefills],
                              None if top is None else [(top[0][c.slot], top[1][c.slot]) for c in plan.prefills])
+        self.advance_matchers(c.request for c in plan.prefills)
         if with_decode:  # (decode_s and decode_tokens count the decode loop alone: the step is prefill's time)
             tokens, logprobs = tok[:, None], lp[:, None]
             tops = None if top is None else tuple(x[:, None] for x in top)
@@ -192,6 +199,7 @@ class ServingEngine:
                     tops = tuple(np.concatenate([a, b], axis=1) for a, b in zip(tops, more_top))
             before = sum(len(r.output_token_ids) for r in plan.decode_requests)
             sched.update_decode(plan, tokens, logprobs, tops=tops)
+            self.advance_matchers(plan.decode_requests)
             gained = sum(len(r.output_token_ids) for r in plan.decode_requests) - before
             self.timing["decode_tokens"] += max(gained - len(plan.decode_slots), 0)  # the loop's share
 
@@ -204,9 +212,10 @@ class ServingEngine:
         for r, slot in zip(plan.decode_requests, plan.decode_slots):
             rows[slot] = r
         self.fill_history([(slot, r, int(positions[slot])) for r, slot in zip(plan.decode_requests, plan.decode_slots)])
+        mask = self.token_mask([(slot, r, []) for r, slot in zip(plan.decode_requests, plan.decode_slots)], 1)
         inputs = StepInputs(tokens, np.asarray(positions, np.int32)[:, None], plan.decode_mask[:, None],
                             np.zeros(s, np.int32), plan.block_table,
-                            SamplingRows.of(rows, self.scheduler.config.eos_token_ids))
+                            SamplingRows.of(rows, self.scheduler.config.eos_token_ids), mask)
         caches, runner.history, out, out_lp, top = runner.step_program()(
             runner.weights, runner.allocate(), runner.history, inputs, np.int32(steps))
         runner.caches = caches
@@ -231,6 +240,7 @@ class ServingEngine:
         self.timing["decode_s"] += time.perf_counter() - t0
         self.timing["decode_steps"] += steps
         self.scheduler.update_decode(plan, out, out_lp, counts, tops=tops)
+        self.advance_matchers(plan.decode_requests)
         self.timing["decode_tokens"] += sum(len(r.output_token_ids) for r in plan.decode_requests) - before
 
     def verify(self, plan: SchedulePlan):
@@ -240,20 +250,23 @@ class ServingEngine:
         width = self.speculative.num_tokens + 1
         tokens, valid = np.zeros((s, width), np.int32), np.zeros((s, width), bool)
         tokens[:, 0], valid[:, 0] = plan.decode_tokens, plan.decode_mask
-        rows, draft_model = [None] * s, runner.draft is not None
+        rows, draft_model, constrained = [None] * s, runner.draft is not None, []
         for r, slot in zip(plan.decode_requests, plan.decode_slots):
             rows[slot] = r
             most = int(plan.decode_budget[slot]) - 1  # a verify step emits at most drafts + 1 tokens
+            drafts = []
             if self.proposer is not None:
                 drafts = self.proposer.propose(r, most)
                 tokens[slot, 1:1 + len(drafts)] = drafts
                 valid[slot, 1:1 + len(drafts)] = True
-            elif draft_model:
+            elif draft_model and r.sampling.structured is None:  # (drafted on the device: no mask for them)
                 valid[slot, 1:1 + most] = True
+            constrained.append((slot, r, [int(t) for t in drafts]))
         positions = plan.decode_positions[:, None] + np.arange(width, dtype=np.int32)[None]
         kv_len = np.where(plan.decode_mask, plan.decode_positions + valid.sum(axis=1), 0).astype(np.int32)
         inputs = StepInputs(tokens, positions, valid, kv_len, plan.block_table,
-                            SamplingRows.of(rows, self.scheduler.config.eos_token_ids))
+                            SamplingRows.of(rows, self.scheduler.config.eos_token_ids),
+                            self.token_mask(constrained, width))
         self.fill_history([(slot, r, int(plan.decode_positions[slot]))
                            for r, slot in zip(plan.decode_requests, plan.decode_slots)])
         caches, runner.history, out, counts, out_lp, top = runner.step_program()(
@@ -265,6 +278,39 @@ class ServingEngine:
         accepted = counts[plan.decode_slots] - 1
         self.spec_accepted_per_pos += (np.arange(width - 1)[None] < accepted[:, None]).sum(axis=0)
         return out, out_lp, counts, top
+
+    # --- structured outputs --------------------------------------------------------------------------
+    def structured_problem(self, request) -> str | None:
+        """Why `request`'s structured output cannot run (the scheduler asks when it enters), or None."""
+        if self.tokenizer is None:
+            return "structured outputs need the model's tokenizer (tokenizer.json)"
+        try:
+            if self.grammars is None:
+                from dcp_jax.structured import Grammars
+
+                cfg = self.scheduler.config
+                self.grammars = Grammars(self.tokenizer, self.runner.model.config.vocab_size, cfg.eos_token_ids)
+            return self.grammars.problem(request)
+        except ValueError as e:  # UserError included: one line
+            return str(e)
+
+    def token_mask(self, rows, tokens: int):
+        """The step's token mask [S, tokens, W]: each constrained row of `rows` ((slot, request, drafts)
+        each) filled from its matcher, every other row all-allowed; with none constrained, the
+        all-allowed mask kept on the device (nothing sent)."""
+        rows = [row for row in rows if row[1].sampling.structured is not None]
+        if not rows:
+            return self.runner.open_mask(tokens)
+        mask = np.full((self.config.max_num_seqs, tokens, self.runner.mask_words), -1, np.int32)
+        self.grammars.fill(mask, rows)
+        return mask
+
+    def advance_matchers(self, requests) -> None:
+        """Feed each structured request's matcher the tokens it just emitted; a token its grammar
+        refused (never sampled under its mask: a bug) fails the request."""
+        for r in requests:
+            if r.matcher is not None and (error := self.grammars.advance(r)) and not r.is_finished:
+                self.scheduler.fail(r, f"the structured output left its grammar: {error}")
 
     @staticmethod
     def record_prompt_scores(rows, scores) -> None:

@@ -23,7 +23,8 @@ class StepInputs:
 
     tokens, positions int32 [R, T]; valid bool [R, T] (padding and idle slots False: nothing written);
     kv_len int32 [R] (tokens in cache once the row is written); block_table int32 [R, blocks];
-    sampling: per-row SamplingRows [R].
+    sampling: per-row SamplingRows [R]; token_mask int32 [R, T, ⌈V/32⌉]: the tokens a constrained row
+    may emit at each position (structured outputs; bit v of a row's words = token v allowed).
     """
 
     tokens: jax.Array
@@ -32,12 +33,13 @@ class StepInputs:
     kv_len: jax.Array
     block_table: jax.Array
     sampling: SamplingRows
+    token_mask: jax.Array
 
     @classmethod
-    def spec(cls, rows: int, tokens: int, blocks: int) -> "StepInputs":
+    def spec(cls, rows: int, tokens: int, blocks: int, words: int) -> "StepInputs":
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         return cls(i32(rows, tokens), i32(rows, tokens), jax.ShapeDtypeStruct((rows, tokens), jnp.bool_), i32(rows),
-                   i32(rows, blocks), SamplingRows.spec(rows))
+                   i32(rows, blocks), SamplingRows.spec(rows), i32(rows, tokens, words))
 
 
 @jax.tree_util.register_dataclass
@@ -59,16 +61,17 @@ class RaggedInputs(StepInputs):
     next_token: jax.Array
 
     @classmethod
-    def spec(cls, n: int, rows: int, blocks: int, tile: int) -> "RaggedInputs":
+    def spec(cls, n: int, rows: int, blocks: int, tile: int, words: int) -> "RaggedInputs":
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         return cls(i32(1, n), i32(1, n), jax.ShapeDtypeStruct((1, n), jnp.bool_), i32(rows), i32(rows, blocks),
-                   SamplingRows.spec(rows), i32(rows),
+                   SamplingRows.spec(rows), i32(rows, 1, words), i32(rows),
                    ragged.RaggedTiles.spec(n, ragged.group_shapes(n, rows, tile)), i32(n))
 
     @classmethod
-    def build(cls, rows, n: int, slots: int, block_table, tile: int, eos_token_ids=()) -> "RaggedInputs":
+    def build(cls, rows, n: int, slots: int, block_table, tile: int, token_mask, eos_token_ids=()) -> "RaggedInputs":
         """Host arrays for `rows`: (slot, request, first position, token ids) each, laid end to end and
-        padded to `n` tokens; the row of a slot samples the token after its last one."""
+        padded to `n` tokens; the row of a slot samples the token after its last one (under
+        `token_mask` [S, 1, W] when it is constrained)."""
         tokens, positions, valid = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, bool)
         kv_len, logits_at = np.zeros(slots, np.int32), np.zeros(slots, np.int32)
         next_token = np.full(n, -1, np.int32)
@@ -84,4 +87,4 @@ class RaggedInputs(StepInputs):
             at += m
         tiles = ragged.plan(starts, lens, slot_ids, n, ragged.group_shapes(n, slots, tile), positions=firsts)
         return cls(tokens[None], positions[None], valid[None], kv_len, np.asarray(block_table, np.int32),
-                   SamplingRows.of(by_slot, eos_token_ids), logits_at, tiles, next_token)
+                   SamplingRows.of(by_slot, eos_token_ids), token_mask, logits_at, tiles, next_token)

@@ -176,6 +176,7 @@ class Intake:
         if body.prompt_logprobs is not None and body.stream:
             raise APIError(400, "prompt_logprobs is not supported with stream: true", param="prompt_logprobs")
         scored = [k for k in (body.prompt_logprobs, echo_logprobs) if k is not None]
+        structured, structured_field = structured_of(body)
         if body.bad_words and self.tokenizer is None:
             raise APIError(400, "bad_words need a tokenizer", param="bad_words")
         try:
@@ -184,7 +185,7 @@ class Intake:
                                       body.logit_bias or (), body.allowed_token_ids,
                                       presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                       repetition_penalty=body.repetition_penalty, bad_words_ids=words,
-                                      prompt_logprobs=max(scored) if scored else None)
+                                      prompt_logprobs=max(scored) if scored else None, structured=structured)
         except UserError as e:  # SamplingParams owns these ranges; its message starts with the field
             name = str(e).split()[0]
             if name == "top_logprobs":
@@ -192,7 +193,8 @@ class Intake:
                                param=field) from None
             known = ("temperature", "top_k", "top_p", "min_p", "logit_bias", "allowed_token_ids", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "bad_words", "prompt_logprobs")
-            raise APIError(400, str(e), param=name if name in known else None) from None
+            param = structured_field if name == "structured" else name if name in known else None
+            raise APIError(400, str(e), param=param) from None
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if len(stop) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stop):
             raise APIError(400, f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "
@@ -206,3 +208,32 @@ class Intake:
                                stop_token_ids=tuple(body.stop_token_ids or ()), min_tokens=body.min_tokens,
                                include_stop_str_in_output=body.include_stop_str_in_output,
                                skip_special_tokens=body.skip_special_tokens, arrival_time=time.monotonic())
+
+
+def structured_of(body: RequestBody) -> tuple[dict | None, str | None]:
+    """The body's structured output as `LLM.generate`'s `structured=` dict, and the field that gave it:
+    response_format (OpenAI's), structured_outputs (vLLM's) or a guided_* field (vLLM's older names); at
+    most one of them. APIError (400) names a malformed one."""
+    given = []
+    rf = body.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            schema = (rf.get("json_schema") or {}).get("schema")
+            if schema is None:
+                raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+            given.append(("response_format", {"json": schema}))
+        elif kind != "text":
+            raise APIError(400, f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                           param="response_format")
+    if body.structured_outputs is not None:
+        given.append(("structured_outputs", dict(body.structured_outputs)))
+    for kind in ("json", "regex", "choice", "grammar"):
+        value = getattr(body, f"guided_{kind}")
+        if value is not None:
+            given.append((f"guided_{kind}", {kind: value}))
+    if len(given) > 1:
+        raise APIError(400, f"give one structured output, not {' and '.join(f for f, _ in given)}", param=given[1][0])
+    return (given[0][1], given[0][0]) if given else (None, None)

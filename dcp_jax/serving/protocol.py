@@ -19,15 +19,15 @@ except ImportError as e:  # pragma: no cover - the message names the fix
 # sets one to anything but its neutral value is refused (400, by name) rather than silently answered
 # differently. (vLLM's stop_token_ids, min_tokens, min_p, logit_bias, allowed_token_ids, the presence,
 # frequency and repetition penalties, bad_words, prompt_logprobs, include_stop_str_in_output,
-# skip_special_tokens and ignore_eos are implemented: fields of RequestBody; completions' echo too.)
-UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None, "tools": None,  # (echo: completions have it) "tool_choice": None, "functions": None,
-               "function_call": None, "response_format": None, "parallel_tool_calls": None,
-               "prediction": None, "audio": None, "modalities": None,
+# skip_special_tokens, ignore_eos and the structured outputs (response_format, structured_outputs,
+# guided_*) are implemented: fields of RequestBody; completions' echo too: only chat's is refused here.)
+UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None, "tools": None, "tool_choice": None, "functions": None,
+               "function_call": None, "parallel_tool_calls": None, "prediction": None, "audio": None,
+               "modalities": None,
                # vLLM's sampling and structured-output extensions
                "length_penalty": 1, "use_beam_search": False, "logits_processors": None,
-               "truncate_prompt_tokens": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
-               "guided_grammar": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
-               "structured_outputs": None, "spaces_between_special_tokens": True, "priority": 0}
+               "truncate_prompt_tokens": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
+               "spaces_between_special_tokens": True, "priority": 0}
 
 
 class APIError(Exception):
@@ -118,6 +118,15 @@ class RequestBody(BaseModel):
     repetition_penalty: float = 1.0
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
+    # structured outputs: OpenAI's response_format ({"type": "json_object"} or {"type": "json_schema",
+    # "json_schema": {"schema": ...}}), vLLM's structured_outputs ({"json" | "regex" | "choice" |
+    # "grammar" | "json_object": ...}) and its older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True

@@ -68,6 +68,11 @@ class Request:
     # instance): the same request may succeed when sent again
     error_retryable: bool = False
 
+    # --- owned by the engine: structured outputs' matcher (dcp_jax.structured) and the output tokens
+    # it has consumed ---
+    matcher: object = None
+    matched: int = 0
+
     # --- owned by the scheduler ---
     state: RequestState = RequestState.WAITING
     slot: int | None = None

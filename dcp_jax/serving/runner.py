@@ -104,6 +104,8 @@ class ModelRunner:
         self.caches: Caches | None = None
         self.history: jax.Array | None = None  # [S, max_model_len] int32: each slot's tokens by position
         self.history_owner: list = [None] * config.max_num_seqs  # the request whose tokens each row holds
+        self.mask_words = (model.config.vocab_size + 31) // 32  # a token mask row: ⌈V/32⌉ int32 words
+        self.open_masks: dict = {}  # tokens per row -> an all-allowed token mask kept on the device
         self.before_pool_write = None  # called before a transfer writes the pools (the host tier's copies)
         self.copier = HostCopier(self)  # the host tier's copy programs (dcp_jax.serving.host_copy)
 
@@ -159,6 +161,14 @@ class ModelRunner:
     def reset_pools(self) -> None:
         """Drop the pools (their KV is lost) and the token history; the next use allocates zeroed ones."""
         self.caches = self.history = None
+
+    def open_mask(self, tokens: int) -> jax.Array:
+        """The all-allowed token mask [S, tokens, W] on the device (made once: a step without a
+        constrained row sends no mask)."""
+        if tokens not in self.open_masks:
+            shape = (self.config.max_num_seqs, tokens, self.mask_words)
+            self.open_masks[tokens] = jax.device_put(np.full(shape, -1, np.int32), self.replicated)
+        return self.open_masks[tokens]
 
     def fill_history(self, slot: int, request, count: int) -> None:
         """Write the first `count` tokens of `request` into history row `slot` (the tokens it brings into
@@ -238,7 +248,8 @@ class ModelRunner:
         scores = score_tokens(model.head_logits, hidden[0], step.next_token)
         history = write_history(history, step.sampling, step.tiles.token_row, step.positions[0], step.tokens[0],
                                 step.valid[0])
-        tok, lp, top = sample_rows(logits, step.sampling, step.kv_len, history)  # the new token lands at kv_len
+        # the new token lands at kv_len
+        tok, lp, top = sample_rows(logits, step.sampling, step.kv_len, history, step.token_mask)
         return Caches(pools, draft_pools), history, tok, lp, top, scores
 
     def verify(self, weights: Weights, caches: Caches, history, step: StepInputs):
@@ -258,7 +269,8 @@ class ModelRunner:
         history = write_history(history, step.sampling, jnp.broadcast_to(jnp.arange(s)[:, None], (s, t)),
                                 step.positions, tokens, step.valid)
         out, counts, lps, top = spec_verify.accept(logits.astype(jnp.float32), tokens[:, 1:], step.valid[:, 1:],
-                                                   step.sampling, step.positions[:, 0] + 1, history, draft_probs)
+                                                   step.sampling, step.positions[:, 0] + 1, history, step.token_mask,
+                                                   draft_probs)
         return Caches(pools, draft_pools), history, out, counts, lps, top
 
     def draft_tokens(self, draft_params, draft_pools, step: StepInputs):
@@ -309,7 +321,7 @@ class ModelRunner:
             kv_len = jnp.where(active, pos + 1, 0)
             logits, pools = model(cur[:, None], pos[:, None], active[:, None], kv_len, pools, ctx)
             history = write_history(history, step.sampling, jnp.arange(s), pos, cur, active)
-            tok, lp, top = sample_rows(logits[:, 0], step.sampling, pos + 1, history)
+            tok, lp, top = sample_rows(logits[:, 0], step.sampling, pos + 1, history, step.token_mask)
             out = jax.lax.dynamic_update_index_in_dim(out, tok, k, axis=1)
             out_lp = jax.lax.dynamic_update_index_in_dim(out_lp, lp, k, axis=1)
             out_top = jax.tree.map(lambda acc, x: jax.lax.dynamic_update_index_in_dim(acc, x, k, axis=1), out_top, top)
@@ -340,7 +352,7 @@ class ModelRunner:
         prompt scores)."""
         s, nb = self.config.max_num_seqs, self.max_blocks_per_seq
         return self.program("ragged", self.ragged_step, self.weights, self.pool_spec(), self.history_spec(),
-                            RaggedInputs.spec(n, s, nb, self.config.ragged_tile), outputs=4)
+                            RaggedInputs.spec(n, s, nb, self.config.ragged_tile, self.mask_words), outputs=4)
 
     def step_size(self, tokens: int) -> int:
         """The smallest step size that holds `tokens` tokens."""
@@ -354,7 +366,7 @@ class ModelRunner:
             raise RuntimeError("a speculative engine decodes with verify_program()")
         s, nb = self.config.max_num_seqs, self.max_blocks_per_seq
         return self.program("decode", self.decode, self.weights, self.pool_spec(), self.history_spec(),
-                            StepInputs.spec(s, 1, nb), jax.ShapeDtypeStruct((), jnp.int32), outputs=3)
+                            StepInputs.spec(s, 1, nb, self.mask_words), jax.ShapeDtypeStruct((), jnp.int32), outputs=3)
 
     def verify_program(self):
         """The compiled speculative step over every slot: (weights, caches, history, StepInputs [S, k+1])
@@ -362,7 +374,7 @@ class ModelRunner:
         s, nb = self.config.max_num_seqs, self.max_blocks_per_seq
         t = self.speculative.num_tokens + 1
         return self.program("verify", self.verify, self.weights, self.pool_spec(), self.history_spec(),
-                            StepInputs.spec(s, t, nb), outputs=4)
+                            StepInputs.spec(s, t, nb, self.mask_words), outputs=4)
 
     def step_program(self):
         """The program a decode iteration runs: the verify step with speculation, else the decode loop."""

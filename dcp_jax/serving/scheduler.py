@@ -72,6 +72,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.last_plan: SchedulePlan | None = None
         self.step = 0
+        # structured outputs: why a request's grammar cannot run, or None (the engine sets it: it has
+        # the tokenizer); None here: such requests are refused
+        self.structured: Callable[[Request], str | None] | None = None
 
     # --- requests in and out -------------------------------------------------------------------------
     def add_request(self, request: Request) -> Request:
@@ -99,8 +102,14 @@ class Scheduler:
         return True
 
     def validate(self, request: Request) -> str | None:
-        """Why `request` can never run (one line, with the fix), or None (`Request.problem`)."""
-        return request.problem(self.config, self.kv.num_usable, can_detokenize=self.detokenize is not None)
+        """Why `request` can never run (one line, with the fix), or None (`Request.problem`; a structured
+        output's grammar: `structured(request)`, the engine's check)."""
+        problem = request.problem(self.config, self.kv.num_usable, can_detokenize=self.detokenize is not None)
+        if problem is None and request.sampling.structured is not None:
+            if self.structured is None:
+                return "structured outputs need the model's tokenizer (tokenizer.json)"
+            problem = self.structured(request)
+        return problem
 
     def cancel(self, request_id: str) -> bool:
         """Abort a request in any state, returning its slot and pages at once; False if it is unknown or
@@ -167,6 +176,8 @@ class Scheduler:
             budget_of = lambda r: min(k_steps, left(r))  # noqa: E731
         else:
             k_steps = min([cfg.decode_steps] + [left(r) for r in decoding]) if decoding else 0
+            if any(r.sampling.structured is not None for r in decoding):
+                k_steps = min(k_steps, 1)  # a structured output's next mask needs the token before it
             budget_of = lambda r: k_steps  # noqa: E731
             # an iteration that prefills runs each decoding request's first token in the ragged step,
             # beside the chunks: one token of the budget each (its other K - 1 follow in the decode loop)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from dcp_jax.penalties import penalize
 from dcp_jax.sampling import ban_stops, bias_logits, filter_logits, top_logprobs
+from dcp_jax.structured import mask_logits
 
 # purposes folded into a row's (seed, position) key
 ACCEPT, RESIDUAL, DRAFT = 1, 2, 3
@@ -56,7 +57,7 @@ def residual(p, q):
     return jnp.where(total > 0, r / jnp.where(total > 0, total, 1.0), p)
 
 
-def accept(logits, drafts, draft_valid, sampling, positions, history, draft_probs=None):
+def accept(logits, drafts, draft_valid, sampling, positions, history, token_mask, draft_probs=None):
     """Accept drafts against the target.
 
     logits [R, k+1, V] float32: the target's logits after the last accepted token and after each draft;
@@ -64,7 +65,8 @@ def accept(logits, drafts, draft_valid, sampling, positions, history, draft_prob
     sampling: `SamplingRows` [R]; positions int32 [R]: position of the first token this step emits;
     draft_probs [R, k, V] float32: the proposer's distributions q_i (None: a deterministic proposer,
     q_i = one-hot(d_i)); history [R, L]: each row's tokens by position, the drafts included (the
-    penalties and bad words of position i read the drafts before it).
+    penalties and bad words of position i read the drafts before it); token_mask [R, k+1, ⌈V/32⌉]: the
+    tokens a constrained row may emit at each position (a draft the grammar refuses is rejected).
     Returns (tokens int32 [R, k+1]: d_1..d_n, then the extra token, then zeros; counts int32 [R] = n + 1;
     logprobs float32 [R, k+1]: each emitted token's log-probability under the target's raw logits; and
     `top_logprobs`' (ids, log-probabilities) [R, k+1, MAX_TOP_LOGPROBS] at each of those positions).
@@ -76,7 +78,8 @@ def accept(logits, drafts, draft_valid, sampling, positions, history, draft_prob
     pos = positions[:, None] + idx[None]  # where each emitted token lands
     # min_tokens (no stop id before it), logit_bias, allowed_token_ids, penalties and bad words (the
     # drafts before a position count as its output); the logprobs stay raw
-    logits = penalize(bias_logits(ban_stops(logits, sampling, pos), sampling), sampling, history, pos)
+    logits = mask_logits(bias_logits(ban_stops(logits, sampling, pos), sampling), sampling.constrained, token_mask)
+    logits = penalize(logits, sampling, history, pos)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, k+1]
     sampled = sampling.temperature > 0
 

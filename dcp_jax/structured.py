@@ -1,0 +1,163 @@
+"""Structured outputs: what a request's output must match (a JSON schema, any JSON object, a regex, one of
+a list of choices, a Lark grammar), compiled with llguidance, and the packed token masks the step
+programs take.
+
+    structured_spec  a request's `structured=` (LLM.generate) as SamplingParams' (kind, text) pair
+    Grammars         one per engine (its tokenizer, its vocabulary): checks and compiles a spec (cached),
+                     makes each request's matcher, and fills the bitmask [rows, T, ⌈V/32⌉] int32 of a
+                     step (bit v of a row: token v may come next), several rows at once
+                     (llguidance's executor), drafts included (speculation)
+    mask_logits      on the device: each constrained row's disallowed logits at -inf
+
+The host advances a request's matcher by every token it emits (`advance`); a token the grammar refuses
+(one it could not have sampled) is a bug and fails the request. When the grammar is complete it allows
+only EOS; a request whose matcher has stopped finishes ("stop").
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dcp_jax.errors import UserError
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# JSON without whitespace between its tokens (as json.dumps(..., separators=(",", ":")) writes it):
+# a weak model cannot pad forever; a schema's "x-guidance" options may ask for flexible whitespace
+COMPACT = {"whitespace_flexible": False}
+
+
+def structured_spec(value) -> tuple[str, str] | None:
+    """`{"json": schema}`, `{"json_object": True}`, `{"regex": r}`, `{"choice": [...]}` or
+    `{"grammar": lark}` (exactly one key; vLLM's `structured_outputs`) as a (kind, text) pair: the schema
+    and the choices as JSON text. None for None; UserError names what is wrong."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise UserError(f"structured must be a dict with one of {', '.join(KINDS)}, got {type(value).__name__}")
+    given = {k: v for k, v in value.items() if v is not None and v is not False}
+    if len(given) != 1 or next(iter(given)) not in KINDS:
+        raise UserError(f"structured takes exactly one of {', '.join(KINDS)}, got {sorted(value)}")
+    kind, v = next(iter(given.items()))
+    if kind == "json":
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError as e:
+                raise UserError(f"structured json: the schema is not valid JSON ({e})") from None
+        if not isinstance(v, (dict, bool)):
+            raise UserError("structured json: the schema must be a JSON object")
+        return kind, json.dumps(v, sort_keys=True)
+    if kind == "json_object":
+        return kind, ""
+    if kind == "choice":
+        if not isinstance(v, (list, tuple)) or not v or not all(isinstance(c, str) and c for c in v):
+            raise UserError("structured choice: give a non-empty list of non-empty strings")
+        return kind, json.dumps(list(v))
+    if not isinstance(v, str) or not v:
+        raise UserError(f"structured {kind}: give a non-empty string")
+    return kind, v
+
+
+class Grammars:
+    """Grammar compilation and masks for one tokenizer and vocabulary (model vocab_size; tokens past the
+    tokenizer's never allowed), EOS ids the model's."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+        try:
+            import llguidance
+            import llguidance.numpy  # noqa: F401 - the mask fillers
+        except ImportError:  # pragma: no cover - a core dependency; the message names the fix
+            raise UserError("structured outputs need llguidance: pip install llguidance") from None
+        self.llg = llguidance
+        eos = list(eos_token_ids) or None
+        self.tokenizer = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=eos)
+        self.vocab_size, self.words = vocab_size, (vocab_size + 31) // 32
+        self.executor = llguidance.LLExecutor()
+        self.compiled: dict[tuple[str, str], str] = {}
+
+    def grammar(self, spec: tuple[str, str]) -> str:
+        """The llguidance grammar of `spec`, compiled and checked once; UserError names what is wrong."""
+        if spec in self.compiled:
+            return self.compiled[spec]
+        kind, text = spec
+        m = self.llg.LLMatcher
+        try:
+            if kind == "json":
+                grammar = m.grammar_from_json_schema(json.loads(text), defaults=COMPACT)
+            elif kind == "json_object":
+                grammar = m.grammar_from_json_schema({"type": "object"}, defaults=COMPACT)
+            elif kind == "regex":
+                grammar = m.grammar_from_regex(text)
+            elif kind == "choice":
+                grammar = m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(text)))
+            else:
+                grammar = m.grammar_from_lark(text)
+        except ValueError as e:
+            raise UserError(f"the {kind} grammar cannot be compiled: {e}") from None
+        error = m.validate_grammar(grammar, self.tokenizer)
+        if error and kind == "grammar":  # GBNF (llama.cpp's, what some vLLM clients send) as Lark
+            try:
+                converted = m.grammar_from_lark(self.llg.gbnf_to_lark(text))
+                if not m.validate_grammar(converted, self.tokenizer):
+                    grammar, error = converted, ""
+            except Exception:  # noqa: BLE001 - not GBNF either: the Lark error is the one to report
+                pass
+        if error:
+            raise UserError(f"the {kind} grammar cannot be compiled: {error.strip().splitlines()[0]}")
+        if len(self.compiled) > 256:
+            self.compiled.clear()
+        self.compiled[spec] = grammar
+        return grammar
+
+    def problem(self, request) -> str | None:
+        """Why `request`'s structured spec cannot run (one line), or None."""
+        try:
+            self.grammar(request.sampling.structured)
+        except UserError as e:
+            return str(e)
+        return None
+
+    def matcher(self, request):
+        """`request`'s matcher (made on first use, advanced over any output it already has)."""
+        if request.matcher is None:
+            request.matcher = self.llg.LLMatcher(self.tokenizer, self.grammar(request.sampling.structured))
+            request.matched = 0
+            self.advance(request)
+        return request.matcher
+
+    def advance(self, request) -> str | None:
+        """Feed the matcher the output tokens it has not seen; the error, if the grammar refused one."""
+        m, new = request.matcher, request.output_token_ids[request.matched:]
+        if new:
+            m.consume_tokens(new)
+            request.matched += len(new)
+        return m.get_error() if m.is_error() else None
+
+    def fill(self, mask: np.ndarray, rows) -> None:
+        """Fill `mask` [R, T, W] int32 for `rows`: (row, request, drafts) each, drafts a list of up to
+        T - 1 tokens (position t + 1's mask assumes drafts[:t] were emitted); other rows keep theirs."""
+        flat = mask.reshape(-1, mask.shape[-1])
+        t = mask.shape[1]
+        plain = [(self.matcher(r), row * t) for row, r, drafts in rows if not drafts]
+        drafted = [(self.matcher(r), row * t, list(drafts)) for row, r, drafts in rows if drafts]
+        if plain:
+            self.llg.numpy.fill_next_token_bitmask_par(self.executor, plain, flat)
+        if drafted:
+            self.llg.numpy.fill_next_token_bitmask_par_with_draft_tokens(self.executor, drafted, flat)
+
+
+def mask_logits(logits, constrained, mask):
+    """logits [R, T, V] with each constrained row's (constrained [R] bool) tokens whose bit is 0 in mask
+    [R, T, ⌈V/32⌉] int32 at -inf; skipped (a `lax.cond`) when no row is constrained."""
+    v = logits.shape[-1]
+
+    def apply():
+        ids = jnp.arange(v, dtype=jnp.int32)
+        bits = (jnp.take(mask, ids // 32, axis=-1) >> (ids % 32)) & 1
+        return jnp.where((bits == 1) | ~constrained[:, None, None], logits, -jnp.inf)
+
+    return jax.lax.cond(jnp.any(constrained), apply, lambda: logits)
