@@ -208,7 +208,7 @@ def test_handoff_holds_each_decode_device_to_its_share(name, prefill, decode):
     # the prefill side refuses a request whose decode placement it cannot cut pieces for
     bad = dict(dec.placement, page_size=0)
     refused, malformed = pre.prefill([dict(request_id="y", prompt_token_ids=prompt, decode=bad),
-                                      dict(request_id="z", prompt_token_ids=prompt, temperature=-1.0)])
+                                      dict(request_id="z", prompt_token_ids=prompt, sampling=dict(temperature=-1.0))])
     assert refused["error"].startswith("the request names no usable decode placement: ValueError('PagedLayout")
     assert malformed["request_id"] == "z" and malformed["error"].startswith("the request is malformed: temperature")
     # the same, device by device, on a handoff driven step by step
