@@ -88,6 +88,11 @@ def test_every_sampling_rule_reaches_the_prefill_side():
         assert got.tokens == want.tokens, kw
     assert pair.generate([prompt], max_new_tokens=12, **case["penalties"][0]["params"]).tokens[0][:1] == \
         case["penalties"][0]["tokens"][:1]
+    # top logprobs: the first token's come back from the prefill side with its offer
+    got = pair.generate([prompt], max_new_tokens=4, ignore_eos=True, top_logprobs=3).top_logprobs[0]
+    want = one.generate([prompt], max_new_tokens=4, ignore_eos=True, top_logprobs=3).top_logprobs[0]
+    assert [[i for i, _ in t] for t in got] == [[i for i, _ in t] for t in want] and len(got[0]) == 3
+    np.testing.assert_allclose([x for t in got for _, x in t], [x for t in want for _, x in t], atol=1e-5)
     with pytest.raises(UserError, match="prompt_logprobs is not supported by a disaggregated pair"):
         pair.generate([prompt], prompt_logprobs=1)
 

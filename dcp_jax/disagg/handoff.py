@@ -148,17 +148,18 @@ class Offer:
     first_logprob: float
     pieces: list[PieceSpec]
     prefill_s: float = 0.0
+    first_top: list = dataclasses.field(default_factory=list)  # the first token's [id, logprob] alternatives
 
     def to_json(self) -> dict:
         return dict(request_id=self.request_id, uuid=self.uuid, length=self.length, first_token=self.first_token,
                     first_logprob=self.first_logprob, pieces=[p.to_json() for p in self.pieces],
-                    prefill_s=self.prefill_s)
+                    prefill_s=self.prefill_s, first_top=[[int(i), float(x)] for i, x in self.first_top])
 
     @classmethod
     def from_json(cls, d: dict) -> "Offer":
         return cls(str(d["request_id"]), int(d["uuid"]), int(d["length"]), int(d["first_token"]),
                    float(d["first_logprob"]), [PieceSpec.from_json(p) for p in d["pieces"]],
-                   float(d.get("prefill_s", 0.0)))
+                   float(d.get("prefill_s", 0.0)), [(int(i), float(x)) for i, x in d.get("first_top", [])])
 
 
 def new_uuid() -> int:

@@ -46,7 +46,7 @@ def request_item(r: Request, decode: dict, eos_token_ids=()) -> dict:
     with (every sampling rule; with min_tokens, the stop ids the first token may not be) and `decode`,
     the decode side's `placement` (how to cut the KV into pieces for it)."""
     sampling = dataclasses.asdict(r.sampling)
-    sampling.update(top_logprobs=0, prompt_logprobs=None)  # (reported by neither side for the first token)
+    sampling.update(prompt_logprobs=None)  # (the first token's top logprobs come back in the offer)
     return dict(request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids), sampling=sampling, seed=r.seed,
                 banned_ids=r.banned_ids(eos_token_ids) if r.min_tokens else [], decode=decode)
 
@@ -117,8 +117,10 @@ class PrefillInstance:
                         results[r.request_id] = dict(request_id=reqs[i][0], error=f"staging its KV failed: "
                                                      f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
                     else:
+                        top = r.output_top_logprobs[0] if r.output_top_logprobs else []
                         results[r.request_id] = Offer(reqs[i][0], uuid, c.end, r.output_token_ids[0],
-                                                      r.output_logprobs[0], specs, time.perf_counter() - t0).to_json()
+                                                      r.output_logprobs[0], specs, time.perf_counter() - t0,
+                                                      top).to_json()
                         self.stats["offered_bytes"] += sum(s.nbytes for s in specs)
                         self.stats["requests"] += 1
                         self.stats["prompt_tokens"] += c.end
@@ -256,7 +258,8 @@ class DecodeInstance:
         def write(pages):
             landed.device_bytes = self.receiver.write(landed.pieces, o.pieces, o.length, pages)
 
-        ok = self.engine.scheduler.admit_prefilled(request, o.first_token, o.first_logprob, write)
+        ok = self.engine.scheduler.admit_prefilled(request, o.first_token, o.first_logprob, write,
+                                                   top=list(zip(*o.first_top)) if o.first_top else None)
         if ok:
             self.stats["write_s"] += time.perf_counter() - t0
             landed.pieces = []  # the staged copies can go

@@ -400,14 +400,15 @@ class Scheduler:
         return request
 
     def admit_prefilled(self, request: Request, first_token: int, first_logprob: float | None,
-                        write: Callable[[list[int]], None]) -> bool | None:
+                        write: Callable[[list[int]], None], top=None) -> bool | None:
         """Admit `request` straight into decoding: its prompt's KV was computed elsewhere (a prefill
         instance) and its first token sampled there. Uses its reservation (`reserve_prefilled`) or takes
         a slot and the prompt's pages now, calls `write(pages)` to put the KV into them (block-table
         order), then records the first token (which may finish the request at once). Returns True when
         admitted; without a reservation None when no slot or pages are free now, or requests wait for
         recompute (try again after a step), False when the request can never run (finished with
-        finish_reason "error", as `add_request` does). A duplicate id raises UserError."""
+        finish_reason "error", as `add_request` does); `top`: the first token's top logprobs (ids,
+        logprobs). A duplicate id raises UserError."""
         if self.reserved.get(request.request_id) is request:
             del self.reserved[request.request_id]
         elif self.refuse(request):
@@ -418,5 +419,5 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.running.append(request)
         write(list(request.pages))
-        self.append(request, first_token, first_logprob)
+        self.append(request, first_token, first_logprob, top=top)
         return True
