@@ -250,7 +250,7 @@ class ServingEngine:
         width = self.speculative.num_tokens + 1
         tokens, valid = np.zeros((s, width), np.int32), np.zeros((s, width), bool)
         tokens[:, 0], valid[:, 0] = plan.decode_tokens, plan.decode_mask
-        rows, draft_model, constrained = [None] * s, runner.draft is not None, []
+        rows, draft_model, mask_rows = [None] * s, runner.draft is not None, []
         for r, slot in zip(plan.decode_requests, plan.decode_slots):
             rows[slot] = r
             most = int(plan.decode_budget[slot]) - 1  # a verify step emits at most drafts + 1 tokens
@@ -261,12 +261,12 @@ class ServingEngine:
                 valid[slot, 1:1 + len(drafts)] = True
             elif draft_model and r.sampling.structured is None:  # (drafted on the device: no mask for them)
                 valid[slot, 1:1 + most] = True
-            constrained.append((slot, r, [int(t) for t in drafts]))
+            mask_rows.append((slot, r, [int(t) for t in drafts]))  # (token_mask keeps the constrained)
         positions = plan.decode_positions[:, None] + np.arange(width, dtype=np.int32)[None]
         kv_len = np.where(plan.decode_mask, plan.decode_positions + valid.sum(axis=1), 0).astype(np.int32)
         inputs = StepInputs(tokens, positions, valid, kv_len, plan.block_table,
                             SamplingRows.of(rows, self.scheduler.config.eos_token_ids),
-                            self.token_mask(constrained, width))
+                            self.token_mask(mask_rows, width))
         self.fill_history([(slot, r, int(plan.decode_positions[slot]))
                            for r, slot in zip(plan.decode_requests, plan.decode_slots)])
         caches, runner.history, out, counts, out_lp, top = runner.step_program()(
