@@ -3,6 +3,11 @@
 Tensors are read with the `safetensors` library straight into the mesh's shardings: each device's
 shard is read from the file by slice (`get_slice`), so no device ever holds a full copy of a
 sharded weight and the host never materialises more than one shard at a time.
+
+FP8 block-scaled checkpoints (DeepSeek-V3/R1's format: `quantization_config` {"quant_method": "fp8",
+"weight_block_size": [128, 128]}, each quantized linear weight float8_e4m3fn with a float32
+`<name>_scale_inv` [⌈out/128⌉, ⌈in/128⌉]) are dequantized shard by shard as they are read: a device's
+slice of the fp8 tensor times the scales of the blocks it covers, in the compute dtype.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy so safetensors can read bf16 tensors)
+import ml_dtypes  # registers bfloat16 with NumPy so safetensors can read bf16 tensors
 import numpy as np
 from jax.sharding import Mesh
 from safetensors import safe_open
@@ -23,6 +28,8 @@ from dcp_jax.errors import UserError
 from dcp_jax.layers import expand_kv_rows, stack_names
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+if not hasattr(np, "float8_e4m3fn"):  # safetensors looks fp8 up on the numpy module; ml_dtypes has it
+    np.float8_e4m3fn = ml_dtypes.float8_e4m3fn
 DTYPE_NAMES = ("auto", *DTYPES)
 
 
@@ -49,6 +56,7 @@ class SafetensorsSource:
 
     def __init__(self, model_dir: Path, cfg: ModelConfig, mesh: Mesh, dtype):
         self.cfg, self.mesh, self.dtype = cfg, mesh, dtype
+        self.block = fp8_block(cfg.hf_config)  # (rows, cols) of a weight scale's block, or None
         self.files = _weight_map(model_dir)
         self._handles = {}
         for name in sorted(set(self.files.values())):
@@ -75,29 +83,79 @@ class SafetensorsSource:
         if "*" in name:  # a stack (e.g. the experts): each device reads only its members, by slice
             tensors = [self._tensor(n, shape[1:]) for n in stack_names(name, shape[0])]
 
+            scales = [self._scales(n, shape[1:]) for n in stack_names(name, shape[0])]
+
             def read(index):
                 members = range(shape[0])[index[0]]
                 try:
-                    block = np.stack([np.asarray(tensors[j][tuple(index[1:])]) for j in members])
+                    block = np.stack([self._dequantize(np.asarray(tensors[j][tuple(index[1:])]), scales[j], index[1:],
+                                                       shape[1:]) for j in members])
+                except UserError:
+                    raise
                 except Exception as e:  # noqa: BLE001
                     raise UserError(f"cannot read tensor {name}: {e} (truncated or corrupt weights?)") from None
                 return block.astype(dtype)
         else:
-            tensor = self._tensor(name, (shape[0] // kv_rep,) + shape[1:])
+            stored = (shape[0] // kv_rep,) + shape[1:]
+            tensor, scales = self._tensor(name, stored), self._scales(name, stored)
 
             def read(index):
                 try:
                     if kv_rep == 1:
-                        block = tensor[index]
+                        block = self._dequantize(np.asarray(tensor[index]), scales, index, stored)
                     else:
                         src = _kv_source_rows(index[0], shape[0], kv_rep, self.cfg.head_dim)
                         lo, hi = int(src.min()), int(src.max()) + 1
-                        block = np.asarray(tensor[(slice(lo, hi),) + tuple(index[1:])])[src - lo]
+                        rows = (slice(lo, hi),) + tuple(index[1:])
+                        block = self._dequantize(np.asarray(tensor[rows]), scales, rows, stored)[src - lo]
+                except UserError:
+                    raise
                 except Exception as e:  # noqa: BLE001
                     raise UserError(f"cannot read tensor {name}: {e} (truncated or corrupt weights?)") from None
                 return np.asarray(block).astype(dtype)
 
         return jax.make_array_from_callback(shape, mesh_lib.named(self.mesh, spec), read, dtype=jnp.dtype(dtype))
+
+
+    def _scales(self, name: str, stored: tuple):
+        """The float32 block scales of an fp8 weight (`<name>_scale_inv`, whole: they are small), or None
+        for a weight stored in a float dtype."""
+        key = name + "_scale_inv"
+        if key not in self.files:
+            return None
+        if self.block is None:
+            raise UserError(f"{key} is in the checkpoint but config.json has no fp8 quantization_config with "
+                            "weight_block_size")
+        want = tuple(-(-d // b) for d, b in zip(stored, self.block))
+        scales = self._tensor(key, want)
+        return np.asarray(scales[tuple(slice(None) for _ in want)], np.float32)
+
+    def _dequantize(self, block: np.ndarray, scales, index, stored: tuple) -> np.ndarray:
+        """`block` (the slice `index` of a weight of shape `stored`) times its blocks' scales, float32;
+        as it is when the weight has none."""
+        if scales is None:
+            if block.dtype == ml_dtypes.float8_e4m3fn:
+                raise UserError("an fp8 weight has no _scale_inv tensor beside it: the checkpoint is incomplete")
+            return block
+        idx = [np.arange(d)[i] if isinstance(i, slice) else np.asarray([i]) for i, d in zip(tuple(index), stored)]
+        s = scales[np.ix_(*(ix // b for ix, b in zip(idx, self.block)))]
+        return block.astype(np.float32) * s.reshape(block.shape)
+
+
+def fp8_block(hf_config: dict) -> tuple[int, int] | None:
+    """The weight block of an FP8 block-scaled checkpoint's quantization_config ((rows, cols)), None
+    without one; UserError for a quantization this loader does not read."""
+    q = hf_config.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method != "fp8" or q.get("fmt", "e4m3") != "e4m3":
+        raise UserError(f"quantization {method!r} ({q.get('fmt', '')}) is not supported: dcp_jax reads fp8 "
+                        "e4m3 block-scaled checkpoints (DeepSeek-V3's format) and unquantized ones")
+    block = q.get("weight_block_size")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise UserError(f"quantization_config weight_block_size must be two positive integers, got {block!r}")
+    return int(block[0]), int(block[1])
 
 
 def _weight_map(model_dir: Path) -> dict[str, str]:
