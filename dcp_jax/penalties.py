@@ -6,7 +6,8 @@ read by field):
     bad_words_ids    vLLM's bad words (strings) as token id sequences
     write_history    the tokens of the rows that need them into the per-slot token history the
                      programs keep on the device ([slots, max_model_len] int32, by position)
-    penalize         presence / frequency / repetition penalties and bad words, per row, from that history
+    history_counts   per row, output counts and prompt occurrences of every token, read from that history
+    penalize         presence / frequency / repetition penalties and bad words, per row, from it
 """
 
 from __future__ import annotations
@@ -53,9 +54,37 @@ def write_history(history, params, rows, positions, tokens, ok):
     return jax.lax.cond(jnp.any(need), write, lambda: history)
 
 
+HISTORY_CHUNK = 2048  # history positions one step of the count loop reads
+
+
+def history_counts(history, prompt_len, upto, vocab: int):
+    """Per row, each token's count in the output before position `upto` (positions from `prompt_len`
+    on) and whether it occurs in the prompt before it: (counts [R, V] int32, in_prompt [R, V] bool).
+    The history [R, L] is read HISTORY_CHUNK positions at a time up to the longest `upto` of the batch,
+    so the cost follows the context the rows have, not max_model_len, and no [R, L]-sized index array
+    is made."""
+    r, length = history.shape
+    chunk = min(HISTORY_CHUNK, length)
+    rows = jnp.broadcast_to(jnp.arange(r)[:, None], (r, chunk))
+
+    def body(i, carry):
+        counts, in_prompt = carry
+        start = jnp.minimum(i * chunk, length - chunk)  # the last chunk may overlap the one before it
+        pos = start + jnp.arange(chunk, dtype=jnp.int32)
+        ids = jnp.clip(jax.lax.dynamic_slice_in_dim(history, start, chunk, axis=1), 0, vocab - 1)
+        fresh = (pos >= i * chunk)[None] & (pos[None] < upto[:, None])  # (not counted by an earlier chunk)
+        prompt = fresh & (pos[None] < prompt_len[:, None])
+        counts = counts.at[rows, ids].add((fresh & ~prompt).astype(jnp.int32))
+        return counts, in_prompt.at[rows, ids].max(prompt)
+
+    steps = (jnp.max(upto) + chunk - 1) // chunk
+    return jax.lax.fori_loop(0, steps, body, (jnp.zeros((r, vocab), jnp.int32), jnp.zeros((r, vocab), bool)))
+
+
 def penalize(logits, params, history, positions):
     """logits [R, T, V] with each row's penalties and bad words applied, the token at (r, t) following
-    the context history[r, :positions[r, t]] (prompt below params.prompt_len, output from it on).
+    the context history[r, :positions[r, t]] (prompt below params.prompt_len, output from it on; for
+    t > 0 the positions follow each other, a verify step's: the tokens between are drafts, output).
 
     Penalties (vLLM's): where a token occurs in the context, a positive logit is divided by the row's
     repetition penalty and a negative one multiplied; then frequency x (its count in the output) and
@@ -64,22 +93,21 @@ def penalize(logits, params, history, positions):
     row of the batch uses it."""
     r, t, v = logits.shape
     length = history.shape[1]
-    idx = jnp.arange(length, dtype=jnp.int32)
-    tok = jnp.clip(history, 0, v - 1)  # (what a row that keeps no history holds is never used)
+    col = lambda x: x[:, None]  # noqa: E731
 
     def penalties():
-        rows = jnp.broadcast_to(jnp.arange(r)[:, None, None], (r, t, length))
-        cols = jnp.broadcast_to(jnp.arange(t)[None, :, None], (r, t, length))
-        ids = jnp.broadcast_to(tok[:, None], (r, t, length))
-        before = idx[None, None] < positions[..., None]
-        prompt = before & (idx < params.prompt_len[:, None])[:, None]
-        counts = jnp.zeros((r, t, v), jnp.int32).at[rows, cols, ids].add((before & ~prompt).astype(jnp.int32))
-        seen = jnp.zeros((r, t, v), bool).at[rows, cols, ids].max(prompt) | (counts > 0)
-        col = lambda x: x[:, None, None]  # noqa: E731
-        rep = jnp.where(seen, col(params.repetition), 1.0)
-        x = jnp.where(logits > 0, logits / rep, logits * rep)
-        x = x - col(params.frequency) * counts - col(params.presence) * (counts > 0)
-        return x.astype(logits.dtype)
+        counts, in_prompt = history_counts(history, params.prompt_len, positions[:, 0], v)
+        out = []
+        for j in range(t):  # column j: the drafts before it added to column 0's counts, one at a time
+            if j:
+                at = positions[:, 0] + j - 1
+                tok = jnp.clip(jnp.take_along_axis(history, jnp.clip(at, 0, length - 1)[:, None], axis=1)[:, 0], 0, v - 1)
+                counts = counts.at[jnp.arange(r), tok].add((at < positions[:, j]).astype(jnp.int32))
+            x = logits[:, j]
+            rep = jnp.where(in_prompt | (counts > 0), col(params.repetition), 1.0)
+            x = jnp.where(x > 0, x / rep, x * rep)
+            out.append(x - col(params.frequency) * counts - col(params.presence) * (counts > 0))
+        return jnp.stack(out, axis=1).astype(logits.dtype)
 
     def bad_words():
         m = MAX_BAD_LEN - 1

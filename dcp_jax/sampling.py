@@ -40,7 +40,7 @@ MAX_BANNED = 16  # stop ids one row may hold back until its min_tokens (EOS ids 
 MAX_TOP_LOGPROBS = 20  # alternatives a token may report (OpenAI's and vLLM's limit)
 MAX_LISTED = 300  # token ids one row may list in logit_bias and allowed_token_ids together (fixed shape)
 MAX_BIAS = 100.0  # |logit_bias| (OpenAI's range)
-SCORE_CHUNK = 256  # tokens whose full logits `score_tokens` holds at once
+SCORE_CHUNK = 64  # tokens whose full logits `score_tokens` holds at once (its temp: [64, V] float32 a few times)
 
 
 @dataclasses.dataclass(frozen=True)

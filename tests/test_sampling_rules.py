@@ -91,6 +91,25 @@ def test_penalties_are_per_row_through_preemption_and_sampling():
     assert llm.generate(prompts, **dict(kw, frequency_penalty=0.0, repetition_penalty=1.0)).tokens != alone
 
 
+def test_history_counts_read_chunk_by_chunk(monkeypatch):
+    # counts over a history read in chunks of 3 (the last overlapping the one before), up to each row's
+    # own length: the same as counting the whole history
+    import jax.numpy as jnp
+
+    from dcp_jax import penalties
+
+    monkeypatch.setattr(penalties, "HISTORY_CHUNK", 3)
+    rng = np.random.default_rng(0)
+    history = rng.integers(0, 6, (4, 10)).astype(np.int32)
+    prompt_len, upto = np.array([2, 0, 5, 9], np.int32), np.array([7, 10, 5, 1], np.int32)
+    counts, in_prompt = penalties.history_counts(jnp.asarray(history), jnp.asarray(prompt_len), jnp.asarray(upto), 6)
+    for i in range(4):
+        out = history[i, prompt_len[i]:max(upto[i], prompt_len[i])]
+        assert np.asarray(counts[i]).tolist() == np.bincount(out, minlength=6).tolist()
+        assert np.asarray(in_prompt[i]).tolist() == (np.bincount(history[i, :min(prompt_len[i], upto[i])],
+                                                                 minlength=6) > 0).tolist()
+
+
 def test_bad_words_from_text():
     # vLLM's rule: each word as it is and after a space (a different token to byte-level BPE)
     from dcp_jax.penalties import bad_words_ids
