@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 from dcp_jax import mesh as mesh_lib
 from dcp_jax.layout import KVLayout, PagedLayout
 from pallas_kernels.attention import api as kernels
+from pallas_kernels.attention import kv_quant as kvq
 from pallas_kernels.attention.common import check_inputs, merge_partials, merge_weights
 from pallas_kernels.attention.ragged import RaggedTiles
 
@@ -91,6 +92,7 @@ def dcp_attention(
     block_table=None,
     layer=None,
     ragged: RaggedTiles | None = None,
+    kv_quant: str | None = None,
     **kernel_options,
 ):
     """Exact attention of queries over a KV cache sharded along the sequence.
@@ -113,16 +115,18 @@ def dcp_attention(
         head), so it runs on the flat batch unchanged.
       combine: "auto" (psum_scatter when heads divide, else psum), "scatter", "psum" or "all_to_all".
       return_lse: also return the merged LSE [B, T, H] (float32).
+      kv_quant: "int8" / "fp8": the caches hold packed 8-bit rows (`pallas_kernels.attention.kv_quant`),
+        dequantized inside each KV block by the kernel.
     Returns:
       out [B, T, H, Dv] in q.dtype, sharded per `mesh.attn_out_spec` (and the LSE if asked).
     """
     paged, stacked = block_table is not None, layer is not None
     one = (lambda c: c) if not stacked else (lambda c: None if c is None else jax.ShapeDtypeStruct(c.shape[1:], c.dtype))
-    k1 = one(k_cache)
+    k1 = kvq.logical(one(k_cache), kv_quant)
     if ragged is not None:  # (each tile group's call checks q, k and v against each other)
         check_ragged(q, q_pos, kv_len, block_table, ragged)
     else:
-        check_inputs(q, k1, one(v_cache), q_pos, None, kv_len, v_dim, block_table)
+        check_inputs(q, k1, kvq.logical(one(v_cache), kv_quant), q_pos, None, kv_len, v_dim, block_table)
     n_heads_shards = mesh_lib.axis_size(mesh, head_axes)
     n_ctx = mesh_lib.axis_size(mesh, context_axes)
     h, kh = q.shape[2], k1.shape[1]
@@ -159,7 +163,8 @@ def dcp_attention(
         q_pos, kv_len, *extra = rest
         rank = lax.axis_index(context_axes) if context_axes else 0
         table = extra.pop(0) if paged else None
-        opts = dict(scale=scale, impl=impl, v_dim=v_dim, layer=extra.pop(0) if stacked else None, **kernel_options)
+        opts = dict(scale=scale, impl=impl, v_dim=v_dim, layer=extra.pop(0) if stacked else None, kv_quant=kv_quant,
+                    **kernel_options)
         if ragged is not None:  # one flat row of tokens: [N, ...] in, [1, N, ...] out
             o, lse = kernels.ragged_attention(q[0], k, v, q_pos[0], layout.slice_positions(rank), kv_len, table,
                                               extra.pop(0), **opts)
@@ -223,6 +228,7 @@ def write_kv(
     block_table=None,
     layer=None,
     ragged: RaggedTiles | None = None,
+    kv_quant: str | None = None,
 ):
     """Write new tokens' entries into the cache shards that own their positions, in place.
 
@@ -235,6 +241,8 @@ def write_kv(
     `layer` (scalar, may be traced): the caches are stacked over layers [L, ...]; only that layer is
     written, in place. `ragged` (paged only): positions [1, N] are the tokens of R sequences laid end to
     end, block_table [R, blocks], and token i goes through row `ragged.token_row[i]` of it.
+    `kv_quant` ("int8" / "fp8"): each entry is quantized as it is written (`kv_quant.pack`: its values and
+    its scale in one stored row).
     """
     b, t = positions.shape
     n = len(caches)
@@ -244,6 +252,8 @@ def write_kv(
 
     def body(*args):
         cs, ns, (pos, ok, *extra) = args[:n], args[n:2 * n], args[2 * n:]
+        if kv_quant is not None:
+            ns = tuple(kvq.pack(x, kv_quant) for x in ns)
         table = extra.pop(0) if paged else None
         lead = (jnp.broadcast_to(extra.pop(0), (b, t)),) if stacked else ()  # the layer, for every token
         rank = lax.axis_index(context_axes) if context_axes else 0

@@ -187,6 +187,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs_help: str = "req
     k.add_argument("--kv-host-memory", type=byte_size("--kv-host-memory"), default=None, metavar="SIZE",
                    help="host memory (per process) for KV blocks evicted from the prefix cache, e.g. 4GiB: "
                         "a prompt whose prefix was evicted copies it back instead of prefilling it again")
+    k.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto",
+                   help="KV pages in the model dtype (auto) or 8-bit with a scale per token and kv head: about "
+                        "half the bytes of bfloat16 (the reference attention reads them; --impl reference on GPUs)")
     k.add_argument("--gpu-memory-utilization", type=positive_float("--gpu-memory-utilization", 1.0),
                    default=None, metavar="F",
                    help="GPU only: size the KV pool to this fraction of each GPU's memory, less what is in use")
@@ -210,4 +213,5 @@ def engine_kwargs(args) -> dict:
                 decode_steps=args.decode_steps, enable_prefix_caching=args.enable_prefix_caching,
                 scan_layers=args.scan_layers, kv_cache_memory=args.kv_cache_memory,
                 gpu_memory_utilization=args.gpu_memory_utilization, kv_host_memory=args.kv_host_memory,
+                kv_cache_dtype=args.kv_cache_dtype,
                 **speculative_kwargs(args))

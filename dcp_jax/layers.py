@@ -46,6 +46,7 @@ class AttentionContext:
     # a ragged batch (pallas_kernels.attention.ragged): the tokens are one flat row [1, N] of many
     # sequences, block_table and lengths are per sequence [R], and the tiles say which token is whose
     ragged: RaggedTiles | None = None
+    kv_quant: str | None = None  # "int8" / "fp8": the pools hold packed 8-bit rows (kv_quant.pack)
 
     @property
     def seq_len(self) -> int:
@@ -55,7 +56,7 @@ class AttentionContext:
     def placement(self) -> dict:
         """The keywords `attention.write_kv` and `attention.dcp_attention` take from the context."""
         return dict(mesh=self.mesh, layout=self.layout, block_table=self.block_table, layer=self.layer,
-                    ragged=self.ragged)
+                    ragged=self.ragged, kv_quant=self.kv_quant)
 
 
 LAYER = "{layer}"  # the placeholder for the layer index in the names of a scanned stack's weights

@@ -33,11 +33,13 @@ from dcp_jax.model import CausalLM
 from dcp_jax.outputs import Generation, generation, request_stats
 from dcp_jax.penalties import bad_words_ids
 from dcp_jax.sampling import SamplingParams, check_seed
-from dcp_jax.serving.config import DEFAULT_PAGE_SIZE, ServingConfig, default_prefill_chunk, parse_bytes
+from dcp_jax.serving.config import (DEFAULT_PAGE_SIZE, KV_CACHE_DTYPES, ServingConfig, default_prefill_chunk,
+                                    parse_bytes)
 from dcp_jax.serving.engine import ServingEngine, run_requests
 from dcp_jax.serving.request import Request
 from dcp_jax.serving.runner import draft_layout, gpu_budget, page_bytes_per_device
 from dcp_jax.spec.proposers import SpeculativeConfig, check_draft
+from pallas_kernels.attention.api import default_impl
 
 CPU_KV_BUDGET = 256 * 2**20  # bytes of KV for the whole pool on CPU when no budget is given
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
@@ -65,7 +67,7 @@ class LLM:
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
                  decode_steps: int = 8, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, speculative: SpeculativeConfig | None = None,
-                 num_pages: int | None = None, kv_host_memory: int | str | None = None):
+                 num_pages: int | None = None, kv_host_memory: int | str | None = None, kv_cache_dtype: str = "auto"):
         self.model, self.mesh, self.tokenizer, self.source = model, mesh, tokenizer, source
         self.impl, self.interleave, self.speculative = impl, interleave, speculative
         _positive_int("max_num_seqs", max_num_seqs)
@@ -90,6 +92,12 @@ class LLM:
             raise UserError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         if speculative is not None and speculative.draft is not None:
             check_draft(model, speculative.draft)
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise UserError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        if kv_cache_dtype != "auto" and (impl or default_impl()) != "reference":
+            raise UserError(f"kv_cache_dtype {kv_cache_dtype} is read by the reference attention only for now: "
+                            "give impl='reference' (--impl reference) or kv_cache_dtype='auto'")
+        self.kv_cache_dtype = kv_cache_dtype
         self.page_size, self.max_num_seqs, self.decode_steps = page_size, max_num_seqs, decode_steps
         self.max_num_batched_tokens = max_num_batched_tokens
         # On by default: a prompt whose full blocks are cached (a shared document, a resent transcript,
@@ -109,7 +117,8 @@ class LLM:
         self.config = ServingConfig(num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
                                     max_model_len=max_model_len, prefill_chunk=chunk, decode_steps=decode_steps,
                                     max_num_batched_tokens=max_num_batched_tokens,
-                                    enable_prefix_caching=enable_prefix_caching, host_blocks=host_blocks)
+                                    enable_prefix_caching=enable_prefix_caching, host_blocks=host_blocks,
+                                    kv_cache_dtype=kv_cache_dtype)
         self.engine = self.build_engine(self.config)
 
     @classmethod
@@ -148,7 +157,8 @@ class LLM:
     def page_bytes(self) -> int:
         """KV bytes one page costs each device: the target's and, with a draft model, the draft's."""
         dtype = self.model.embed_tokens.get_value().dtype
-        total = page_bytes_per_device(self.model, self.mesh, self.page_size, dtype)
+        total = page_bytes_per_device(self.model, self.mesh, self.page_size, dtype,
+                                      None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype)
         draft = None if self.speculative is None else self.speculative.draft
         if draft is not None:
             shards = mesh_lib.axis_size(self.mesh, draft.context_axes)

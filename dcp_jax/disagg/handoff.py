@@ -37,7 +37,8 @@ def describe(engine, role: str, address: str) -> dict:
     cfg = model.config
     lay = engine.layout
     return dict(role=role, protocol=PROTOCOL, config_hash=config_hash(cfg), architecture=cfg.architecture,
-                dtype=str(np.dtype(engine.dtype)), kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                dtype=str(np.dtype(engine.dtype)), kv_cache_dtype=engine.config.kv_cache_dtype,
+                kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                 mla=cfg.mla is not None, num_layers=cfg.num_layers, stored_kv_heads=model.kv_heads,
                 kv_replication=model.kv_replication, tp=engine.mesh.shape[mesh_lib.TP],
                 dcp=engine.mesh.shape[mesh_lib.DCP], num_shards=lay.num_shards, interleave=lay.interleave,
@@ -55,10 +56,10 @@ def check_pairing(prefill: dict, decode: dict) -> None:
         raise UserError(f"cannot pair: the prefill instance speaks handoff protocol {prefill.get('protocol')} but this "
                         f"decode instance speaks {decode.get('protocol')}; run the same dcp_jax version on both")
     for key, what in (("config_hash", "model (config hash)"), ("dtype", "KV dtype"), ("kv_heads", "KV heads"),
-                      ("head_dim", "KV head dim"), ("num_layers", "layers")):
-        if prefill[key] != decode[key]:
-            raise UserError(f"cannot pair: the prefill instance has {what} {prefill[key]} but this decode instance "
-                            f"has {decode[key]}; start both with the same model and --dtype")
+                      ("head_dim", "KV head dim"), ("num_layers", "layers"), ("kv_cache_dtype", "KV page format")):
+        if prefill.get(key, "auto") != decode.get(key, "auto"):
+            raise UserError(f"cannot pair: the prefill instance has {what} {prefill.get(key)} but this decode instance "
+                            f"has {decode.get(key)}; start both with the same model, --dtype and --kv-cache-dtype")
     if prefill["max_model_len"] < decode["max_model_len"] - 1:
         raise UserError(f"cannot pair: the prefill instance takes prompts up to {prefill['max_model_len'] - 1} "
                         f"tokens but this decode instance admits up to {decode['max_model_len'] - 1}; give both the "

@@ -28,7 +28,7 @@ from dcp_jax.outputs import Generation, generation, request_stats
 
 SIDE_KEYS = ("tp", "dcp", "interleave", "page_size", "max_num_seqs", "kv_cache_memory", "decode_steps",
              "max_num_batched_tokens", "enable_prefix_caching", "impl", "scan_layers", "max_model_len",
-             "prefill_chunk")
+             "prefill_chunk", "kv_cache_dtype")
 
 
 def _side(name: str, kw: dict | None) -> dict:

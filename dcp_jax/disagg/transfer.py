@@ -273,7 +273,8 @@ class Receiver:
 
             pool_args = tuple(jax.ShapeDtypeStruct(eng.pool_sharding.shard_shape(leaf.shape), leaf.dtype,
                                                    sharding=sharding) for leaf in leaves)
-            piece_args = tuple(jax.ShapeDtypeStruct(shape, eng.dtype, sharding=sharding) for _, _, shape in meta)
+            kv_dtype = leaves[0].dtype  # (8-bit pages: the pieces are the stored rows, scales included)
+            piece_args = tuple(jax.ShapeDtypeStruct(shape, kv_dtype, sharding=sharding) for _, _, shape in meta)
             idx = tuple(jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding) for n in index_len)
             jitted = jax.jit(write, donate_argnums=(0,))
             self.compiled[key] = jitted.lower(pool_args, piece_args, idx, idx).compile()

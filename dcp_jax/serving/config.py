@@ -24,6 +24,8 @@ DEFAULT_PREFILL_CHUNK = {"cpu": 256, "gpu": 2048}
 DEFAULT_PAGE_SIZE = 64  # slots per page; a block-table entry covers page_size · dcp tokens
 
 
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+
 def default_prefill_chunk(platform: str) -> int:
     return DEFAULT_PREFILL_CHUNK.get(platform, DEFAULT_PREFILL_CHUNK["cpu"])
 
@@ -67,6 +69,9 @@ class ServingConfig:
     enable_prefix_caching: bool = False
     ragged_tile: int = 32
     host_blocks: int = 0  # blocks the host-memory tier under the prefix cache holds (0: none)
+    # the KV pages' format: "auto" (the model's dtype) or "int8" / "fp8" (8-bit values with a float32
+    # scale per token and kv head: pallas_kernels/attention/kv_quant.py)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         check_positive_ints(self, ("num_pages", "page_size", "max_num_seqs", "max_model_len", "prefill_chunk",
@@ -77,8 +82,15 @@ class ServingConfig:
             raise UserError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if not (isinstance(self.host_blocks, int) and self.host_blocks >= 0):
             raise UserError(f"host_blocks must be an integer >= 0, got {self.host_blocks!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise UserError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.host_blocks and not self.enable_prefix_caching:
             raise UserError("a host-memory KV tier keeps evicted prefix blocks: it needs prefix caching on")
+
+    @property
+    def kv_quant(self) -> str | None:
+        """The 8-bit KV format, or None for the model's dtype."""
+        return None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     @property
     def token_budget(self) -> int:

@@ -52,6 +52,7 @@ from dcp_jax.serving.host_copy import HostCopier
 from dcp_jax.serving.inputs import RaggedInputs, StepInputs
 from dcp_jax.spec import verify as spec_verify
 from dcp_jax.spec.proposers import SpeculativeConfig
+from pallas_kernels.attention import kv_quant as kvq
 from pallas_kernels.attention.configs import pow2
 
 
@@ -116,7 +117,8 @@ class ModelRunner:
         and head dim: a draft page holds the draft's share of the same tokens as the target's page."""
         n = self.layout.num_shards * self.config.num_pages
         m, d = self.model, self.draft
-        target = m.stacked_shapes((n, m.kv_heads, self.config.page_size, m.config.head_dim))
+        width = kvq.width(m.config.head_dim, self.config.kv_quant)  # (8-bit rows carry their scale)
+        target = m.stacked_shapes((n, m.kv_heads, self.config.page_size, width))
         draft = None if d is None else d.stacked_shapes((n, d.kv_heads, self.draft_layout.page_size, d.config.head_dim))
         return Caches(target, draft)
 
@@ -124,11 +126,13 @@ class ModelRunner:
         """Abstract values of the pools (with their shardings): nothing allocated."""
         shapes = self.pool_shapes()
 
-        def spec(shapes, sharding):
+        def spec(shapes, sharding, dtype):
             return None if shapes is None else tuple(
-                tuple(jax.ShapeDtypeStruct(s, self.dtype, sharding=sharding) for s in layer) for layer in shapes)
+                tuple(jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for s in layer) for layer in shapes)
 
-        return Caches(spec(shapes.target, self.shardings.target), spec(shapes.draft, self.shardings.draft))
+        target_dtype = kvq.storage_dtype(self.config.kv_quant, self.dtype)
+        return Caches(spec(shapes.target, self.shardings.target, target_dtype),
+                      spec(shapes.draft, self.shardings.draft, self.dtype))
 
     def history_spec(self) -> jax.ShapeDtypeStruct:
         """The abstract token history [S, max_model_len] int32, replicated."""
@@ -228,8 +232,10 @@ class ModelRunner:
 
     # --- programs --------------------------------------------------------------------------------
     def context(self, block_table, layout: PagedLayout | None = None) -> AttentionContext:
+        """The target's pools' context, or with `layout` the draft model's (kept in the model dtype)."""
         return AttentionContext(self.mesh, layout or self.layout, self.impl, self.combine, block_table=block_table,
-                                max_seq_len=self.config.max_model_len)
+                                max_seq_len=self.config.max_model_len,
+                                kv_quant=self.config.kv_quant if layout is None else None)
 
     def ragged_step(self, weights: Weights, caches: Caches, history, step: RaggedInputs):
         """One ragged step: every row's tokens written and attended in one forward over the flat batch,
@@ -402,13 +408,14 @@ def draft_layout(layout: PagedLayout, draft_shards: int) -> PagedLayout:
                         "is a multiple of the tp size, or a draft of the target's attention kind (MLA or not)") from None
 
 
-def page_bytes_per_device(model: CausalLM, mesh: Mesh, page_size: int, dtype) -> int:
-    """Bytes one page (one block-table entry) costs each device, over all layers and (k, v)."""
+def page_bytes_per_device(model: CausalLM, mesh: Mesh, page_size: int, dtype, kv_quant: str | None = None) -> int:
+    """Bytes one page (one block-table entry) costs each device, over all layers and (k, v); 8-bit
+    pages (`kv_quant`) count their scales."""
     n_ctx = mesh_lib.axis_size(mesh, model.context_axes)
     sharding = mesh_lib.named(mesh, mesh_lib.kv_pool_spec(model.head_axes, model.context_axes))
-    one = (n_ctx, model.kv_heads, page_size, model.config.head_dim)
+    one = (n_ctx, model.kv_heads, page_size, kvq.width(model.config.head_dim, kv_quant))
     per_layer = math.prod(sharding.shard_shape(one)) * (1 if model.config.mla else 2)
-    return per_layer * model.config.num_layers * np.dtype(dtype).itemsize
+    return per_layer * model.config.num_layers * np.dtype(kvq.storage_dtype(kv_quant, dtype)).itemsize
 
 
 def gpu_budget(mesh: Mesh, utilization: float) -> int:

@@ -6,6 +6,7 @@ import functools
 
 import jax
 
+from pallas_kernels.attention import kv_quant as kvq
 from pallas_kernels.attention import ragged, reference, triton
 from pallas_kernels.attention.common import check_inputs, default_scale
 
@@ -22,7 +23,8 @@ def default_impl() -> str:
 
 
 def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float | None = None, impl: str | None = None,
-              v_dim: int | None = None, block_table=None, layer=None, **kernel_options):
+              v_dim: int | None = None, block_table=None, layer=None, kv_quant: str | None = None,
+              **kernel_options):
     """Attention of a query block over one KV slice, with its log-sum-exp.
 
     Args:
@@ -41,17 +43,21 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float | None = None, imp
         block_table[b, j // page] at j % page.
       layer: a scalar (may be traced): k and v lead with a layer axis (the stacked caches of scanned
         layers) and that layer is read in place, never sliced out.
+      kv_quant: "int8" / "fp8": k and v hold packed 8-bit rows (`kv_quant`), dequantized inside each
+        KV block (the reference; the Pallas kernel does not read them yet).
     Returns:
       (o [B, T, H, Dv] in q.dtype, lse [B, T, H] float32, natural log). A row that sees no slot gets
       o = 0 and lse = -inf.
     """
-    if layer is not None:  # check one layer's shapes
-        k1 = jax.ShapeDtypeStruct(k.shape[1:], k.dtype)
-        v1 = None if v is None else jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
-        check_inputs(q, k1, v1, q_pos, kv_pos, kv_len, v_dim, block_table)
-    else:
-        check_inputs(q, k, v, q_pos, kv_pos, kv_len, v_dim, block_table)
+    kvq.check(kv_quant)
+    lead = 0 if layer is None else 1  # check one layer's shapes, as attention sees them
+    k1 = kvq.logical(jax.ShapeDtypeStruct(k.shape[lead:], k.dtype), kv_quant)
+    v1 = None if v is None else kvq.logical(jax.ShapeDtypeStruct(v.shape[lead:], v.dtype), kv_quant)
+    check_inputs(q, k1, v1, q_pos, kv_pos, kv_len, v_dim, block_table)
     impl = impl or default_impl()
+    if kv_quant is not None and impl != "reference":
+        raise ValueError(f"an 8-bit KV cache ({kv_quant}) is read by the reference attention only for now: use "
+                         "impl='reference' (--impl reference) or the model dtype's cache")
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {IMPLEMENTATIONS}")
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
@@ -63,12 +69,14 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float | None = None, imp
         fn = functools.partial(reference.attention, **kernel_options)
     else:
         fn = functools.partial(triton.attention, interpret=impl == "pallas_interpret", **kernel_options)
+    if kv_quant is not None:
+        fn = functools.partial(fn, kv_quant=kv_quant)
     return fn(q, k, v, q_pos, kv_pos, kv_len, scale=scale, v_dim=v_dim, block_table=block_table, layer=layer)
 
 
 def ragged_attention(q, k, v, q_pos, kv_pos, kv_len, block_table, tiles: ragged.RaggedTiles, *,
                      scale: float | None = None, impl: str | None = None, v_dim: int | None = None, layer=None,
-                     **kernel_options):
+                     kv_quant: str | None = None, **kernel_options):
     """Attention of a ragged batch (`pallas_kernels.attention.ragged`): the query tokens of many sequences
     laid end to end, each attending its own sequence's pages.
 
@@ -79,6 +87,6 @@ def ragged_attention(q, k, v, q_pos, kv_pos, kv_len, block_table, tiles: ragged.
     """
     def attend(qg, pos, lengths, table):
         return attention(qg, k, v, pos, kv_pos, lengths, scale=scale, impl=impl, v_dim=v_dim, block_table=table,
-                         layer=layer, **kernel_options)
+                         layer=layer, kv_quant=kv_quant, **kernel_options)
 
     return ragged.attention(attend, q, q_pos, kv_len, block_table, tiles)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.attention import kv_quant as kvq
 from pallas_kernels.attention.common import row_limits
 
 # The oracle computes in float32 on every backend: XLA's GPU dots would otherwise run float32 as TF32
@@ -35,7 +36,7 @@ block_probe = None
 
 
 def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 512, block_k_masked: int = 128,
-              v_dim: int | None = None, block_table=None, layer=None):
+              v_dim: int | None = None, block_table=None, layer=None, kv_quant: str | None = None):
     """q [B,T,H,Dk], k [B,K,S,Dk], v [B,K,S,Dv] -> (o [B,T,H,Dv] in q.dtype, lse [B,T,H] float32).
 
     kv_pos: the slice's SlotPositions. GQA groups query heads per kv head; no repeated KV is materialised.
@@ -45,6 +46,8 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
     whole pages, gathered one block at a time: nothing sequence-sized is assembled.
     layer (a scalar, may be traced): k and v carry a leading layer axis (the stacked caches of scanned
     layers) and layer `layer` is read, block by block, without slicing it out first.
+    kv_quant ("int8" / "fp8"): k and v hold packed 8-bit rows (`kv_quant.pack`, D + 4 stored features),
+    dequantized block by block as they are read (no dequantized copy of the cache).
     """
     b, t, h, dk = q.shape
     lead = () if layer is None else (layer,)
@@ -55,7 +58,8 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
     else:
         unit = kshape[2]  # blocks are whole pages
         s = block_table.shape[1] * unit
-    dv = v_dim if v is None else v.shape[-1]
+    dv = v_dim if v is None else v.shape[-1] - (0 if kv_quant is None else kvq.SCALE_BYTES)
+    widen = (lambda x: x.astype(jnp.float32)) if kv_quant is None else (lambda x: kvq.unpack(x, kv_quant))
     g = h // kh
     rows = g * t
     out_dtype = q.dtype
@@ -86,8 +90,8 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
     def block(start, n, masked):
         if block_probe is not None:
             jax.debug.callback(functools.partial(block_probe, masked, n), start)
-        kb = read(k, start, n).astype(jnp.float32)
-        vb = kb[..., :dv] if v is None else read(v, start, n).astype(jnp.float32)
+        kb = widen(read(k, start, n))
+        vb = kb[..., :dv] if v is None else widen(read(v, start, n))
         return jnp.einsum("bkrd,bksd->bkrs", qg, kb, precision=HIGHEST), vb
 
     def update(carry, sc, vb, m_safe_fn):

@@ -1,0 +1,102 @@
+"""8-bit KV pages (`--kv-cache-dtype int8|fp8`) against the model-dtype cache, on CPU, in one run:
+
+  capacity   KV bytes per device one page costs (XLA-placed pool arrays, their shards: `kv_bytes`) for
+             the same pool on float32 and 8-bit pages, and the tokens one budget then holds; the
+             formula: a row of D features costs D + 4 bytes (its float32 scale) against 2D (bfloat16)
+             or 4D (float32), so 128-wide heads give 1.94x / 3.88x and MLA's 576-wide latent 1.99x / 3.97x
+  accuracy   each fixture's prompt + greedy continuation scored through the paged cache
+             (prompt logprobs: every token attends the quantized KV): max and mean |logprob - float32's|,
+             and how many prompts keep all of their first 16 greedy tokens
+  loss       the embedded model's held-out loss (nats per byte, the last 5% of pydoc_data as
+             scripts/train_tiny.py splits it, 255-byte windows) with each cache
+
+    python scripts/bench_kv_quant.py            # --windows 64 by default
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+FIXTURES = ROOT / "tests" / "fixtures"
+KINDS = ("auto", "int8", "fp8")
+
+
+def fixture_rows(names):
+    from dcp_jax import LLM
+
+    rows = []
+    for name in names:
+        exp = json.loads((FIXTURES / name / "expected.json").read_text())
+        seqs = [p + g for p, g in zip(exp["prompts"], exp["greedy"])]
+        lps, greedy, kv = {}, {}, {}
+        for kind in KINDS:
+            llm = LLM.load(FIXTURES / name, tp=1, dcp=2, page_size=4, kv_cache_dtype=kind, max_model_len=128,
+                           impl="reference")
+            out = llm.generate(seqs, max_new_tokens=1, prompt_logprobs=0)
+            lps[kind] = np.concatenate([np.asarray(x[1:], np.float64) for x in out.prompt_logprobs])
+            greedy[kind] = llm.generate(exp["prompts"], max_new_tokens=16, ignore_eos=True).tokens
+            kv[kind] = llm.engine.kv_bytes()["kv_bytes_per_device"]
+        for kind in KINDS[1:]:
+            d = np.abs(lps[kind] - lps["auto"])
+            rows.append(dict(fixture=name, kv=kind, max_abs=float(d.max()), mean_abs=float(d.mean()),
+                             greedy16_same=sum(a == b for a, b in zip(greedy[kind], greedy["auto"])),
+                             prompts=len(seqs), kv_bytes_ratio=kv["auto"] / kv[kind]))
+    return rows
+
+
+def held_out_losses(windows: int) -> dict:
+    import train_tiny
+
+    from dcp_jax import LLM
+    from dcp_jax.cli import DEFAULT_MODEL
+
+    data = train_tiny.corpus()
+    held = data[int(len(data) * 0.95):]
+    starts = np.linspace(0, len(held) - 256, windows).astype(int)
+    texts = [list(held[s:s + 255]) for s in starts]
+    out = {}
+    for kind in KINDS:
+        llm = LLM.load(DEFAULT_MODEL, tp=1, dcp=2, kv_cache_dtype=kind, max_model_len=256, max_num_seqs=16,
+                       impl="reference")
+        gen = llm.generate(texts, max_new_tokens=1, prompt_logprobs=0)
+        out[kind] = -float(np.mean(np.concatenate([np.asarray(x[1:], np.float64) for x in gen.prompt_logprobs])))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--windows", type=int, default=64, help="held-out windows of the embedded model (default 64)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    import dcp_jax
+
+    dcp_jax.ensure_cpu_devices(2)
+    rows = fixture_rows(["llama-gqa", "mistral", "qwen3", "deepseek-v3"])
+    losses = held_out_losses(args.windows)
+    widths = {f"D={d}": {"vs bfloat16": 2 * d / (d + 4), "vs float32": 4 * d / (d + 4)} for d in (8, 64, 128, 576)}
+    if args.json:
+        print(json.dumps(dict(accuracy=rows, held_out_loss=losses, capacity_formula=widths)))
+        return 0
+    print("capacity (bytes per token and kv head: D + 4 against 2D / 4D)")
+    for k, v in widths.items():
+        print(f"  {k:6} {v['vs bfloat16']:.2f}x bfloat16, {v['vs float32']:.2f}x float32")
+    print("accuracy (fixtures, float32 models, mesh 1x2; logprobs of prompt + greedy continuation)")
+    print(f"  {'fixture':12} {'kv':5} {'max|dlp|':>9} {'mean|dlp|':>10} {'greedy16':>9} {'KV bytes':>9}")
+    for r in rows:
+        print(f"  {r['fixture']:12} {r['kv']:5} {r['max_abs']:9.4f} {r['mean_abs']:10.5f} "
+              f"{r['greedy16_same']:>5}/{r['prompts']:<3} {r['kv_bytes_ratio']:8.2f}x")
+    base = losses["auto"]
+    print("embedded model, held-out loss (nats/byte): " + ", ".join(
+        f"{k} {v:.4f} ({100 * (v / base - 1):+.2f}%)" for k, v in losses.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
