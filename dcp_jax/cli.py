@@ -189,7 +189,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs_help: str = "req
                         "a prompt whose prefix was evicted copies it back instead of prefilling it again")
     k.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto",
                    help="KV pages in the model dtype (auto) or 8-bit with a scale per token and kv head: about "
-                        "half the bytes of bfloat16 (the reference attention reads them; --impl reference on GPUs)")
+                        "half the bytes of bfloat16")
     k.add_argument("--gpu-memory-utilization", type=positive_float("--gpu-memory-utilization", 1.0),
                    default=None, metavar="F",
                    help="GPU only: size the KV pool to this fraction of each GPU's memory, less what is in use")

@@ -39,7 +39,6 @@ from dcp_jax.serving.engine import ServingEngine, run_requests
 from dcp_jax.serving.request import Request
 from dcp_jax.serving.runner import draft_layout, gpu_budget, page_bytes_per_device
 from dcp_jax.spec.proposers import SpeculativeConfig, check_draft
-from pallas_kernels.attention.api import default_impl
 
 CPU_KV_BUDGET = 256 * 2**20  # bytes of KV for the whole pool on CPU when no budget is given
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
@@ -94,9 +93,6 @@ class LLM:
             check_draft(model, speculative.draft)
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise UserError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-        if kv_cache_dtype != "auto" and (impl or default_impl()) != "reference":
-            raise UserError(f"kv_cache_dtype {kv_cache_dtype} is read by the reference attention only for now: "
-                            "give impl='reference' (--impl reference) or kv_cache_dtype='auto'")
         self.kv_cache_dtype = kv_cache_dtype
         self.page_size, self.max_num_seqs, self.decode_steps = page_size, max_num_seqs, decode_steps
         self.max_num_batched_tokens = max_num_batched_tokens

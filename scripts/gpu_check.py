@@ -6,7 +6,8 @@ measured is kept even when it fails or runs out of time):
   copy            the device copy ceiling: several copy candidates on a 1 GiB buffer, the best is `copy_gbs`
   decode_kernel   the Pallas decode kernel vs the jnp reference vs cuDNN at 8K/32K/128K keys; the paged
                   kernel vs the ragged step's decode-only tiles over the same pages (ragged_vs_paged);
-                  DeepSeek's absorbed MLA decode at 128 heads over a paged 576-wide latent (mla_*)
+                  DeepSeek's absorbed MLA decode at 128 heads over a paged 576-wide latent (mla_*);
+                  the paged kernel over fp8 pages against the same pages in bf16 (fp8_vs_bf16)
   checkpoint      a random-weight bf16 Llama of 1.1B parameters, written with transformers (subprocess)
   e2e_dcp         dcp_jax LLM.generate at batch 16 × 32K prompt: TTFT, decode tokens/s, roofline
   e2e_transformers  transformers' model.generate (SDPA, bf16) on the same prompts (subprocess)
@@ -211,6 +212,14 @@ def headline_rows(results: dict) -> list[tuple[str, str, str, str]]:
         if s >= TARGET_COPY_FRACTION_FROM:
             oks.append(frac is not None and frac >= TARGET_COPY_FRACTION)
         rows.append((label, measured, target, _verdict(all(oks))))
+        if s >= 32768 and (r.get("fp8_vs_bf16") is not None or r.get("fp8_error")):
+            if r.get("fp8_vs_bf16") is None:
+                rows.append((f"decode kernel {_k(s)}: fp8 pages / bf16", r["fp8_error"], "≤ 0.6×", "FAIL"))
+            else:
+                rows.append((f"decode kernel {_k(s)}: fp8 pages / bf16",
+                             f"{_fmt(r['fp8_vs_bf16'])}× ({_fmt(r['fp8_paged_ms'], '.3f')} vs "
+                             f"{_fmt(r['bf16_paged_ms'], '.3f')} ms, {_fmt(r['fp8_bytes_ratio'])}× the bytes)",
+                             "≤ 0.6×", _verdict(r["fp8_vs_bf16"] <= 0.6)))
         if r.get("mla_ms") is not None:
             rows.append((f"MLA decode {r['mla_heads']} heads {_k(s)}: of copy",
                          f"{_pct(r.get('mla_fraction_of_copy'))} ({_fmt(r['mla_gbs'], '.0f')} GB/s, "
@@ -459,7 +468,7 @@ def paged_vs_ragged(q, k, v, q_pos, kv_len, page: int = 64, impl: str = "pallas"
 
     b, kh, s, d = k.shape
     nb = s // page
-    pool = [jnp.swapaxes(x.reshape(b, kh, nb, page, d), 1, 2).reshape(b * nb, kh, page, d) for x in (k, v)]
+    pool = [jnp_pages(x, page) for x in (k, v)]
     table = jnp.arange(b * nb, dtype=jnp.int32).reshape(b, nb)
     jax.block_until_ready(pool)
     pos = SlotPositions.dense(s)
@@ -474,6 +483,43 @@ def paged_vs_ragged(q, k, v, q_pos, kv_len, page: int = 64, impl: str = "pallas"
     row["ragged_max_abs_diff"] = _max_abs_diff(flat(q, *pool, q_pos, kv_len, table, tiles)[0],
                                                paged(q, *pool, q_pos, kv_len, table)[0][:, 0])
     return row
+
+
+def paged_fp8(q, k, v, q_pos, kv_len, page: int = 64) -> dict:
+    """The paged decode kernel over fp8 pages (`--kv-cache-dtype fp8`: 1 byte a value + a float32 scale
+    per slot and head, packed) against the same pages in the cache dtype: fp8_paged_ms, the ratio
+    (target <= 0.6 at 32K and 128K keys), the bytes each reads, and the output difference (fp8 rounding)."""
+    import jax
+
+    from pallas_kernels.attention import SlotPositions, attention
+    from pallas_kernels.attention import kv_quant as kvq
+
+    b, kh, s, d = k.shape
+    nb = s // page
+    pool = [jnp_pages(x, page) for x in (k, v)]
+    packed = [kvq.pack(x, "fp8") for x in pool]
+    table = jax.numpy.arange(b * nb, dtype=jax.numpy.int32).reshape(b, nb)
+    jax.block_until_ready(packed)
+    pos = SlotPositions.dense(s)
+    full = jax.jit(lambda q, k, v, qp, kl, t: attention(q, k, v, qp, pos, kl, impl="pallas", block_table=t))
+    fp8 = jax.jit(lambda q, k, v, qp, kl, t: attention(q, k, v, qp, pos, kl, impl="pallas", block_table=t,
+                                                        kv_quant="fp8"))
+    row = dict(bf16_paged_ms=bench(full, q, *pool, q_pos, kv_len, table) * 1e3,
+               fp8_paged_ms=bench(fp8, q, *packed, q_pos, kv_len, table) * 1e3,
+               fp8_bytes_ratio=sum(x.nbytes for x in packed) / sum(x.nbytes for x in pool))
+    row["fp8_vs_bf16"] = row["fp8_paged_ms"] / row["bf16_paged_ms"]
+    row["fp8_max_abs_diff"] = _max_abs_diff(fp8(q, *packed, q_pos, kv_len, table)[0],
+                                            full(q, *pool, q_pos, kv_len, table)[0])
+    return row
+
+
+def jnp_pages(x, page: int):
+    """A dense [B, K, S, D] cache as a pool of `page`-slot pages [B·S/page, K, page, D] (sequence b's
+    pages b·S/page ..)."""
+    import jax.numpy as jnp
+
+    b, kh, s, d = x.shape
+    return jnp.swapaxes(x.reshape(b, kh, s // page, page, d), 1, 2).reshape(b * s // page, kh, page, d)
 
 
 def mla_decode(s: int, b: int = 8, heads: int = 128, page: int = 64, impl: str = "pallas", seed: int = 2) -> dict:
@@ -568,6 +614,11 @@ def stage_decode_kernel(rec: dict, budget_s: float, save, lengths, copy_gbs: flo
             row.update(paged_vs_ragged(q, k, v, q_pos, kv_len))
         except Exception as e:  # noqa: BLE001
             row["ragged_decode_error"] = first_line(e)
+        save()
+        try:  # fp8 pages against the cache dtype's, same kernel, same pages
+            row.update(paged_fp8(q, k, v, q_pos, kv_len))
+        except Exception as e:  # noqa: BLE001
+            row["fp8_error"] = first_line(e)
         save()
         try:  # DeepSeek decode at 128 query heads over the shared latent (two query blocks of 64 rows)
             row.update(mla_decode(s))

@@ -167,6 +167,18 @@ def test_headline_rows_verdicts(gc):
     assert "7/64" in rows["greedy tokens = transformers'"][1]
 
 
+def test_fp8_page_row(gc):
+    # the fp8 decode row: ratio to the bf16 pages, its bytes, PASS at <= 0.6x; an error is a FAIL naming it
+    rows = dict(keys=32768, pallas_ms=1.0, fp8_vs_bf16=0.55, fp8_paged_ms=0.55, bf16_paged_ms=1.0,
+                fp8_bytes_ratio=0.52)
+    run = dict(meta={}, stages=dict(decode_kernel=dict(lengths=[32768, 131072], rows=[
+        rows, dict(keys=131072, pallas_ms=4.0, fp8_error="RuntimeError: no fp8 on this device")])))
+    got = {r[0]: r for r in gc["headline_rows"](run)}
+    assert got["decode kernel 32K: fp8 pages / bf16"][1:] == (
+        "0.55× (0.550 vs 1.000 ms, 0.52× the bytes)", "≤ 0.6×", "PASS")
+    assert got["decode kernel 128K: fp8 pages / bf16"][1:] == ("RuntimeError: no fp8 on this device", "≤ 0.6×", "FAIL")
+
+
 def test_kernel_test_row_lists_every_failure(gc):
     fails = [f"FAILED tests/test_kernels.py::test_{i} - AssertionError" for i in range(7)]
     run = dict(meta={}, stages=dict(kernel_tests=dict(status="failed", counts=dict(

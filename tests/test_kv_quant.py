@@ -29,6 +29,58 @@ def test_pack_round_trip(kind, bound):
     assert not np.asarray(kvq.unpack(kvq.pack(jnp.zeros((2, 8)), kind), kind)).any()  # zero rows stay zero
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("shared_v", [False, True])
+def test_pallas_kernel_reads_8_bit_pages_as_the_reference_does(kind, shared_v):
+    # paged, in the interpreter: the kernel widens the values, rebuilds each slot's scale from its 4 bytes
+    # and scales the scores (K) and the probabilities (V): the reference's result
+    from pallas_kernels.attention import api
+    from pallas_kernels.attention.common import SlotPositions
+
+    rng = np.random.default_rng(1)
+    b, t, h, kh, d, page, nb, pages = 2, 3, 4, 2, 32, 8, 4, 12
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
+    k = kvq.pack(jnp.asarray(rng.standard_normal((pages, kh, page, d)), jnp.float32), kind)
+    v = None if shared_v else kvq.pack(jnp.asarray(rng.standard_normal((pages, kh, page, d)), jnp.float32), kind)
+    table = jnp.asarray(rng.permutation(pages)[:b * nb].reshape(b, nb), jnp.int32)
+    args = (q, k, v, jnp.asarray([[20, 21, 22], [5, 6, 7]], jnp.int32), SlotPositions.dense(nb * page),
+            jnp.asarray([23, 8], jnp.int32))
+    kw = dict(block_table=table, kv_quant=kind, v_dim=16 if shared_v else None)
+    ref = api.attention(*args, impl="reference", **kw)
+    pal = api.attention(*args, impl="pallas_interpret", block_k=8, **kw)
+    for a, b_ in zip(ref, pal):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b_), atol=2e-6)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("dk,dv,shared_v", [(128, 128, False), (576, 512, True)])
+def test_pallas_kernel_lowers_for_cuda_on_8_bit_pages(kind, dk, dv, shared_v):
+    # exported for CUDA without a GPU: the 8-bit pool goes to the Triton kernel as it is (no copy of
+    # it, no dequantized pool anywhere in the module)
+    from tests.test_kernels import AbstractDevice, AbstractMesh, AxisType, large_copies, triton_kernel
+    from pallas_kernels.attention.common import SlotPositions
+    import jax
+
+    b, t, h, kh, s, page = 4, 1, 32 if not shared_v else 16, 8 if not shared_v else 1, 4096, 64
+    pool = (b * s // page, kh, page)
+    st = kvq.STORAGE[kind]
+    args = [jax.ShapeDtypeStruct((b, t, h, dk), jnp.bfloat16), jax.ShapeDtypeStruct(pool + (dk + 4,), st),
+            jax.ShapeDtypeStruct(pool + (dv + 4,), st), jax.ShapeDtypeStruct((b, t), jnp.int32),
+            SlotPositions(jax.ShapeDtypeStruct((), jnp.int32), 4, 32), jax.ShapeDtypeStruct((b,), jnp.int32),
+            jax.ShapeDtypeStruct((b, s // page), jnp.int32)]
+
+    def f(q, k, v, q_pos, kv_pos, kv_len, table):
+        return triton_kernel.attention(q, k, None if shared_v else v, q_pos, kv_pos, kv_len, scale=0.1,
+                                       v_dim=dv if shared_v else None, block_table=table, kv_quant=kind)
+
+    gpu = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=None, platform="gpu"))
+    with jax.sharding.use_abstract_mesh(gpu):
+        text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
+    assert "__gpu$xla.gpu.triton" in text and large_copies(text, b * kh * s * dk // 2) == []
+
+
 def _model(name, **over):
     base = json.loads((FIXTURES / name / "config.json").read_text())
     mesh = make_mesh(1, 2)
@@ -141,8 +193,13 @@ def test_serving_paths_on_int8_pages():
                               decode=dict(tp=1, dcp=2), page_size=4, max_model_len=64)
 
 
-def test_errors():
+def test_errors_and_the_kernel_end_to_end():
     with pytest.raises(UserError, match="kv_cache_dtype must be one of auto, int8, fp8"):
         LLM.load(FIXTURES / "llama-gqa", kv_cache_dtype="fp16")
-    with pytest.raises(UserError, match="read by the reference attention only for now"):
-        LLM.load(FIXTURES / "llama-gqa", kv_cache_dtype="fp8", impl="pallas_interpret")
+    # the Pallas kernel in its interpreter serves 8-bit pages end to end: the reference's tokens
+    exp = expected("llama-gqa")
+    kw = dict(tp=1, dcp=2, page_size=8, max_model_len=64, kv_cache_dtype="fp8")
+    want = LLM.load(FIXTURES / "llama-gqa", **kw).generate(exp["prompts"], max_new_tokens=6, ignore_eos=True)
+    got = LLM.load(FIXTURES / "llama-gqa", impl="pallas_interpret", **kw).generate(
+        exp["prompts"], max_new_tokens=6, ignore_eos=True)
+    assert got.tokens == want.tokens

@@ -44,7 +44,7 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float | None = None, imp
       layer: a scalar (may be traced): k and v lead with a layer axis (the stacked caches of scanned
         layers) and that layer is read in place, never sliced out.
       kv_quant: "int8" / "fp8": k and v hold packed 8-bit rows (`kv_quant`), dequantized inside each
-        KV block (the reference; the Pallas kernel does not read them yet).
+        KV block by either implementation.
     Returns:
       (o [B, T, H, Dv] in q.dtype, lse [B, T, H] float32, natural log). A row that sees no slot gets
       o = 0 and lse = -inf.
@@ -55,9 +55,6 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float | None = None, imp
     v1 = None if v is None else kvq.logical(jax.ShapeDtypeStruct(v.shape[lead:], v.dtype), kv_quant)
     check_inputs(q, k1, v1, q_pos, kv_pos, kv_len, v_dim, block_table)
     impl = impl or default_impl()
-    if kv_quant is not None and impl != "reference":
-        raise ValueError(f"an 8-bit KV cache ({kv_quant}) is read by the reference attention only for now: use "
-                         "impl='reference' (--impl reference) or the model dtype's cache")
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {IMPLEMENTATIONS}")
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)

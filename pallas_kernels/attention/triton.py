@@ -17,6 +17,10 @@ Nothing cache-sized is copied: the kernel reads K and V where they lie. Head dim
 of two are loaded and multiplied in power-of-two pieces (576 = 512 + 64, 80 = 64 + 16), and the slice's
 tail block is a masked load, so neither the head dim nor the sequence is ever padded. MLA's values are
 the keys' first Dv features: the loaded key pieces are reused, nothing is loaded twice.
+8-bit pages (`kv_quant`): a stored row is D value bytes and its float32 scale's 4 bytes; the kernel
+loads the value pieces, widens them to the query dtype for the dot, loads the scale's bytes as four
+one-byte columns and rebuilds it in registers, and applies it to the scores (K: s · scale per slot) and
+to the probabilities (V: p · scale per slot), so nothing dequantized is ever written.
 Slot positions are computed in registers from the slice's `SlotPositions` (no position array).
 """
 
@@ -45,7 +49,7 @@ block_probe = None
 
 
 def _kernel(start_ref, q_ref, lim_ref, *refs, block_k, precision, run, stride, num_slots, num_splits,
-            k_pieces, v_pieces, shared_v, page_size, layered):
+            k_pieces, v_pieces, shared_v, page_size, layered, kv_quant=None, k_width=0, v_width=0):
     # start_ref []; q_ref [BQ, Dk] (pre-scaled, log2 domain); lim_ref [BQ]; table_ref [NB] (paged only);
     # k_ref [S, Dk] or, paged, [P, page, Dk]; v_ref likewise with Dv (absent when the values are k's
     # first Dv columns); o_ref [BQ, Dv]; lse_ref [BQ]
@@ -80,14 +84,29 @@ def _kernel(start_ref, q_ref, lim_ref, *refs, block_k, precision, run, stride, n
         inside = start + lax.broadcasted_iota(jnp.int32, (block_k, w), 0) < num_slots  # the slice's tail
         return plgpu.load(ref.at[idx], mask=inside, other=0)
 
+    def widen(x):  # 8-bit values -> the queries' dtype (int8 exactly; fp8's bits as float8_e4m3fn)
+        if kv_quant == "fp8":
+            x = lax.bitcast_convert_type(x, jnp.float8_e4m3fn)
+        return x.astype(qs[0].dtype)
+
+    def row_scale(ref, start, width, masked):  # the slots' scales [1, block_k] float32, from 4 byte columns
+        word = functools.reduce(jnp.bitwise_or, [
+            (load(ref, start, width + j, 1, masked).astype(jnp.int32) & 0xFF) << (8 * j) for j in range(4)])
+        return lax.bitcast_convert_type(word, jnp.float32).T
+
     def step(i, carry, masked):
         m, l, accs = carry
         start = first + i * block_k
         if probe is not None:
             jax.debug.callback(probe, masked, *program, start)
         ks = [load(k_ref, start, off, w, masked) for off, w in k_pieces]
+        if kv_quant is not None:
+            ks = [widen(k) for k in ks]
         s = functools.reduce(jnp.add, [
             plgpu.dot(q, k, trans_b=True, precision=precision).astype(jnp.float32) for q, k in zip(qs, ks)])
+        if kv_quant is not None:
+            k_scale = row_scale(k_ref, start, k_width, masked)
+            s = s * k_scale
         if masked:
             slots = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
             seen = (positions.at(slots)[None, :] <= lim[:, None]) & (slots[None, :] < num_slots)
@@ -96,12 +115,19 @@ def _kernel(start_ref, q_ref, lim_ref, *refs, block_k, precision, run, stride, n
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new  # unmasked: all finite
         alpha = jnp.exp2(m - m_safe)
         p = jnp.exp2(s - m_safe[:, None])
+        pv = p  # what multiplies the values (8-bit: times each slot's value scale)
         if shared_v:  # MLA: the values are the keys' first Dv features; reuse the loaded pieces
             loaded = dict(zip(k_pieces, ks))
             vs = [loaded[pc] if pc in loaded else load(k_ref, start, *pc, masked) for pc in v_pieces]
+            if kv_quant is not None:
+                vs = [v if pc in loaded else widen(v) for pc, v in zip(v_pieces, vs)]
+                pv = p * k_scale
         else:
             vs = [load(v_ref, start, off, w, masked) for off, w in v_pieces]
-        accs = [acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision).astype(jnp.float32)
+            if kv_quant is not None:
+                vs = [widen(v) for v in vs]
+                pv = p * row_scale(v_ref, start, v_width, masked)
+        accs = [acc * alpha[:, None] + plgpu.dot(pv.astype(v.dtype), v, precision=precision).astype(jnp.float32)
                 for acc, v in zip(accs, vs)]
         return m_new, l * alpha + jnp.sum(p, axis=1), accs
 
@@ -123,7 +149,7 @@ def _kernel(start_ref, q_ref, lim_ref, *refs, block_k, precision, run, stride, n
 def attention(
     q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_q: int | None = None, block_k: int | None = None,
     num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-    interpret: bool = False, v_dim: int | None = None, block_table=None, layer=None,
+    interpret: bool = False, v_dim: int | None = None, block_table=None, layer=None, kv_quant: str | None = None,
 ):
     """Same contract as `reference.attention`: (o [B,T,H,Dv] in q.dtype, lse [B,T,H] float32).
 
@@ -132,6 +158,7 @@ def attention(
     number from the table (a ref: the GPU lowering has no scalar prefetch). The KV block divides the page.
     layer (scalar, may be traced): k/v lead with a layer axis; the kernel reads layer `layer` in place
     (its index is a ref too), so scanned layers' stacked caches are never sliced.
+    kv_quant ("int8" / "fp8"): k/v hold packed 8-bit rows (`kv_quant.pack`: D values + 4 scale bytes).
     """
     b, t, h, dk = q.shape
     layered = layer is not None
@@ -140,7 +167,9 @@ def attention(
     page_size = 0 if block_table is None else kshape[2]
     s = kshape[2] if block_table is None else block_table.shape[1] * page_size
     shared_v = v is None
-    dv = v_dim if shared_v else v.shape[-1]
+    extra = 0 if kv_quant is None else 4  # (a stored 8-bit row ends with its scale's bytes)
+    k_width = kshape[-1] - extra  # the keys' features; a row is stored k_width (+ 4) wide
+    dv = v_dim if shared_v else v.shape[-1] - extra
     g = h // kh
     rows = t * g
     k_pieces, v_pieces = configs.head_pieces(dk), configs.head_pieces(dv)
@@ -173,7 +202,7 @@ def attention(
     kernel = functools.partial(
         _kernel, block_k=bk, precision=precision, run=kv_pos.run, stride=kv_pos.stride, num_slots=s,
         num_splits=splits, k_pieces=k_pieces, v_pieces=v_pieces, shared_v=shared_v, page_size=page_size,
-        layered=layered)
+        layered=layered, kv_quant=kv_quant, k_width=k_width, v_width=dv)
     lead = (k.shape[0],) if layered else ()  # every layer: the kernel indexes its own
     if page_size:  # the whole pool of this kv head; and the sequence's row of the block table
         whole_slice = lambda d: pl.BlockSpec((*lead, kshape[0], None, page_size, d),  # noqa: E731
@@ -194,8 +223,8 @@ def attention(
             pl.BlockSpec((None, bq), lambda i, j, r, c: (i, r)),
             *layers,
             *table,
-            whole_slice(dk),
-            *([] if shared_v else [whole_slice(dv)]),
+            whole_slice(kshape[-1]),
+            *([] if shared_v else [whole_slice(v.shape[-1])]),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, bq, dv), lambda i, j, r, c: (i, j, c, r, 0)),
