@@ -14,7 +14,13 @@ at batch 1, and the largest batch at 128K.
 
     python scripts/bench_memory.py                  # 4 models, meshes of 8 and 16, contexts 8K..1M
     python scripts/bench_memory.py --quick --json   # one model, 8 devices, two contexts
-Writes docs/bench_memory.json and docs/bench_memory.png (context that fits vs dcp) unless --quick.
+    python scripts/bench_memory.py --models DeepSeek-V3 Llama-3.1-70B --contexts 131072 --kv-cache-dtype fp8
+Writes docs/bench_memory.json and docs/bench_memory.png (context that fits vs dcp) unless --quick, or a
+subset of contexts, or an 8-bit cache is asked.
+
+`--kv-cache-dtype fp8|int8`: 8-bit KV pages (`pallas_kernels/attention/kv_quant.py`). The bf16 cache is
+compiled as above and its XLA figure scaled by the row layout, exactly: a row of D features costs D + 4
+bytes (its values and float32 scale) against 2D in bfloat16 (D = head dim, or MLA's latent width).
 """
 
 from __future__ import annotations
@@ -162,6 +168,18 @@ def kv_shards(cfg, tp: int, dcp: int, latent: str) -> int:
     return min(tp, cfg.num_kv_heads) * dcp
 
 
+def eight_bit(row, kind: str) -> dict:
+    """`row` (bf16 KV, XLA's figures) with its KV bytes as 8-bit pages of the same placement."""
+    from dcp_jax.config import ModelConfig
+    from pallas_kernels.attention import kv_quant as kvq
+
+    cfg = ModelConfig.from_dict(MODELS[row["model"]])
+    d = cfg.mla.latent_dim if cfg.mla else cfg.head_dim
+    ratio = kvq.width(d, kind) / (2 * d)
+    return dict(row, kv_cache_dtype=kind, kv_bytes_per_device=int(row["kv_bytes_per_device"] * ratio),
+                kv_bytes_total=int(row["kv_bytes_total"] * ratio), kv_ratio_vs_bf16=2 * d / kvq.width(d, kind))
+
+
 def fits(row, budget: float) -> dict:
     used = row["weight_bytes_per_device"] + row["kv_bytes_per_device"] + row["temp_bytes_per_device"]
     per_token = row["kv_bytes_per_device"] / (row["context"] * row["batch"])  # linear in context and batch
@@ -177,6 +195,10 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", action="store_true")
     p.add_argument("--models", nargs="+", choices=sorted(MODELS), help="a subset of the models (default: all)")
+    p.add_argument("--contexts", type=lambda t: [int(x) for x in t.split(",")], default=None,
+                   help="comma-separated contexts (default 8192,131072,1048576)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto",
+                   help="the KV pages' format (8-bit: the bf16 figures scaled by the row layout)")
     args = p.parse_args(argv)
     budget = args.budget_gb * 1e9
 
@@ -186,7 +208,7 @@ def main(argv=None):
     if args.quick:
         plan = [("Llama-3.1-8B", 8, [131072])]
     else:
-        plan = [(m, d, CONTEXTS) for m in (args.models or MODELS) for d in (8, 16)]
+        plan = [(m, d, args.contexts or CONTEXTS) for m in (args.models or MODELS) for d in (8, 16)]
     ensure_cpu_devices(max(d for _, d, _ in plan))
     rows = []
     for name, devices, contexts in plan:
@@ -197,10 +219,14 @@ def main(argv=None):
         for tp, dcp, latent in layouts:
             for context in contexts:
                 t = time.perf_counter()
-                row = fits(measure(name, tp, dcp, context, 1, latent), budget)
+                row = measure(name, tp, dcp, context, 1, latent)
+                if args.kv_cache_dtype != "auto":
+                    row = eight_bit(row, args.kv_cache_dtype)
+                row = fits(row, budget)
                 row["analysis_s"] = round(time.perf_counter() - t, 2)
                 # XLA's KV bytes per device are exactly total / (min(tp, kv_heads) * dcp); MLA: / (tp * dcp)
-                assert row["kv_bytes_per_device"] * kv_shards(cfg, tp, dcp, latent) == row["kv_bytes_total"], row
+                assert abs(row["kv_bytes_per_device"] * kv_shards(cfg, tp, dcp, latent) - row["kv_bytes_total"]) \
+                    <= kv_shards(cfg, tp, dcp, latent), row
                 rows.append(row)
                 if not args.json:
                     tag = " (replicated latent)" if latent == "replicated" else ""
@@ -211,7 +237,10 @@ def main(argv=None):
                           flush=True)
     if args.json:
         print(json.dumps({"rows": rows}))
-    if not args.quick:
+    if args.quick or args.contexts or args.kv_cache_dtype != "auto":
+        if not (args.quick or args.json):
+            summary(rows, budget)
+    else:
         (ROOT / "docs").mkdir(exist_ok=True)
         out = ROOT / "docs" / "bench_memory.json"
         if args.models and out.exists():  # a subset re-measured: keep the other models' rows

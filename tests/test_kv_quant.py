@@ -193,6 +193,23 @@ def test_serving_paths_on_int8_pages():
                               decode=dict(tp=1, dcp=2), page_size=4, max_model_len=64)
 
 
+def test_host_tier_on_int8_pages():
+    # blocks evicted to host memory and copied back carry their scales (one stored row): the tokens of
+    # the same int8 pool without a tier
+    from tests.test_host_tier import serve_waves, working_set
+
+    waves, pages, max_tokens = working_set(2)
+    llm = LLM.load(FIXTURES / "llama-gqa", tp=1, dcp=2, page_size=2, max_num_seqs=2, decode_steps=3)
+    outs, stats = {}, {}
+    for case, host_blocks in dict(off=0, on=64).items():
+        server = llm.engine_with(max_model_len=64, prefill_chunk=8, num_pages=pages, host_blocks=host_blocks,
+                                 kv_cache_dtype="int8")
+        assert server.runner.pools[0][0].dtype == jnp.int8
+        outs[case], stats[case] = serve_waves(server, waves, max_tokens), server.stats()
+    assert outs["on"] == outs["off"]
+    assert stats["on"]["host_hit_tokens"] > 0 and stats["on"]["host_bytes_to_device"] > 0
+
+
 def test_errors_and_the_kernel_end_to_end():
     with pytest.raises(UserError, match="kv_cache_dtype must be one of auto, int8, fp8"):
         LLM.load(FIXTURES / "llama-gqa", kv_cache_dtype="fp16")
