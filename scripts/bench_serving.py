@@ -32,7 +32,8 @@ subtracted from each static batch.
 
   capacity  the same per-device KV budget (bytes) on a dcp=1 mesh and a dcp=N mesh, each in its own
             interpreter: many long requests all at once with many slots; the peak number of requests
-            decoding in the same step (each with its whole prompt in the cache) and kv_capacity_tokens.
+            decoding in the same step (each with its whole prompt in the cache) and kv_capacity_tokens;
+            with --kv-cache-dtype int8|fp8, both meshes again on 8-bit pages (the two savings multiply).
 
 Each mesh runs in an interpreter that sees exactly tp·dcp simulated CPU devices (XLA's CPU thread
 pool is max(cores, devices); see scripts/bench_decode.py).
@@ -327,9 +328,10 @@ def capacity_worker(spec: dict) -> dict:
     its output length then keeps it resident long enough for the pool to fill up."""
     workload = spec["workload"]
     max_model_len = max(len(w["prompt"]) + w["max_tokens"] for w in workload)
+    kv = spec.get("kv_cache_dtype", "auto")
     llm = load_llm(spec, max_num_seqs=spec["max_num_seqs"], page_size=spec["page_size"], decode_steps=1,
                    kv_cache_memory=spec["kv_cache_memory"], max_model_len=max_model_len,
-                   prefill_chunk=spec["prefill_chunk"])
+                   prefill_chunk=spec["prefill_chunk"], kv_cache_dtype=kv)
     import jax
 
     from dcp_jax.serving.engine import run_requests
@@ -349,8 +351,10 @@ def capacity_worker(spec: dict) -> dict:
     errors = [r.error for r in reqs if r.error is not None]
     if errors:
         raise SystemExit(f"error: capacity run tp={spec['tp']} dcp={spec['dcp']}: {errors[0]}")
-    page_bytes = page_bytes_per_device(llm.model, llm.mesh, spec["page_size"], server.runner.dtype)
-    return dict(tp=spec["tp"], dcp=spec["dcp"], devices=len(jax.devices()), budget_bytes=spec["kv_cache_memory"],
+    page_bytes = page_bytes_per_device(llm.model, llm.mesh, spec["page_size"], server.runner.dtype,
+                                       None if kv == "auto" else kv)
+    return dict(tp=spec["tp"], dcp=spec["dcp"], kv_cache_dtype=kv, devices=len(jax.devices()),
+                budget_bytes=spec["kv_cache_memory"],
                 page_bytes_per_device=page_bytes, pages_total=result["pages_total"],
                 kv_capacity_tokens=result["kv_capacity_tokens"], peak_decoding=peak["decoding"],
                 peak_active=peak["running"], preemptions=result["preemptions"], wall_s=result["wall_s"],
@@ -452,19 +456,23 @@ def table(report: dict) -> str:
     out.append(f"capacity: {c['requests']} requests of {c['prompt']} prompt + {c['output']} output tokens at once, "
                f"{c['max_num_seqs']} slots, page {c['page_size']}, the same KV budget of {c['budget_bytes']:,} "
                f"bytes per device (a dcp=1 pool for {c['fit']} such requests)")
-    head = (f"{'tp':>2} {'dcp':>3} {'devices':>7} {'page B/dev':>10} {'pages':>6} {'kv_capacity_tokens':>18} "
+    head = (f"{'kv':>4} {'tp':>2} {'dcp':>3} {'devices':>7} {'page B/dev':>10} {'pages':>6} {'kv_capacity_tokens':>18} "
             f"{'peak decoding':>13} {'peak active':>11} {'preempt':>7} {'wall_s':>7}")
     out += [head, "-" * len(head)]
     for r in cap:
-        out.append(f"{r['tp']:>2} {r['dcp']:>3} {r['devices']:>7} {r['page_bytes_per_device']:>10} "
+        out.append(f"{r.get('kv_cache_dtype', 'auto'):>4} {r['tp']:>2} {r['dcp']:>3} {r['devices']:>7} "
+                   f"{r['page_bytes_per_device']:>10} "
                    f"{r['pages_total']:>6} {r['kv_capacity_tokens']:>18} {r['peak_decoding']:>13} "
                    f"{r['peak_active']:>11} {r['preemptions']:>7} {r['wall_s']:>7.1f}")
     out.append("peak decoding: the most requests decoding in one step (each with its whole prompt in the cache); "
                "peak active: decoding + prefilling in one step\n(a request admitted with a partial chunk may be "
                "preempted again when the pool is full)")
-    out.append(f"dcp={cap[-1]['dcp']} / dcp=1: peak decoding {ratios['capacity_ratio']:.2f}x, kv_capacity_tokens "
-               f"{ratios['kv_capacity_ratio']:.2f}x (target >= {cap[-1]['dcp']}); same tokens on both meshes: "
+    out.append(f"dcp={cap[1]['dcp']} / dcp=1: peak decoding {ratios['capacity_ratio']:.2f}x, kv_capacity_tokens "
+               f"{ratios['kv_capacity_ratio']:.2f}x (target >= {cap[1]['dcp']}); same tokens on both meshes: "
                f"{c['same_tokens']}")
+    for name, x in ratios.items():
+        if name.startswith("kv_capacity_ratio "):
+            out.append(f"{name.split(' ', 1)[1]} / auto dcp=1: kv_capacity_tokens {x:.2f}x")
     return "\n".join(out)
 
 
@@ -612,6 +620,8 @@ def main(argv=None) -> int:
     p.add_argument("--load", type=float, default=1.0, help="see --rate (default 1.0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-capacity", action="store_true", help="skip the capacity comparison")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto",
+                   help="also run the capacity comparison on 8-bit KV pages")
     p.add_argument("--prefix-caching", action="store_true",
                    help="serve with prefix caching on (its cost when no prefix is shared; the Poisson run "
                         "then repeats cached prompts)")
@@ -729,26 +739,30 @@ def main(argv=None) -> int:
             rng = np.random.default_rng(args.seed + 2)
             cap_workload = [dict(id=f"c{i}", prompt=rng.integers(3, vocab, size=n_prompt).tolist(), max_tokens=n_out)
                             for i in range(size["cap_requests"])]
-            for d in (1, args.dcp):
+            kinds = ["auto"] + ([args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else [])
+            for kv, d in [(kv, d) for kv in kinds for d in (1, args.dcp)]:
                 t = time.perf_counter()
                 row = run_worker("capacity", dict(
                     checkpoint=str(checkpoint), tp=tp, dcp=d, workload=cap_workload,
                     max_num_seqs=max(32, size["cap_requests"]), page_size=page, prefill_chunk=size["cap_chunk"],
-                    kv_cache_memory=budget))
-                if row["page_bytes_per_device"] != page_bytes:
+                    kv_cache_memory=budget, kv_cache_dtype=kv))
+                if kv == "auto" and row["page_bytes_per_device"] != page_bytes:
                     log(f"WARNING: dcp={d}: a page costs {row['page_bytes_per_device']} bytes per device, "
                         f"the budget assumed {page_bytes}")
-                log(f"capacity dcp={d}: peak {row['peak_decoding']} decoding, {row['kv_capacity_tokens']} tokens "
+                log(f"capacity dcp={d} kv {kv}: peak {row['peak_decoding']} decoding, {row['kv_capacity_tokens']} tokens "
                     f"({time.perf_counter() - t:.0f} s)")
                 capacity_rows.append(row)
             capacity = dict(requests=size["cap_requests"], prompt=n_prompt, output=n_out, page_size=page,
                             max_num_seqs=max(32, size["cap_requests"]), fit=size["cap_fit"], budget_bytes=budget,
-                            same_tokens=capacity_rows[0]["tokens"] == capacity_rows[-1]["tokens"])
+                            same_tokens=capacity_rows[0]["tokens"] == capacity_rows[1]["tokens"])
             for r in capacity_rows:
                 del r["tokens"]
-            one, many = capacity_rows[0], capacity_rows[-1]
+            one, many = capacity_rows[0], capacity_rows[1]
             ratios["capacity_ratio"] = many["peak_decoding"] / max(one["peak_decoding"], 1)
             ratios["kv_capacity_ratio"] = many["kv_capacity_tokens"] / one["kv_capacity_tokens"]
+            for r in capacity_rows[2:]:  # 8-bit pages against the model dtype's on dcp=1
+                ratios[f"kv_capacity_ratio {r['kv_cache_dtype']} dcp={r['dcp']}"] = (
+                    r["kv_capacity_tokens"] / one["kv_capacity_tokens"])
     finally:
         if baseline is not None:
             baseline.__exit__()
