@@ -14,6 +14,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from pallas_kernels.attention import SlotPositions, attention, configs
 from pallas_kernels.attention import reference as ref_kernel
+from pallas_kernels.attention import kv_quant as kv_quant_lib
 from pallas_kernels.attention import triton as triton_kernel
 from tests.util import assert_lse_close, dense_attention, rel_err
 
@@ -437,14 +438,15 @@ def test_reference_masks_only_the_tail_and_walks_the_filled_part(monkeypatch, pa
 
 # --- lowering for CUDA without a GPU (the lowering convention in docs/ARCHITECTURE.md) -------------------------------------------------
 
-def lower_for_cuda(b, t, h, kh, s, dk, dv, dtype, shared_v=False, page=0, layers=0, **opts):
+def lower_for_cuda(b, t, h, kh, s, dk, dv, dtype, shared_v=False, page=0, layers=0, kv_quant=None, **opts):
     """The kernel exported for CUDA; with `page`, over a pool of s // page pages of `page` slots per
-    sequence (b·s/page pages in all) through a block table."""
+    sequence (b·s/page pages in all) through a block table; `kv_quant`: over 8-bit rows (values + scale)."""
     kv = (b, kh, s) if not page else (b * s // page, kh, page)
     kv = ((layers,) if layers else ()) + kv
+    kv_dtype = kv_quant_lib.storage_dtype(kv_quant, dtype)
     args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in [
-        ((b, t, h, dk), dtype), (kv + (dk,), dtype), (kv + (dv,), dtype),
-        ((b, t), jnp.int32), ((), jnp.int32), ((b,), jnp.int32)]]
+        ((b, t, h, dk), dtype), (kv + (kv_quant_lib.width(dk, kv_quant),), kv_dtype),
+        (kv + (kv_quant_lib.width(dv, kv_quant),), kv_dtype), ((b, t), jnp.int32), ((), jnp.int32), ((b,), jnp.int32)]]
     args[4] = SlotPositions(args[4], 4, 32)  # interleave 4 over 8 shards; start traced
     if page:
         args.append(jax.ShapeDtypeStruct((b, s // page), jnp.int32))
@@ -456,7 +458,8 @@ def lower_for_cuda(b, t, h, kh, s, dk, dv, dtype, shared_v=False, page=0, layers
         table = rest[0] if page else None
         layer = rest[-1] if layers else None
         return triton_kernel.attention(q, k, None if shared_v else v, q_pos, kv_pos, kv_len, scale=0.1,
-                                       v_dim=dv if shared_v else None, block_table=table, layer=layer, **opts)
+                                       v_dim=dv if shared_v else None, block_table=table, layer=layer,
+                                       kv_quant=kv_quant, **opts)
     gpu = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
         device_kind="NVIDIA H200", num_cores=None, platform="gpu"))
     with jax.sharding.use_abstract_mesh(gpu):

@@ -55,29 +55,12 @@ def test_pallas_kernel_reads_8_bit_pages_as_the_reference_does(kind, shared_v):
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("dk,dv,shared_v", [(128, 128, False), (576, 512, True)])
 def test_pallas_kernel_lowers_for_cuda_on_8_bit_pages(kind, dk, dv, shared_v):
-    # exported for CUDA without a GPU: the 8-bit pool goes to the Triton kernel as it is (no copy of
-    # it, no dequantized pool anywhere in the module)
-    from tests.test_kernels import AbstractDevice, AbstractMesh, AxisType, large_copies, triton_kernel
-    from pallas_kernels.attention.common import SlotPositions
-    import jax
+    # exported for CUDA without a GPU (the kernel suite's export): the 8-bit pool goes to the Triton
+    # kernel as it is (no copy of it, no dequantized pool anywhere in the module)
+    from tests.test_kernels import large_copies, lower_for_cuda
 
-    b, t, h, kh, s, page = 4, 1, 32 if not shared_v else 16, 8 if not shared_v else 1, 4096, 64
-    pool = (b * s // page, kh, page)
-    st = kvq.STORAGE[kind]
-    args = [jax.ShapeDtypeStruct((b, t, h, dk), jnp.bfloat16), jax.ShapeDtypeStruct(pool + (dk + 4,), st),
-            jax.ShapeDtypeStruct(pool + (dv + 4,), st), jax.ShapeDtypeStruct((b, t), jnp.int32),
-            SlotPositions(jax.ShapeDtypeStruct((), jnp.int32), 4, 32), jax.ShapeDtypeStruct((b,), jnp.int32),
-            jax.ShapeDtypeStruct((b, s // page), jnp.int32)]
-
-    def f(q, k, v, q_pos, kv_pos, kv_len, table):
-        return triton_kernel.attention(q, k, None if shared_v else v, q_pos, kv_pos, kv_len, scale=0.1,
-                                       v_dim=dv if shared_v else None, block_table=table, kv_quant=kind)
-
-    gpu = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
-        device_kind="NVIDIA H200", num_cores=None, platform="gpu"))
-    with jax.sharding.use_abstract_mesh(gpu):
-        text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
-            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
+    b, s, h, kh = 4, 4096, 16 if shared_v else 32, 1 if shared_v else 8
+    text = lower_for_cuda(b, 1, h, kh, s, dk, dv, jnp.bfloat16, shared_v=shared_v, page=64, kv_quant=kind)
     assert "__gpu$xla.gpu.triton" in text and large_copies(text, b * kh * s * dk // 2) == []
 
 
@@ -111,7 +94,7 @@ def test_pool_bytes_and_no_dequantized_copy(name, tp, dcp):
     kw = dict(tp=tp, dcp=dcp, page_size=4, max_model_len=64, num_pages=17)
     f32 = LLM.load(FIXTURES / name, **kw).engine
     q8 = LLM.load(FIXTURES / name, kv_cache_dtype="int8", **kw).engine
-    d = LLM.load(FIXTURES / name, **kw).model.config.head_dim
+    d = q8.runner.model.config.head_dim
     assert f32.kv_bytes()["kv_bytes_per_device"] * (d + 4) == q8.kv_bytes()["kv_bytes_per_device"] * 4 * d
     prog = q8.runner.decode_program()
     pool = q8.runner.pools[0][0]
