@@ -10,11 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
-import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -35,6 +30,15 @@ from dcp_jax.cli import (
     positive_int,
     token_ids_arg,
     top_logprobs_arg,
+)
+from dcp_jax.processes import (
+    add_distributed_args,
+    check_distributed_args,
+    is_multi,
+    is_worker,
+    join,
+    send_stdout_to_stderr,
+    supervise,
 )
 
 DEFAULT_PROMPT = ASSETS / "default_prompt.txt"
@@ -82,15 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a word never generated (repeat for more; vLLM's bad_words)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    d = p.add_argument_group("multi-process (jax.distributed)")
-    d.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                   help="process 0's address; every process runs the same command with its --process-id")
-    d.add_argument("--num-processes", type=positive_int("--num-processes"), default=None)
-    d.add_argument("--process-id", type=int, default=None)
-    d.add_argument("--distributed", action="store_true",
-                   help="join a cluster that jax.distributed.initialize detects by itself (SLURM, MPI, ...)")
-    d.add_argument("--dist-timeout", type=positive_int("--dist-timeout"), default=60, metavar="S",
-                   help="seconds to wait for peers at start, and to tolerate a silent peer later (default 60)")
+    add_distributed_args(p)
     return p
 
 
@@ -102,27 +98,17 @@ def run(argv=None) -> int:
         if not args.prompt and not args.prompt_ids and not default_run and not args.save:
             raise UsageError("no prompt: give --prompt TEXT or --prompt-ids 1,2,3")
         engine_kw = engine_kwargs(args)
-        explicit = (args.coordinator, args.num_processes, args.process_id)
-        if any(x is not None for x in explicit) and any(x is None for x in explicit):
-            raise UsageError("multi-process runs need all of --coordinator HOST:PORT, --num-processes N, --process-id I")
-        if args.coordinator is not None:
-            if ":" not in args.coordinator:
-                raise UsageError(f"--coordinator takes HOST:PORT, got {args.coordinator!r}")
-            if not 0 <= args.process_id < args.num_processes:
-                raise UsageError(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
+        check_distributed_args(args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return USAGE_ERROR
 
-    multi = args.distributed or (args.num_processes or 1) > 1
-    if multi and not os.environ.get(_WORKER):
-        return _supervise(argv if argv is not None else sys.argv[1:], args)
+    multi = is_multi(args)
+    if multi and not is_worker():
+        return supervise("dcp_jax.generate", argv if argv is not None else sys.argv[1:], args)
 
     if multi:
-        # Native libraries (gloo) log on fd 1: send them to stderr and keep stdout for our results.
-        results = os.fdopen(os.dup(1), "w", buffering=1)
-        os.dup2(2, 1)
-        sys.stdout = results
+        send_stdout_to_stderr()  # (gloo logs on fd 1: stdout stays ours)
     try:
         import jax
 
@@ -130,10 +116,7 @@ def run(argv=None) -> int:
         from dcp_jax.llm import LLM
 
         if multi:
-            given = given_mesh if any(given_mesh) else None
-            per_process = math.ceil(((given[0] or 1) * (given[1] or 1) if given else 8) / (args.num_processes or 1))
-            mesh_lib.init_distributed(args.coordinator, args.num_processes, args.process_id,
-                                      local_cpu_devices=per_process, timeout_s=args.dist_timeout)
+            join(args, (given_mesh[0] or 1) * (given_mesh[1] or 1) if any(given_mesh) else None)
         model_dir = Path(args.model) if args.model else DEFAULT_MODEL
         if any(given_mesh):
             tp, dcp = given_mesh[0] or 1, given_mesh[1] or 1
@@ -153,7 +136,7 @@ def run(argv=None) -> int:
         # no more decode slots than prompts: an idle slot still costs its rows in every decode step
         max_num_seqs = args.max_num_seqs or max(1, min(8, len(prompts)))
         llm = LLM.load(model_dir, tp=tp, dcp=dcp, interleave=args.interleave, impl=args.impl,
-                       max_num_seqs=max_num_seqs, **engine_kw)
+                       max_num_seqs=max_num_seqs, dist_timeout=args.dist_timeout, **engine_kw)
         if args.save:
             step = llm.save(args.save)
             print(f"loaded {llm.source}; saved orbax checkpoint {args.save} (step {step})")
@@ -206,47 +189,6 @@ def run(argv=None) -> int:
             print(f"top logprobs [{i}]: {[[(t, round(x, 4)) for t, x in alts] for alts in tops]}")
     print(report(out.stats, llm.model.config.num_kv_heads, llm.source))
     return RUN_ERROR if failed else 0
-
-
-_WORKER = "DCP_JAX_DISTRIBUTED_WORKER"
-# what a step's error says when a collective lost its peer (JAX's CPU collectives run on gloo over TCP)
-_PEER_LOST = re.compile(r"Gloo|Connection reset by peer|Connection closed by peer|coordination service", re.I)
-
-
-def _supervise(argv, args) -> int:
-    """Run this process's share of a multi-process job in a child and report how it ended in one line.
-
-    JAX's coordination service ends a process whose peers vanish or never arrive with SIGABRT and a
-    C++ stack dump; the child's stderr is kept here, and such an end becomes one clear error line.
-    """
-    env = dict(os.environ, **{_WORKER: "1"})
-    sys.stdout.flush()
-    child = subprocess.Popen([sys.executable, "-m", "dcp_jax.generate", *map(str, argv)], env=env,
-                             stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace")
-    try:
-        _, err = child.communicate()
-    except KeyboardInterrupt:
-        child.kill()
-        child.wait()
-        print("error: interrupted", file=sys.stderr)
-        return RUN_ERROR
-    if child.returncode == 0:
-        sys.stderr.write("".join(line for line in err.splitlines(keepends=True) if not line.startswith("[Gloo]")))
-        return 0
-    errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    who = f"process {args.process_id}" if args.process_id is not None else "this process"
-    if errors and _PEER_LOST.search(errors[-1]):  # a collective failed mid-step: the peer went away
-        print(f"error: {who} stopped: a peer process stopped during a step "
-              f"({errors[-1].removeprefix('error: ')[:300]})", file=sys.stderr)
-        return RUN_ERROR
-    if errors:
-        print(errors[-1], file=sys.stderr)
-        return child.returncode if child.returncode > 0 else RUN_ERROR
-    how = (f"was ended by {signal.Signals(-child.returncode).name}" if child.returncode < 0
-           else f"exited with status {child.returncode}")
-    print(f"error: {who} {how}: a peer process stopped or never reached the coordinator "
-          f"{args.coordinator or '(auto-detected)'} within --dist-timeout {args.dist_timeout} s", file=sys.stderr)
-    return RUN_ERROR
 
 
 def report(s: dict, kv_heads: int, source: str) -> str:

@@ -47,16 +47,52 @@ def openai_app(runner, llm, path: Path, embedded: bool, served_model_name: str |
 
 
 def make_app(model_dir=None, *, served_model_name: str | None = None, max_pending: int = 256,
-             api_key: str | None = None, max_request_bytes: int | None = None, **llm_kw):
+             api_key: str | None = None, max_request_bytes: int | None = None, lockstep_timeout: float | None = None,
+             **llm_kw):
     """Load the model, size the pool, compile, and return (FastAPI app, LLM); `llm_kw` as `load_llm`.
+    `lockstep_timeout` (several processes, this one process 0): the engine leads the others' (`follow`).
     Raises UserError/ValueError on bad sizes or checkpoints."""
     from dcp_jax.serving.async_engine import AsyncEngine
 
     llm, path, embedded = load_llm(model_dir, **llm_kw)
     llm.engine.runner.compile_all()  # before the port opens: the first request pays no compile time
+    if lockstep_timeout is not None:
+        join_lockstep(llm, lockstep_timeout)
     app_kw = dict(api_key=api_key) | ({} if max_request_bytes is None else dict(max_request_bytes=max_request_bytes))
     return openai_app(AsyncEngine(llm.engine, max_pending=max_pending), llm, path, embedded, served_model_name,
                       **app_kw), llm
+
+
+def join_lockstep(llm, timeout_s: float):
+    """Several processes: wait until every process has compiled (a barrier of the distributed runtime),
+    then give `llm`'s engine its side of the lockstep (process 0 leads). Raises LockstepError when a
+    peer does not arrive within ten times `timeout_s` (compiling takes about as long everywhere)."""
+    from dcp_jax.serving.lockstep import Lockstep, LockstepError, RuntimeStore
+
+    try:
+        RuntimeStore().client.wait_at_barrier("dcp_jax/ready", int(10 * timeout_s * 1000))
+    except Exception as e:  # noqa: BLE001 - the runtime's own error type
+        raise LockstepError(f"the processes did not all get ready to serve within {10 * timeout_s:g} s "
+                            f"({type(e).__name__}: {str(e)[:200]})") from e
+    llm.engine.lockstep = Lockstep.of_runtime(timeout_s)
+    return llm.engine.lockstep
+
+
+def follow(model_dir=None, *, timeout_s: float, **llm_kw) -> int:
+    """A process other than 0 of a multi-process server: load and compile the same model, then take
+    process 0's steps until it stops. Returns an exit status (one error line when it cannot go on)."""
+    from dcp_jax.serving.lockstep import LockstepError
+
+    try:
+        llm, _, _ = load_llm(model_dir, **llm_kw)
+        llm.engine.runner.compile_all()
+        lockstep = join_lockstep(llm, timeout_s)
+        with llm.engine.lock:
+            lockstep.follow(llm.engine)
+    except (ValueError, ImportError, LockstepError) as e:  # UserError and the library's own ValueErrors
+        print(f"error: {e}", file=sys.stderr)
+        return RUN_ERROR
+    return 0
 
 
 def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 60.0):

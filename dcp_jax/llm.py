@@ -36,12 +36,27 @@ from dcp_jax.sampling import SamplingParams, check_seed
 from dcp_jax.serving.config import (DEFAULT_PAGE_SIZE, KV_CACHE_DTYPES, ServingConfig, default_prefill_chunk,
                                     parse_bytes)
 from dcp_jax.serving.engine import ServingEngine, run_requests
+from dcp_jax.serving.lockstep import Lockstep
 from dcp_jax.serving.request import Request
 from dcp_jax.serving.runner import draft_layout, gpu_budget, page_bytes_per_device
 from dcp_jax.spec.proposers import SpeculativeConfig, check_draft
 
 CPU_KV_BUDGET = 256 * 2**20  # bytes of KV for the whole pool on CPU when no budget is given
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
+
+
+def join_runtime(coordinator, num_processes, process_id, mesh_devices: int, timeout_s: float) -> None:
+    """Join jax.distributed unless this process already has (each simulates its share of the mesh's
+    devices on CPU)."""
+    import math
+
+    if None in (coordinator, num_processes, process_id):
+        raise UserError("several processes need all of coordinator='host:port', num_processes and process_id")
+    if not (isinstance(process_id, int) and 0 <= process_id < num_processes):
+        raise UserError(f"process_id must be in [0, {num_processes}), got {process_id!r}")
+    if not getattr(jax.distributed, "is_initialized", lambda: False)():
+        mesh_lib.init_distributed(coordinator, num_processes, process_id, timeout_s=int(timeout_s),
+                                  local_cpu_devices=math.ceil(mesh_devices / num_processes))
 
 
 def _positive_int(name: str, value, least: int = 1) -> None:
@@ -66,8 +81,10 @@ class LLM:
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
                  decode_steps: int = 8, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, speculative: SpeculativeConfig | None = None,
-                 num_pages: int | None = None, kv_host_memory: int | str | None = None, kv_cache_dtype: str = "auto"):
+                 num_pages: int | None = None, kv_host_memory: int | str | None = None, kv_cache_dtype: str = "auto",
+                 dist_timeout: float = 60.0):
         self.model, self.mesh, self.tokenizer, self.source = model, mesh, tokenizer, source
+        self.dist_timeout, self.engines_built = dist_timeout, 0
         self.impl, self.interleave, self.speculative = impl, interleave, speculative
         _positive_int("max_num_seqs", max_num_seqs)
         _positive_int("decode_steps", decode_steps)
@@ -120,12 +137,18 @@ class LLM:
     @classmethod
     def load(cls, model_dir, *, tp: int = 1, dcp: int = 1, interleave: int | str = 1, dtype: str = "auto",
              impl: str | None = None, devices=None, scan_layers: bool = True, speculative: str | None = None,
-             num_speculative_tokens: int = 4, draft_model=None, **engine_kw) -> "LLM":
+             num_speculative_tokens: int = 4, draft_model=None, coordinator: str | None = None,
+             num_processes: int | None = None, process_id: int | None = None, **engine_kw) -> "LLM":
         """Load a Hugging Face or orbax checkpoint onto a (tp, dcp) mesh. `engine_kw`: the constructor's
-        (max_model_len, kv_cache_memory, page_size, max_num_seqs, prefill_chunk, ...). `speculative`:
-        None, "ngram" (prompt lookup) or "draft" (with `draft_model`, a checkpoint directory with the
-        same vocabulary, loaded on the same mesh); `num_speculative_tokens` drafts per verify step."""
+        (max_model_len, kv_cache_memory, page_size, max_num_seqs, prefill_chunk, dist_timeout, ...).
+        `speculative`: None, "ngram" (prompt lookup) or "draft" (with `draft_model`, a checkpoint directory
+        with the same vocabulary, loaded on the same mesh); `num_speculative_tokens` drafts per verify step.
+        `coordinator` ("host:port"), `num_processes`, `process_id`: join `jax.distributed` first (every
+        process makes the same calls, as `python -m dcp_jax.generate --coordinator ...`; docs/MULTIHOST.md)."""
         from dcp_jax.weights import load_any, resolve_dtype
+
+        if coordinator is not None or (num_processes or 1) > 1:
+            join_runtime(coordinator, num_processes, process_id, tp * dcp, engine_kw.get("dist_timeout", 60))
 
         if interleave != "contiguous" and not (isinstance(interleave, int) and interleave >= 1):
             raise UserError(f"interleave must be an integer >= 1 or 'contiguous', got {interleave!r}")
@@ -221,9 +244,13 @@ class LLM:
     def build_engine(self, config: ServingConfig) -> ServingEngine:
         """A `ServingEngine` for this model and mesh with `config`'s sizes. The LLM's own is `self.engine`;
         another (e.g. a benchmark's pool of other sizes) has its own pool and programs."""
-        return ServingEngine(self.model, self.mesh, config, interleave=self.paged_layout().interleave,
-                             impl=self.impl, detokenize=None if self.tokenizer is None else self.decode,
-                             speculative=self.speculative, tokenizer=self.tokenizer)
+        engine = ServingEngine(self.model, self.mesh, config, interleave=self.paged_layout().interleave,
+                               impl=self.impl, detokenize=None if self.tokenizer is None else self.decode,
+                               speculative=self.speculative, tokenizer=self.tokenizer)
+        self.engines_built += 1
+        if jax.process_count() > 1:  # every process makes the same calls; their plans are checked against process 0's
+            engine.lockstep = Lockstep.of_runtime(self.dist_timeout, spmd=True, name=f"llm{self.engines_built}")
+        return engine
 
     def engine_with(self, **sizes) -> ServingEngine:
         """A new `ServingEngine` whose `ServingConfig` is this LLM's with `sizes` replaced (num_pages,

@@ -5,6 +5,10 @@ builds one `LLM` (the same object `python -m dcp_jax.generate` and notebooks use
 pool are fixed at start (--max-model-len, default the checkpoint's; --kv-cache-memory, default as
 `LLM`'s), and every program is compiled before the port opens, so the first request pays no compile
 time. Command-line mistakes end with one `error: ...` line and exit 2, like `python -m dcp_jax.generate`.
+
+On several processes (the `--coordinator/--num-processes/--process-id` or `--distributed` flags of
+`python -m dcp_jax.generate`, docs/MULTIHOST.md) every process loads and compiles the same model; process
+0 serves HTTP and leads, the others follow its steps (`dcp_jax.serving.lockstep`) and serve nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +27,15 @@ from dcp_jax.cli import (
     mesh_shape,
     positive_float,
     positive_int,
+)
+from dcp_jax.processes import (
+    add_distributed_args,
+    check_distributed_args,
+    is_multi,
+    is_worker,
+    join,
+    send_stdout_to_stderr,
+    supervise,
 )
 
 
@@ -57,6 +70,7 @@ def build_parser():
     g.add_argument("--prefill-queue-timeout", type=positive_float("--prefill-queue-timeout"), default=60.0,
                    metavar="SECONDS", help="bound on one request's wait in the prefill instance's queue, apart from "
                                            "--transfer-timeout (decode: asked for; prefill: for calls naming none)")
+    add_distributed_args(p)
     return p
 
 
@@ -72,6 +86,9 @@ def check_role_args(args) -> str | None:
             return f"--prefill-at takes HOST:PORT, got {args.prefill_at!r}"
     if args.role == "single" and args.interleave != 1:
         return "--interleave applies to --role prefill and --role decode (a single instance uses 1)"
+    if args.role != "single" and is_multi(args):
+        return (f"--role {args.role} runs on one process: serve a model that needs several processes with "
+                "--role single")
     if args.role != "single" and args.speculative is not None:
         return (f"--speculative is not supported with --role {args.role}: serve speculative decoding "
                 "from a single instance (--role single)")
@@ -83,33 +100,50 @@ def run(argv=None) -> int:
         args = build_parser().parse_args(argv)
         tp, dcp = mesh_shape(args)
         llm_kw = engine_kwargs(args)
+        check_distributed_args(args)
         if (problem := check_role_args(args)) is not None:
             raise UsageError(problem)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return USAGE_ERROR
+    multi = is_multi(args)
+    if multi and not is_worker():  # this process's share runs in a child: a lost peer becomes one line
+        return supervise("dcp_jax.serve", argv if argv is not None else sys.argv[1:], args, stream=True)
+    if multi:
+        send_stdout_to_stderr()
+        join(args, (tp or 1) * (dcp or 1) if tp or dcp else None)
     try:
         import uvicorn  # noqa: F401
     except ImportError:
         print("error: the server needs the 'serve' extra: pip install 'dcp_jax[serve]'", file=sys.stderr)
         return RUN_ERROR
-    llm_kw.update(tp=tp, dcp=dcp, max_num_seqs=args.max_num_seqs or 8)
+    llm_kw.update(tp=tp, dcp=dcp, max_num_seqs=args.max_num_seqs or 8, dist_timeout=args.dist_timeout)
     api_key = args.api_key if args.api_key is not None else os.environ.get("DCP_JAX_API_KEY") or None
     if args.role != "single":  # dcp_jax.disagg: the two roles share the key (/v1 and the control channel)
         from dcp_jax.disagg.server import run_role
 
         return run_role(args, llm_kw, api_key)
-    from dcp_jax.launch import make_app, serve_forever
+    from dcp_jax.launch import follow, make_app, serve_forever
+    from dcp_jax.serving.lockstep import LockstepError
 
+    if multi and not _leads():  # a follower: no HTTP
+        return follow(args.model, timeout_s=args.dist_timeout, **llm_kw)
     try:
         app, llm = make_app(args.model, served_model_name=args.served_model_name, max_pending=args.max_pending,
-                            api_key=api_key, max_request_bytes=args.max_request_bytes, **llm_kw)
-    except (ValueError, ImportError) as e:  # UserError and the library's own ValueErrors
+                            api_key=api_key, max_request_bytes=args.max_request_bytes,
+                            lockstep_timeout=args.dist_timeout if multi else None, **llm_kw)
+    except (ValueError, ImportError, LockstepError) as e:  # UserError and the library's own ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return RUN_ERROR
     print(f"serving {llm.source} on http://{args.host}:{args.port}/v1 (tp={llm.mesh.shape['tp']} x "
           f"dcp={llm.mesh.shape['dcp']}, max_model_len {llm.config.max_model_len:,})", file=sys.stderr)
     return serve_forever(app, args.host, args.port, args.log_level, args.shutdown_timeout)
+
+
+def _leads() -> bool:
+    import jax
+
+    return jax.process_index() == 0
 
 
 def main():

@@ -91,22 +91,230 @@ def test_a_collective_that_lost_its_peer_is_reported_as_the_peer(monkeypatch, ca
     # (gloo's "Connection reset by peer"), not as the coordination service's abort: both end in one line
     # that names the peer.
     import argparse
+    import io
     import subprocess as sp
 
-    from dcp_jax import generate
+    from dcp_jax import processes
 
     class Child:
-        returncode = 1
+        returncode = None
 
         def __init__(self, *a, **kw):
-            pass
+            self.stderr = io.StringIO("[Gloo] Rank 0 is connected to 1 peer ranks.\n"
+                                      "error: the step failed on the server (JaxRuntimeError: UNKNOWN: Gloo all-reduce "
+                                      "failed: Read error [127.0.0.1]:5559: Connection reset by peer)\n")
 
-        def communicate(self):
-            return None, ("error: the step failed on the server (JaxRuntimeError: UNKNOWN: Gloo all-reduce failed: "
-                          "Read error [127.0.0.1]:5559: Connection reset by peer)\n")
+        def wait(self):
+            self.returncode = 1
+
+        def poll(self):
+            return self.returncode
 
     monkeypatch.setattr(sp, "Popen", Child)
     args = argparse.Namespace(process_id=0, coordinator="127.0.0.1:1", dist_timeout=10)
-    assert generate._supervise([], args) == generate.RUN_ERROR
+    assert processes.supervise("dcp_jax.generate", [], args) == processes.RUN_ERROR
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("error: process 0 stopped: a peer process stopped during a step")
+
+
+# --- the server on two processes -------------------------------------------------------------------
+
+def serve(process_id, port, coordinator, *extra):
+    argv = [sys.executable, "-m", "dcp_jax.serve", "--model", str(FIX), "--mesh", "tp=2,dcp=4", "--max-model-len", "64",
+            "--page-size", "2", "--max-num-seqs", "4", "--decode-steps", "2", "--prefill-chunk", "8",
+            "--port", str(port), "--log-level", "warning", "--coordinator", f"127.0.0.1:{coordinator}",
+            "--num-processes", "2", "--process-id", str(process_id), *map(str, extra)]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+class Pair:
+    """A two-process server (process 0 serves HTTP) on loopback; every process group killed at the end."""
+
+    def __init__(self, *extra):
+        import httpx
+
+        self.port, coordinator = free_port(), free_port()
+        self.procs = [serve(i, self.port, coordinator, *extra) for i in (0, 1)]
+        self.base = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 240
+        while True:
+            assert all(p.poll() is None for p in self.procs), [p.communicate() for p in self.procs]
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the two-process server did not start"
+            time.sleep(0.5)
+
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.base + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        for p in self.procs:
+            p.communicate(timeout=60)
+
+
+def completion_ids(client, prompt, n):
+    r = client.completions.create(model="llama-gqa", prompt=prompt, max_tokens=n, temperature=0, logprobs=0,
+                                  extra_body={"ignore_eos": True})
+    return [int(t) for t in r.choices[0].logprobs.tokens]
+
+
+def mixed_requests():
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(0, 256, size=n)] for n in (5, 11, 17, 23, 30, 8, 14, 20, 26, 9, 12, 3)]
+    for i in (3, 7, 10):  # prefix hits: the head of an earlier prompt
+        prompts[i][:8] = prompts[i - 2][:8] if len(prompts[i - 2]) >= 8 else prompts[i][:8]
+    prompts[11] = prompts[4][:20] + [7, 7, 7, 7, 7, 7]  # a repeated pattern for the n-gram proposer
+    return prompts, [12, 8, 16, 10, 14, 6, 9, 13, 7, 11, 15, 10]
+
+
+def test_a_server_on_two_processes_gives_one_process_tokens():
+    # 2 processes x 4 simulated devices (tp=2 x dcp=4 over gloo), 12 concurrent requests of mixed lengths
+    # through the openai client, a pool small enough to preempt, prefix caching and n-gram speculation:
+    # every request's greedy tokens equal what one process with 8 devices gives it alone.
+    import concurrent.futures as cf
+
+    import httpx
+
+    from dcp_jax import LLM
+
+    prompts, lengths = mixed_requests()
+    llm = LLM.load(FIX, tp=2, dcp=4, page_size=2, max_model_len=64)
+    solo = [llm.generate([p], max_new_tokens=n, ignore_eos=True).tokens[0] for p, n in zip(prompts, lengths)]
+    pair = Pair("--kv-cache-memory", llm.page_bytes() * 12, "--enable-prefix-caching", "--speculative", "ngram",
+                "--num-speculative-tokens", 2)
+    try:
+        client = pair.client()
+        with cf.ThreadPoolExecutor(12) as pool:
+            got = list(pool.map(lambda a: completion_ids(client, *a), zip(prompts, lengths)))
+        assert got == solo
+        metrics = httpx.get(pair.base + "/metrics", timeout=30).text
+        value = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
+                 if line.startswith("dcp_jax:") and " " in line}
+        assert value["dcp_jax:num_preemptions_total"] > 0
+        assert value["dcp_jax:prefix_cache_hits_total"] > 0
+        assert value["dcp_jax:spec_decode_num_drafts_total"] > 0
+        assert all(p.poll() is None for p in pair.procs)
+        pair.procs[0].send_signal(signal.SIGTERM)  # the leader drains and tells the follower to stop
+        outs = [p.communicate(timeout=120) for p in pair.procs]
+        assert [p.returncode for p in pair.procs] == [0, 0], [o[1][-2000:] for o in outs]
+        assert not any("Traceback" in err for _, err in outs)
+    finally:
+        pair.close()
+
+
+def load_until_error(client, prompt, stop_after: float):
+    """Send requests one after another until one fails (returns the error) or `stop_after` seconds pass."""
+    import openai
+
+    deadline = time.monotonic() + stop_after
+    while time.monotonic() < deadline:
+        try:
+            completion_ids(client, prompt, 40)
+        except openai.APIError as e:  # APIConnectionError (the process went) or a 5xx
+            return e
+    return None
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_lost_follower_ends_the_server_with_one_line(how):
+    # The follower killed (or stopped) mid-load: process 0's clients get an error (not a hang), its
+    # /health fails, and it exits with one line naming the peer within --dist-timeout (+ shutdown grace).
+    import concurrent.futures as cf
+
+    import httpx
+
+    pair = Pair("--dist-timeout", 10)
+    try:
+        client = pair.client()
+        with cf.ThreadPoolExecutor(3) as pool:
+            loads = [pool.submit(load_until_error, client, [1 + i, 2, 3], 150) for i in range(3)]
+            time.sleep(3)
+            os.killpg(pair.procs[1].pid, how)
+            start = time.monotonic()
+            errors = [f.result(timeout=150) for f in loads]
+        assert all(e is not None for e in errors), errors
+        _, err = pair.procs[0].communicate(timeout=120)
+        elapsed = time.monotonic() - start
+        assert pair.procs[0].returncode == 1 and elapsed < 75, (elapsed, err[-2000:])
+        # its stderr: the start-up line, then one error line (no runtime log, no stack dump, no traceback)
+        lines = [line for line in err.strip().splitlines() if not line.startswith("serving ")]
+        assert len(lines) == 1 and lines[0].startswith("error: process 0") and "peer process" in lines[0], err[-3000:]
+        with pytest.raises(httpx.TransportError):
+            httpx.get(pair.base + "/health", timeout=5)
+    finally:
+        if how == signal.SIGSTOP and pair.procs[1].poll() is None:
+            os.killpg(pair.procs[1].pid, signal.SIGCONT)
+        pair.close()
+
+
+# --- LLM.generate on two processes (every process makes the same calls) ------------------------------
+
+SPMD = """
+import json, sys
+from dcp_jax import LLM
+from dcp_jax.serving.lockstep import LockstepError
+pid, port, out_path, prompts, pages = int(sys.argv[1]), sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5])
+if pid == 1 and len(sys.argv) > 6:  # a process whose calls differ from process 0's
+    prompts = prompts[::-1]
+llm = LLM.load(sys.argv[6] if False else {fix!r}, tp=2, dcp=4, page_size=2, max_model_len=64, max_num_seqs=4,
+               num_pages=pages, speculative="ngram", num_speculative_tokens=2, dist_timeout=20,
+               coordinator="127.0.0.1:" + port, num_processes=2, process_id=pid)
+try:
+    out = llm.generate(prompts, max_new_tokens=12, ignore_eos=True)
+except LockstepError as e:
+    print("error:", e, file=sys.stderr)
+    sys.exit(1)
+open(out_path, "w").write(json.dumps(dict(tokens=out.tokens, stats=out.stats)))
+"""
+
+
+def spmd_pair(tmp_path, prompts, pages, *extra):
+    port = free_port()
+    code = SPMD.format(fix=str(FIX))
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(i), str(port), str(tmp_path / f"out{i}.json"),
+                               json.dumps(prompts), str(pages), *extra], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True,
+                              env=dict(os.environ, JAX_PLATFORMS="cpu")) for i in (0, 1)]
+    try:
+        return procs, [p.communicate(timeout=240)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def test_llm_generate_on_two_processes_gives_one_process_tokens(tmp_path):
+    from dcp_jax import LLM
+
+    prompts, _ = mixed_requests()
+    llm = LLM.load(FIX, tp=2, dcp=4, page_size=2, max_model_len=64)
+    solo = [llm.generate([p], max_new_tokens=12, ignore_eos=True).tokens[0] for p in prompts]
+    procs, errs = spmd_pair(tmp_path, prompts, 14)
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for e in errs]
+    outs = [json.loads((tmp_path / f"out{i}.json").read_text()) for i in (0, 1)]
+    assert outs[0]["tokens"] == outs[1]["tokens"] == solo
+    assert outs[0]["stats"]["preemptions"] > 0 and outs[0]["stats"]["prefix_hit_tokens"] > 0
+    assert outs[0]["stats"]["spec_verify_steps"] > 0
+
+
+def test_processes_whose_calls_differ_stop_with_an_error(tmp_path):
+    prompts, _ = mixed_requests()
+    # process 1 is given other prompts: its first plan differs, it raises LockstepError (not a hang in a
+    # collective of mismatched programs), and process 0 then fails its step; both end (JAX's runtime may
+    # abort either at shutdown: a peer left)
+    start = time.monotonic()
+    procs, errs = spmd_pair(tmp_path, prompts[:4], 64, "differ")
+    assert procs[0].returncode != 0 and procs[1].returncode != 0 and time.monotonic() - start < 200
+    assert "error: process 1's plan for step 1 differs from process 0's" in errs[1], errs[1][-2000:]

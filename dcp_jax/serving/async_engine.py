@@ -5,7 +5,9 @@ thread touches them. HTTP handlers only put commands on a thread-safe queue (add
 one) and await their own `asyncio.Queue`; the thread admits queued requests, runs `engine.step()`
 while there is work, and after each step pushes every request's new tokens (and its finish) to that
 request's queue with `loop.call_soon_threadsafe`. Cancellation goes through the same thread, so
-`Scheduler.cancel` frees the pages at once and never races with a step.
+`Scheduler.cancel` frees the pages at once and never races with a step. On several processes this
+thread drives the leader's engine: it publishes a heartbeat while idle and a stop message when it ends
+(`dcp_jax.serving.lockstep`).
 """
 
 from __future__ import annotations
@@ -131,6 +133,11 @@ class AsyncEngine:
         for t in list(self.tracked.values()):
             self.abort(t.request.request_id, reason)
         self.publish(error=reason)
+        if self.engine.lockstep is not None and self.engine.lockstep.leader:
+            try:  # the followers stop with this thread
+                self.engine.lockstep.publish(stop=True)
+            except Exception:  # noqa: BLE001 - the runtime is gone already: the followers stop on their own
+                pass
         self.engine.lock.release()
 
     def drain(self, block: bool) -> None:
@@ -140,6 +147,8 @@ class AsyncEngine:
                 kind, arg = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
             except queue.Empty:
                 if block:
+                    if self.engine.lockstep is not None:  # several processes: an idle leader's heartbeat
+                        self.engine.lockstep.heartbeat()
                     continue  # idle: keep waiting (the loop re-checks `stopping`)
                 return
             block = False
@@ -152,10 +161,7 @@ class AsyncEngine:
         """Apply one queued command (on the engine thread): "add" a tracked request, "cancel" an id."""
         if kind == "add":
             self.tracked[arg.request.request_id] = arg
-            try:
-                self.engine.scheduler.add_request(arg.request)  # one that can never run finishes at once ("error")
-            except Exception as e:  # noqa: BLE001 - e.g. a duplicate id: this request fails, the engine goes on
-                self.engine.scheduler.fail(arg.request, f"the request was refused: {e}")
+            self.engine.add_request(arg.request)  # one that can never run finishes at once ("error")
         elif kind == "cancel":
             self.abort(arg)
 
@@ -163,9 +169,8 @@ class AsyncEngine:
         """Finish a tracked request now (finish_reason "abort"), in the scheduler or, when a subclass holds
         it outside (e.g. while its KV is on the way from a prefill instance), here; the next `publish`
         sends its final update."""
-        t = self.tracked.get(request_id)
-        if t is not None:
-            self.engine.scheduler.abort(t.request, error)
+        if request_id in self.tracked:
+            self.engine.abort(request_id, error)
 
     def publish(self, error: str | None = None) -> None:
         """Push each tracked request's new tokens, and finished requests' final updates."""

@@ -17,6 +17,10 @@ Speculative decoding (`dcp_jax.spec`) rolls a rejected draft back by the sequenc
 host advances a request by the tokens it accepted, and every rank-local length and mask is recomputed
 on the device from that global length (`PagedLayout`), so the rejected drafts' KV lies past the length,
 is never attended to, and is overwritten when the sequence gets there.
+
+On several processes (`jax.distributed`) an engine runs on each, in lockstep (`lockstep`: process 0
+publishes its commands and each plan; the others replay them); requests then come in through
+`add_request` / `abort`, which the leader records, and a failed step is fatal (`LockstepError`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dcp_jax.serving.config import ServingConfig
 from dcp_jax.serving.host_copy import host_bytes
 from dcp_jax.serving.request import Request
 from dcp_jax.serving.inputs import RaggedInputs, StepInputs
+from dcp_jax.serving.lockstep import Lockstep, LockstepError
 from dcp_jax.serving.runner import ModelRunner
 from dcp_jax.serving.scheduler import SchedulePlan, Scheduler
 from dcp_jax.spec.proposers import NgramProposer, SpeculativeConfig
@@ -71,16 +76,41 @@ class ServingEngine:
         self.scheduler.structured = self.structured_problem
         # held by whoever drives the engine (an AsyncEngine's thread, an LLM.generate call): one at a time
         self.lock = threading.Lock()
+        self.lockstep: Lockstep | None = None  # several processes: this one's side (leader or follower)
+
+    # --- requests in and out (what a leader records for its followers) -------------------------------
+    def add_request(self, request: Request) -> Request:
+        """Queue `request`; one the scheduler refuses outright (a duplicate id) is failed, not raised."""
+        if self.lockstep is not None:
+            self.lockstep.record("add", request)
+        try:
+            self.scheduler.add_request(request)  # one that can never run finishes at once ("error")
+        except Exception as e:  # noqa: BLE001 - e.g. a duplicate id: this request fails, the engine goes on
+            self.scheduler.fail(request, f"the request was refused: {e}")
+        return request
+
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        """Finish an unfinished request now (finish_reason "abort"), e.g. its client went away."""
+        if self.lockstep is not None:
+            self.lockstep.record("abort", request_id, error)
+        r = self.scheduler.get(request_id)
+        if r is not None:
+            self.scheduler.abort(r, error)
 
     # --- one iteration -----------------------------------------------------------------------------
     def step(self, on_prefill=None) -> SchedulePlan:
         """Schedule, run the plan's prefill chunks and decode steps, and apply the results. A failure
         while running fails the plan's requests (see `recover`) instead of raising."""
         plan = self.scheduler.schedule()
+        if self.lockstep is not None:
+            self.lockstep.agree(plan)  # the leader publishes it; a follower checks it is the leader's
         try:
             self.run(plan, on_prefill)
         except Exception as e:  # noqa: BLE001 - any failure of a step is that step's requests' failure
             self.recover(plan, e)
+            if self.lockstep is not None:  # its collectives ran on every process: none can go on alone
+                raise LockstepError(f"step {plan.step} failed on process {self.lockstep.process_id} "
+                                    f"({type(e).__name__}: {str(e)[:300]})") from e
         return plan
 
     def recover(self, plan: SchedulePlan, error: BaseException) -> None:
@@ -355,6 +385,8 @@ class ServingEngine:
     def reset_prefix_cache(self) -> int:
         """Drop every cached prefix block no request holds, on the device and in the host tier; returns
         how many."""
+        if self.lockstep is not None:
+            self.lockstep.record("reset_prefix_cache")
         self.copy_kv()  # (copies already scheduled run first: nothing half-dropped)
         self.copier.finish()
         return self.scheduler.reset_prefix_cache()
@@ -386,7 +418,7 @@ def run_requests(engine: ServingEngine, requests: list[Request], arrivals=None, 
             r = pending.pop(0)
             due.pop(0)
             r.arrival_time = t0 + now
-            sched.add_request(r)
+            engine.add_request(r)
         if not sched.has_unfinished():
             sched.pop_finished()
             if pending:

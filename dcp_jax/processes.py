@@ -1,0 +1,131 @@
+"""Several processes on `jax.distributed`, for every entry point: the flags, their checks, joining the
+runtime, and the supervisor that turns a lost peer into one line.
+
+Every process runs the same command with its own `--process-id` (or `--distributed`, where JAX detects
+the cluster). JAX's coordination service ends a process whose peer died or stalled with SIGABRT and a
+C++ stack dump; so an entry point runs its share of the job in a child process (`supervise`), keeps the
+child's stderr, and reports how it ended in one `error:` line (exit status 1).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+
+from dcp_jax.cli import RUN_ERROR, UsageError, positive_int
+
+WORKER = "DCP_JAX_DISTRIBUTED_WORKER"  # set in the supervised child
+# what a step's error says when a collective lost its peer (JAX's CPU collectives run on gloo over TCP)
+PEER_LOST = re.compile(r"Gloo|Connection reset by peer|Connection closed by peer|coordination service", re.I)
+
+
+def add_distributed_args(p) -> None:
+    d = p.add_argument_group("multi-process (jax.distributed)")
+    d.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="process 0's address; every process runs the same command with its --process-id")
+    d.add_argument("--num-processes", type=positive_int("--num-processes"), default=None)
+    d.add_argument("--process-id", type=int, default=None)
+    d.add_argument("--distributed", action="store_true",
+                   help="join a cluster that jax.distributed.initialize detects by itself (SLURM, MPI, ...)")
+    d.add_argument("--dist-timeout", type=positive_int("--dist-timeout"), default=60, metavar="S",
+                   help="seconds to wait for peers at start, and to tolerate a silent peer later (default 60)")
+
+
+def check_distributed_args(args) -> None:
+    """Raise UsageError (one line) on an incomplete or inconsistent set of the flags."""
+    explicit = (args.coordinator, args.num_processes, args.process_id)
+    if any(x is not None for x in explicit) and any(x is None for x in explicit):
+        raise UsageError("multi-process runs need all of --coordinator HOST:PORT, --num-processes N, --process-id I")
+    if args.coordinator is not None:
+        if ":" not in args.coordinator:
+            raise UsageError(f"--coordinator takes HOST:PORT, got {args.coordinator!r}")
+        if not 0 <= args.process_id < args.num_processes:
+            raise UsageError(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
+
+
+def is_multi(args) -> bool:
+    return bool(args.distributed or (args.num_processes or 1) > 1)
+
+
+def is_worker() -> bool:
+    """Whether this is the supervised child of a multi-process entry point."""
+    return bool(os.environ.get(WORKER))
+
+
+def join(args, mesh_devices: int | None) -> None:
+    """Join the runtime (in the supervised child). On CPU each process simulates its share of the
+    mesh's devices (`mesh_devices`, default 8)."""
+    from dcp_jax import mesh as mesh_lib
+
+    per_process = math.ceil((mesh_devices or 8) / (args.num_processes or 1))
+    mesh_lib.init_distributed(args.coordinator, args.num_processes, args.process_id,
+                              local_cpu_devices=per_process, timeout_s=args.dist_timeout)
+
+
+def send_stdout_to_stderr():
+    """Native libraries (gloo) log on fd 1: send them to stderr; returns a stream on the real stdout."""
+    results = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = results
+    return results
+
+
+def supervise(module: str, argv, args, stream: bool = False) -> int:
+    """Run `python -m module argv` as this process's share of a multi-process job, in a child, and
+    report how it ended in one line: its last `error:` line, or what ended it. `stream` (a server): the
+    child's other stderr lines pass through as they come (the runtime's own logging and an abort's
+    stack dump left out); else they are shown only when it succeeds. SIGTERM / SIGINT are passed on to
+    the child (a server drains), and the child never outlives the supervisor."""
+    env = dict(os.environ, **{WORKER: "1"})
+    sys.stdout.flush()
+    child = subprocess.Popen([sys.executable, "-m", module, *map(str, argv)], env=env, stdin=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, errors="replace")
+    forward = {sig: signal.signal(sig, lambda s, _f: child.send_signal(s)) for sig in (signal.SIGTERM, signal.SIGINT)}
+    errors, kept, failing = [], [], False
+    try:
+        for line in child.stderr:
+            failing = failing or bool(_NATIVE_ERROR.match(line))  # from here on: the runtime's dump, then the end
+            if line.startswith("error: "):
+                errors.append(line.rstrip("\n"))
+            elif not failing and not _native_log(line):
+                if stream:
+                    sys.stderr.write(line)
+                else:
+                    kept.append(line)
+        child.wait()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        for sig, handler in forward.items():
+            signal.signal(sig, handler)
+    if child.returncode == 0:
+        sys.stderr.write("".join(kept))
+        return 0
+    who = f"process {args.process_id}" if args.process_id is not None else "this process"
+    if errors and PEER_LOST.search(errors[-1]):  # a collective failed mid-step: the peer went away
+        print(f"error: {who} stopped: a peer process stopped during a step "
+              f"({errors[-1].removeprefix('error: ')[:300]})", file=sys.stderr)
+        return RUN_ERROR
+    if errors:
+        print(errors[-1], file=sys.stderr)
+        return child.returncode if child.returncode > 0 else RUN_ERROR
+    how = (f"was ended by {signal.Signals(-child.returncode).name}" if child.returncode < 0
+           else f"exited with status {child.returncode}")
+    print(f"error: {who} {how}: a peer process stopped or never reached the coordinator "
+          f"{args.coordinator or '(auto-detected)'} within --dist-timeout {args.dist_timeout} s", file=sys.stderr)
+    return RUN_ERROR
+
+
+_NATIVE_ERROR = re.compile(r"^[EF]\d{4} ")  # the runtime's error and fatal log lines (absl: E1204 13:46:59...)
+_NATIVE_LOG = re.compile(r"^([EFWI]\d{4} |\s+@\s+0x|\*\*\* |=== Source Location|external/|RPC: |The tasks have crashed"
+                         r"|\[type\.googleapis)")
+
+
+def _native_log(line: str) -> bool:
+    """A line of the runtime's own logging or its abort's C++ stack dump (kept out of the user's view)."""
+    return bool(_NATIVE_LOG.match(line)) or "[Gloo]" in line or "peer ranks" in line or not line.strip()

@@ -1,0 +1,110 @@
+"""The lockstep protocol of several processes (dcp_jax.serving.lockstep), in one process: a leader engine
+and a follower engine share a store; the follower replays the leader's commands and takes the same
+steps. (tests/test_multiprocess.py runs it across real processes on jax.distributed.)"""
+
+import threading
+
+import numpy as np
+import pytest
+
+from dcp_jax import LLM
+from dcp_jax.sampling import SamplingParams
+from dcp_jax.serving.engine import run_requests
+from dcp_jax.serving.lockstep import Lockstep, LockstepError, LocalStore, plan_digest
+from dcp_jax.serving.request import Request
+from tests.util import FIXTURES
+
+
+def engines(**kw):
+    llm = LLM.load(FIXTURES / "llama-gqa", tp=1, dcp=2, page_size=2, max_num_seqs=3, decode_steps=3,
+                   enable_prefix_caching=True, max_model_len=64)
+    return [llm.engine_with(max_model_len=64, prefill_chunk=8, **kw) for _ in range(2)]
+
+
+def requests():
+    rng = np.random.default_rng(1)
+    prompts = [list(rng.integers(0, 256, size=n)) for n in (21, 6, 14, 21, 9)]
+    prompts[3][:16] = prompts[0][:16]  # a prefix hit
+    out = [Request(f"r{i}", p, max_tokens=n, ignore_eos=True) for i, (p, n) in enumerate(zip(prompts, (9, 14, 6, 8, 12)))]
+    # two seeded samples of one prompt (the second follows the first: its `follows` travels by id)
+    out += Request.samples("n", prompts[2], 2, seed=5, sampling=SamplingParams(temperature=1.0), max_tokens=7,
+                           ignore_eos=True)
+    return out
+
+
+def test_a_follower_takes_the_leaders_steps_and_gets_the_same_tokens():
+    leader, follower = engines(num_pages=1 + 10)  # tight: requests are preempted and recomputed
+    store = LocalStore()
+    leader.lockstep, follower.lockstep = Lockstep(store, 0, timeout_s=60), Lockstep(store, 1, timeout_s=60)
+    done = {}
+
+    def follow():
+        try:
+            done["steps"] = follower.lockstep.follow(follower)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            done["error"] = e
+
+    thread = threading.Thread(target=follow)
+    thread.start()
+    reqs = requests()
+    result = run_requests(leader, reqs, arrivals=[0, 0, 0, 0.05, 0.1, 0.1, 0.1])
+    leader.abort("r1")  # (already finished: a no-op on both sides)
+    leader.reset_prefix_cache()
+    leader.lockstep.publish(stop=True)
+    thread.join(120)
+    assert "error" not in done, done
+    assert result["preemptions"] > 0 and result["prefix_hit_tokens"] > 0
+    assert done["steps"] == leader.scheduler.step > 0
+    mine = {r.request_id: r for r in follower.lockstep.known.values()}
+    assert sorted(mine) == sorted(r.request_id for r in reqs)
+    assert {i: mine[i].output_token_ids for i in mine} == {r.request_id: r.output_token_ids for r in reqs}
+    assert mine["n.1"].follows is mine["n.0"]  # resolved to the follower's own request
+    assert follower.scheduler.stats()["pages_used"] == 0 and follower.scheduler.stats()["cached_blocks"] == 0
+    assert leader.lockstep.messages == done["steps"] + 1  # one per step, and the stop (carrying the reset)
+
+
+def test_a_plan_that_differs_from_the_leaders_is_an_error():
+    leader, follower = engines(num_pages=64)
+    store = LocalStore()
+    leader.lockstep, follower.lockstep = Lockstep(store, 0), Lockstep(store, 1, timeout_s=30)
+    follower.scheduler.add_request(Request("stray", [1, 2, 3], max_tokens=2))  # only the follower has it
+    leader.add_request(Request("a", [4, 5, 6], max_tokens=2))
+    leader.step()
+    with pytest.raises(LockstepError, match="plan for step 1 differs from process 0's"):
+        follower.lockstep.follow(follower)
+
+
+def test_a_silent_leader_ends_a_follower_in_bounded_time():
+    follower = Lockstep(LocalStore(), 1, timeout_s=0.3)
+    with pytest.raises(LockstepError, match="heard nothing from process 0 for 0.3 s"):
+        follower.receive()
+
+
+def test_an_idle_leader_sends_heartbeats_and_a_failed_step_is_fatal(monkeypatch):
+    leader, _ = engines(num_pages=64)
+    store = LocalStore()
+    leader.lockstep = Lockstep(store, 0, timeout_s=0.04)
+    leader.lockstep.heartbeat()
+    assert leader.lockstep.messages == 0  # not yet due
+    threading.Event().wait(0.02)
+    leader.lockstep.heartbeat()
+    assert leader.lockstep.messages == 1 and store.values["dcp_jax/lockstep/serve/0"]
+
+    leader.add_request(Request("a", [4, 5, 6], max_tokens=2))
+
+    def broken(*a, **kw):
+        raise RuntimeError("Gloo all-reduce failed: Connection reset by peer")
+
+    monkeypatch.setattr(leader, "run", broken)
+    with pytest.raises(LockstepError, match="step 1 failed on process 0"):
+        leader.step()
+    assert leader.scheduler.pop_finished()[0].error_retryable  # its requests fail as the server's fault
+
+
+def test_plan_digest_sees_the_block_table():
+    leader, _ = engines(num_pages=64)
+    leader.add_request(Request("a", [4, 5, 6], max_tokens=2))
+    plan = leader.scheduler.schedule()
+    before = plan_digest(plan)
+    plan.block_table[0, 0] += 1
+    assert plan_digest(plan) != before
