@@ -70,6 +70,11 @@ def build_parser():
     g.add_argument("--prefill-queue-timeout", type=positive_float("--prefill-queue-timeout"), default=60.0,
                    metavar="SECONDS", help="bound on one request's wait in the prefill instance's queue, apart from "
                                            "--transfer-timeout (decode: asked for; prefill: for calls naming none)")
+    g.add_argument("--transfer-host", default=None, metavar="HOST",
+                   help="the address the KV transfer server binds (--role prefill/decode; default: --host)")
+    g.add_argument("--transfer-advertise", default=None, metavar="HOST",
+                   help="the host name the peer instance reaches the transfer server by (default: the bound "
+                        "address; needed when it binds 0.0.0.0)")
     add_distributed_args(p)
     return p
 
@@ -86,6 +91,12 @@ def check_role_args(args) -> str | None:
             return f"--prefill-at takes HOST:PORT, got {args.prefill_at!r}"
     if args.role == "single" and args.interleave != 1:
         return "--interleave applies to --role prefill and --role decode (a single instance uses 1)"
+    if args.role == "single" and (args.transfer_host or args.transfer_advertise):
+        return "--transfer-host and --transfer-advertise are for --role prefill and --role decode"
+    bind = args.transfer_host or args.host
+    if args.role != "single" and bind in ("0.0.0.0", "::", "") and not args.transfer_advertise:
+        return (f"the KV transfer server binds {bind or 'every address'}: give --transfer-advertise HOST, the name "
+                "the peer instance reaches this host by")
     if args.role != "single" and is_multi(args):
         return (f"--role {args.role} runs on one process: serve a model that needs several processes with "
                 "--role single")

@@ -78,7 +78,9 @@ def wait_up(p: subprocess.Popen, port: int, limit: float = 120) -> None:
 @pytest.fixture(scope="module")
 def pair():
     pport, dport = free_port(), free_port()
-    prefill = spawn("--role", "prefill", "--mesh", "tp=1,dcp=2", "--page-size", 3, "--port", pport)
+    # (its KV transfer server bound to every address, reached by the name it advertises)
+    prefill = spawn("--role", "prefill", "--mesh", "tp=1,dcp=2", "--page-size", 3, "--port", pport,
+                    "--transfer-host", "0.0.0.0", "--transfer-advertise", "127.0.0.1")
     procs = [prefill]
     try:
         wait_up(prefill, pport)
@@ -115,6 +117,7 @@ def test_pair_matches_transformers_and_moves_the_prompt_kv(pair):
     prompt = sum(map(len, EXP["prompts"])) * per_token
     assert prompt <= stats["transfer_bytes"] < prompt + 3 * 2 * 3 * per_token  # + under a page per source rank
     assert stats["source"]["dcp"] == 2 and stats["scheduler"]["pages_used"] == 0
+    assert stats["source"]["transfer_address"].startswith("127.0.0.1:")  # the advertised name
     pre = httpx.get(pair["pbase"] + "/disagg/stats", timeout=10, headers=AUTH).json()
     assert pre["offered_bytes"] == stats["transfer_bytes"] and pre["pending_offers"] == 0
     # prompt scores would stay on the prefill instance: refused by name, and nothing is transferred
@@ -228,6 +231,10 @@ def test_stalled_then_dead_prefill_fails_requests_in_bounded_time(pair):
     (["--role", "decode", "--prefill-at", "h:1", "--prefill-queue-timeout", "0"],
      "--prefill-queue-timeout must be > 0"),
     (["--role", "prefill", "--speculative", "ngram"], "--speculative is not supported with --role prefill"),
+    (["--transfer-host", "0.0.0.0"], "--transfer-host and --transfer-advertise are for --role prefill"),
+    (["--role", "prefill", "--host", "0.0.0.0"], "give --transfer-advertise HOST"),
+    (["--role", "prefill", "--coordinator", "h:1", "--num-processes", "2", "--process-id", "0"],
+     "--role prefill runs on one process"),
 ])
 def test_usage_errors(argv, message, capsys):
     from dcp_jax.serve import run

@@ -286,14 +286,14 @@ class DisaggAsyncEngine(AsyncEngine):
 
 def make_decode_app(model_dir, *, prefill_at: str, timeout_s: float, served_model_name, max_pending,
                     host: str = "127.0.0.1", queue_timeout_s: float = 60.0, api_key: str | None = None,
-                    max_request_bytes: int | None = None, **llm_kw):
+                    max_request_bytes: int | None = None, advertise: str | None = None, **llm_kw):
     """Load, pair with the prefill instance at `prefill_at` (UserError if that fails), compile, and
     return (FastAPI app, LLM, DecodeInstance). `timeout_s` bounds each prefill and each pull,
     `queue_timeout_s` a request's wait in the prefill instance's queue; `api_key` guards /v1 and is sent
     to the prefill instance's control channel. `llm_kw`: as `dcp_jax.launch.load_llm`."""
     llm, path, embedded = load_llm(model_dir, **llm_kw)
     engine = llm.engine
-    port = TransferPort(llm.mesh.devices.flat[0], host=host)
+    port = TransferPort(llm.mesh.devices.flat[0], host=host, advertise=advertise)
     decode = DecodeInstance(engine, HttpPrefill(prefill_at, timeout_s, queue_timeout_s, api_key), port,
                             timeout_s=timeout_s)
     decode.warm()  # before the port opens: no request compiles a program in the engine thread
@@ -309,13 +309,13 @@ def make_decode_app(model_dir, *, prefill_at: str, timeout_s: float, served_mode
 
 
 def make_prefill(model_dir, *, timeout_s: float, host: str = "127.0.0.1", queue_timeout_s: float = 60.0,
-                 api_key: str | None = None, **llm_kw):
+                 api_key: str | None = None, advertise: str | None = None, **llm_kw):
     """Load and compile the prefill role: (FastAPI app, LLM, PrefillInstance). `timeout_s`: how long an
     offer waits to be pulled; `queue_timeout_s`: the queue bound of calls that name none."""
     llm, _, _ = load_llm(model_dir, **llm_kw)
     engine = llm.engine
     engine.runner.compile_all(decode=False)
-    port = TransferPort(llm.mesh.devices.flat[0], host=host, offer_timeout_s=timeout_s)
+    port = TransferPort(llm.mesh.devices.flat[0], host=host, offer_timeout_s=timeout_s, advertise=advertise)
     instance = PrefillInstance(engine, port)
     return make_prefill_app(instance, queue_timeout_s=queue_timeout_s, api_key=api_key), llm, instance
 
@@ -328,15 +328,16 @@ def run_role(args, llm_kw: dict, api_key: str | None = None) -> int:
     from dcp_jax.cli import RUN_ERROR
 
     llm_kw = dict(llm_kw, interleave=args.interleave)
+    transfer = dict(host=args.transfer_host or args.host, advertise=args.transfer_advertise)
     try:
         if args.role == "prefill":
-            app, llm, inst = make_prefill(args.model, timeout_s=args.transfer_timeout, host=args.host,
+            app, llm, inst = make_prefill(args.model, timeout_s=args.transfer_timeout, **transfer,
                                           queue_timeout_s=args.prefill_queue_timeout, api_key=api_key, **llm_kw)
             what = f"prefill instance (KV transfer server {inst.port.address})"
         else:
             app, llm, inst = make_decode_app(args.model, prefill_at=args.prefill_at, timeout_s=args.transfer_timeout,
                                              served_model_name=args.served_model_name,
-                                             max_pending=args.max_pending, host=args.host,
+                                             max_pending=args.max_pending, **transfer,
                                              queue_timeout_s=args.prefill_queue_timeout, api_key=api_key,
                                              max_request_bytes=args.max_request_bytes, **llm_kw)
             src = inst.source

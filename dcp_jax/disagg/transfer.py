@@ -355,9 +355,10 @@ class TransferPort:
     Offers nobody confirms within `offer_timeout_s` (the decode side went away or gave up) are drained:
     this side pulls them from itself, which is the one way the library lets go of an offer."""
 
-    def __init__(self, device, host: str = "127.0.0.1", offer_timeout_s: float = 60.0):
-        addr = f"{host}:0"
+    def __init__(self, device, host: str = "127.0.0.1", offer_timeout_s: float = 60.0, advertise: str | None = None):
+        addr = f"{host}:0"  # (any free port)
         self.server = jax_transfer.start_transfer_server(device.client, addr, [addr])
+        self.advertise = advertise  # the host name peers reach this server by (default: the bound address)
         self.device = device
         self.offer_timeout_s = offer_timeout_s
         self.pending: dict[int, tuple[float, list[jax.ShapeDtypeStruct]]] = {}  # uuid -> (deadline, avals)
@@ -367,7 +368,10 @@ class TransferPort:
 
     @property
     def address(self) -> str:
-        return self.server.address()
+        """Where peers pull from: the bound address, its host replaced by `advertise` when given (a
+        server bound to 0.0.0.0 is reached by the host's own name)."""
+        bound = self.server.address()
+        return bound if self.advertise is None else f"{self.advertise}:{bound.rpartition(':')[2]}"
 
     def offer(self, uuid: int, arrays: list[jax.Array]) -> None:
         avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
