@@ -108,3 +108,23 @@ def test_plan_digest_sees_the_block_table():
     before = plan_digest(plan)
     plan.block_table[0, 0] += 1
     assert plan_digest(plan) != before
+
+
+def test_abort_reaches_a_request_held_outside_the_scheduler():
+    # A disaggregated decode server holds a request outside the scheduler while its KV is on the way: an
+    # abort through the AsyncEngine (its client went away) still finishes it; the leader records it by id.
+    import asyncio
+
+    from dcp_jax.serving.async_engine import AsyncEngine, _Tracked
+
+    leader, _ = engines(num_pages=64)
+    leader.lockstep = Lockstep(LocalStore(), 0)
+    runner = AsyncEngine(leader)
+    held = Request("held", [1, 2, 3], max_tokens=2)  # never added to the scheduler
+    loop = asyncio.new_event_loop()
+    runner.tracked["held"] = _Tracked(held, loop, asyncio.Queue())
+    runner.abort("held", "the client went away")
+    assert held.finish_reason == "abort" and held.error == "the client went away"
+    assert leader.scheduler.pop_finished() == [held]
+    assert leader.lockstep.journal == [("abort", "held", "the client went away")]
+    loop.close()

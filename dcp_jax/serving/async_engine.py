@@ -169,8 +169,9 @@ class AsyncEngine:
         """Finish a tracked request now (finish_reason "abort"), in the scheduler or, when a subclass holds
         it outside (e.g. while its KV is on the way from a prefill instance), here; the next `publish`
         sends its final update."""
-        if request_id in self.tracked:
-            self.engine.abort(request_id, error)
+        t = self.tracked.get(request_id)
+        if t is not None:
+            self.engine.abort(t.request, error)
 
     def publish(self, error: str | None = None) -> None:
         """Push each tracked request's new tokens, and finished requests' final updates."""

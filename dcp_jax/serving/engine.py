@@ -89,11 +89,13 @@ class ServingEngine:
             self.scheduler.fail(request, f"the request was refused: {e}")
         return request
 
-    def abort(self, request_id: str, error: str | None = None) -> None:
-        """Finish an unfinished request now (finish_reason "abort"), e.g. its client went away."""
+    def abort(self, request: Request | str, error: str | None = None) -> None:
+        """Finish a request now (finish_reason "abort"), e.g. its client went away: a Request wherever it
+        is (also one held outside the scheduler), or the id of one in the scheduler."""
+        rid = request if isinstance(request, str) else request.request_id
         if self.lockstep is not None:
-            self.lockstep.record("abort", request_id, error)
-        r = self.scheduler.get(request_id)
+            self.lockstep.record("abort", rid, error)
+        r = self.scheduler.get(rid) if isinstance(request, str) else request
         if r is not None:
             self.scheduler.abort(r, error)
 
