@@ -73,7 +73,7 @@ def join_lockstep(llm, timeout_s: float):
         RuntimeStore().client.wait_at_barrier("dcp_jax/ready", int(10 * timeout_s * 1000))
     except Exception as e:  # noqa: BLE001 - the runtime's own error type
         raise LockstepError(f"the processes did not all get ready to serve within {10 * timeout_s:g} s "
-                            f"({type(e).__name__}: {str(e)[:200]})") from e
+                            f"({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]})") from e
     llm.engine.lockstep = Lockstep.of_runtime(timeout_s)
     return llm.engine.lockstep
 

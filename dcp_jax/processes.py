@@ -85,17 +85,21 @@ def supervise(module: str, argv, args, stream: bool = False) -> int:
     child = subprocess.Popen([sys.executable, "-m", module, *map(str, argv)], env=env, stdin=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True, errors="replace")
     forward = {sig: signal.signal(sig, lambda s, _f: child.send_signal(s)) for sig in (signal.SIGTERM, signal.SIGINT)}
-    errors, kept, failing = [], [], False
+    errors, kept, failing, native = [], [], False, False
     try:
         for line in child.stderr:
-            failing = failing or bool(_NATIVE_ERROR.match(line))  # from here on: the runtime's dump, then the end
             if line.startswith("error: "):
                 errors.append(line.rstrip("\n"))
-            elif not failing and not _native_log(line):
-                if stream:
-                    sys.stderr.write(line)
-                else:
-                    kept.append(line)
+            # from the runtime's first error log line or our first error line on: its dump, then the end
+            failing = failing or bool(errors) or bool(_NATIVE_ERROR.search(line))
+            # a runtime log line and the lines it runs on to (up to a line of ours) stay out of view
+            native = bool(_NATIVE_LOG.search(line)) or (native and not _OURS.match(line))
+            if failing or native or _native_log(line):
+                continue
+            if stream:
+                sys.stderr.write(line)
+            else:
+                kept.append(line)
         child.wait()
     finally:
         if child.poll() is None:
@@ -121,11 +125,15 @@ def supervise(module: str, argv, args, stream: bool = False) -> int:
     return RUN_ERROR
 
 
-_NATIVE_ERROR = re.compile(r"^[EF]\d{4} ")  # the runtime's error and fatal log lines (absl: E1204 13:46:59...)
-_NATIVE_LOG = re.compile(r"^([EFWI]\d{4} |\s+@\s+0x|\*\*\* |=== Source Location|external/|RPC: |The tasks have crashed"
-                         r"|\[type\.googleapis)")
+_OURS = re.compile(r"^(INFO|WARNING|ERROR|CRITICAL|DEBUG):|^(serving |note: |error: |warning: )")  # Python-side lines
+# absl's log line head (E1204 15:05:54.639188   16088 file.cc:1518]), found anywhere: the runtime's native
+# writes may land on the end of another line
+_ABSL = r"[{}]\d{{4}} \d\d:\d\d:\d\d\.\d+ +\d+ [\w./-]+:\d+\]"
+_NATIVE_ERROR = re.compile(_ABSL.format("EF"))
+_NATIVE_LOG = re.compile(_ABSL.format("EFWI") + r"|^(\s+@\s+0x|\*\*\* |=== Source Location|external/|RPC: "
+                         r"|The tasks have crashed|\[type\.googleapis)")
 
 
 def _native_log(line: str) -> bool:
     """A line of the runtime's own logging or its abort's C++ stack dump (kept out of the user's view)."""
-    return bool(_NATIVE_LOG.match(line)) or "[Gloo]" in line or "peer ranks" in line or not line.strip()
+    return bool(_NATIVE_LOG.search(line)) or "[Gloo]" in line or "peer ranks" in line or not line.strip()

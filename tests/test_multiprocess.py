@@ -318,3 +318,16 @@ def test_processes_whose_calls_differ_stop_with_an_error(tmp_path):
     procs, errs = spmd_pair(tmp_path, prompts[:4], 64, "differ")
     assert procs[0].returncode != 0 and procs[1].returncode != 0 and time.monotonic() - start < 200
     assert "error: process 1's plan for step 1 differs from process 0's" in errs[1], errs[1][-2000:]
+
+
+def test_a_lost_leader_ends_the_follower_with_one_line():
+    pair = Pair("--dist-timeout", 10)
+    try:
+        os.killpg(pair.procs[0].pid, signal.SIGKILL)
+        start = time.monotonic()
+        _, err = pair.procs[1].communicate(timeout=120)
+        assert pair.procs[1].returncode == 1 and time.monotonic() - start < 75, err[-2000:]
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: process 1"), err[-3000:]
+    finally:
+        pair.close()

@@ -112,7 +112,7 @@ class ServingEngine:
             self.recover(plan, e)
             if self.lockstep is not None:  # its collectives ran on every process: none can go on alone
                 raise LockstepError(f"step {plan.step} failed on process {self.lockstep.process_id} "
-                                    f"({type(e).__name__}: {str(e)[:300]})") from e
+                                    f"({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]})") from e
         return plan
 
     def recover(self, plan: SchedulePlan, error: BaseException) -> None:

@@ -84,7 +84,9 @@ class RuntimeStore:
         except Exception as e:  # noqa: BLE001 - the runtime raises its own error type for a deadline
             if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower():
                 return None
-            raise LockstepError(f"the distributed runtime failed ({type(e).__name__}: {str(e)[:200]})") from e
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise LockstepError(f"the distributed runtime failed ({type(e).__name__}: {first}): process 0 "
+                                "stopped, or its coordination service did") from e
 
     def delete(self, key: str) -> None:
         try:
