@@ -128,3 +128,33 @@ def test_abort_reaches_a_request_held_outside_the_scheduler():
     assert leader.scheduler.pop_finished() == [held]
     assert leader.lockstep.journal == [("abort", "held", "the client went away")]
     loop.close()
+
+
+def test_spmd_processes_check_each_plan_against_process_0s():
+    # LLM.generate on several processes: every process makes the same calls and schedules them itself;
+    # process 0 publishes each plan's digest and the others compare. The same requests agree; a process
+    # given other requests stops with LockstepError at its first plan (not a hang in a collective).
+    def run(engine, reqs, out):
+        try:
+            out["result"] = run_requests(engine, reqs)
+        except LockstepError as e:
+            out["error"] = e
+
+    for differ in (False, True):
+        leader, follower = engines(num_pages=64)
+        store = LocalStore()
+        leader.lockstep = Lockstep(store, 0, spmd=True, name="llm1")
+        follower.lockstep = Lockstep(store, 1, timeout_s=30, spmd=True, name="llm1")
+        mine, theirs = requests()[:3], requests()[:3]
+        if differ:
+            theirs = theirs[::-1]
+        done = {}
+        thread = threading.Thread(target=run, args=(follower, theirs, done))
+        thread.start()
+        run_requests(leader, mine)  # (differing: across processes its next collective would fail instead)
+        thread.join(60)
+        if differ:
+            assert "plan for step 1 differs from process 0's" in str(done["error"])
+        else:
+            assert "error" not in done and [r.output_token_ids for r in theirs] == [r.output_token_ids for r in mine]
+            assert leader.lockstep.journal == [] and leader.lockstep.messages == leader.scheduler.step

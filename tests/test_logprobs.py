@@ -26,7 +26,9 @@ def test_top_logprobs_match_transformers(name, tp, dcp):
         ref = np.asarray(first)
         want = np.argsort(-ref, kind="stable")[:5]
         assert [i for i, _ in tops[0]] == want.tolist()  # the same order
-        np.testing.assert_allclose([x for _, x in tops[0]], ref[want], atol=1e-5)
+        # 1e-5, plus float32's relative rounding of a sum over the hidden size (XLA's accumulation order
+        # depends on the CPU's vector width: 1.17e-5 at -2.95 measured on an AMD EPYC with AVX-512)
+        np.testing.assert_allclose([x for _, x in tops[0]], ref[want], atol=1e-5, rtol=5e-6)
         assert len(tops) == len(toks) == 8
         # greedy: each token's first alternative is the token itself, with its logprob
         assert [t[0][0] for t in tops] == toks and np.allclose([t[0][1] for t in tops], lps, atol=1e-6)
@@ -39,7 +41,10 @@ def test_asking_changes_no_token_and_is_checked():
     kw = dict(max_new_tokens=8, ignore_eos=True, temperature=0.9, top_k=20, seed=7)
     plain = llm.generate(exp["prompts"], **kw)
     asked = llm.generate(exp["prompts"], top_logprobs=MAX_TOP_LOGPROBS, **kw)
-    assert plain.top_logprobs is None and asked.tokens == plain.tokens and asked.logprobs == plain.logprobs
+    assert plain.top_logprobs is None and asked.tokens == plain.tokens
+    # (a program that also ranks the top logprobs is fused differently: float32 rounding may differ, by
+    # ~1e-6 on an AMD EPYC with AVX-512, bit-equal on the Intel CI machine)
+    np.testing.assert_allclose(np.asarray(asked.logprobs), np.asarray(plain.logprobs), atol=5e-6, rtol=0)
     assert all(len(t) == MAX_TOP_LOGPROBS for req in asked.top_logprobs for t in req)
     # sampled: the token is among the alternatives (top_k 20 over the same logits), with its logprob
     for tops, toks, lps in zip(asked.top_logprobs, asked.tokens, asked.logprobs):
