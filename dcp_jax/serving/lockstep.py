@@ -44,6 +44,9 @@ from dcp_jax.serving.request import Request
 
 KEY = "dcp_jax/lockstep"
 KEEP = 64  # messages kept in the store behind the newest (a follower is at most a step or two behind)
+# SPMD: how long a process waits for process 0's plan. The processes' calls may drift apart in time (process
+# 0 writing results between two `generate` calls); a process that is gone is ended by the runtime's heartbeats.
+SPMD_WAIT_S = 24 * 3600.0
 KNOWN = 4096  # requests a follower remembers by id (a sample's `follows` names an earlier one)
 
 
@@ -174,16 +177,17 @@ class Lockstep:
             self.publish(digest)
             return
         if self.spmd:  # every process made this plan from its own calls: compare it with process 0's
-            self.expected = self.receive().digest
+            self.expected = self.receive(SPMD_WAIT_S).digest
         if digest != self.expected:
             raise LockstepError(f"process {self.process_id}'s plan for step {plan.step} differs from process 0's: "
                                 "the processes' schedulers diverged")
 
     # --- a follower --------------------------------------------------------------------------------
-    def receive(self) -> Message:
-        body = self.store.get(f"{self.key}/{self.seq}", self.timeout_s)
+    def receive(self, timeout_s: float | None = None) -> Message:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        body = self.store.get(f"{self.key}/{self.seq}", timeout_s)
         if body is None:
-            raise LockstepError(f"process {self.process_id} heard nothing from process 0 for {self.timeout_s:g} s "
+            raise LockstepError(f"process {self.process_id} heard nothing from process 0 for {timeout_s:g} s "
                                 f"(message {self.seq}): process 0 stopped or stalled")
         msg = pickle.loads(body)
         if msg.seq != self.seq:
