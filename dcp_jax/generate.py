@@ -31,15 +31,7 @@ from dcp_jax.cli import (
     token_ids_arg,
     top_logprobs_arg,
 )
-from dcp_jax.processes import (
-    add_distributed_args,
-    check_distributed_args,
-    is_multi,
-    is_worker,
-    join,
-    send_stdout_to_stderr,
-    supervise,
-)
+from dcp_jax.processes import add_distributed_args, check_distributed_args, is_multi, start
 
 DEFAULT_PROMPT = ASSETS / "default_prompt.txt"
 # The embedded model was trained on 256-byte windows: its prompt + new tokens stay within them, sampled
@@ -104,19 +96,15 @@ def run(argv=None) -> int:
         return USAGE_ERROR
 
     multi = is_multi(args)
-    if multi and not is_worker():
-        return supervise("dcp_jax.generate", argv if argv is not None else sys.argv[1:], args)
-
-    if multi:
-        send_stdout_to_stderr()  # (gloo logs on fd 1: stdout stays ours)
+    if (status := start("dcp_jax.generate", argv, args, (given_mesh[0] or 1) * (given_mesh[1] or 1)
+                        if any(given_mesh) else None)) is not None:
+        return status
     try:
         import jax
 
         from dcp_jax import mesh as mesh_lib
         from dcp_jax.llm import LLM
 
-        if multi:
-            join(args, (given_mesh[0] or 1) * (given_mesh[1] or 1) if any(given_mesh) else None)
         model_dir = Path(args.model) if args.model else DEFAULT_MODEL
         if any(given_mesh):
             tp, dcp = given_mesh[0] or 1, given_mesh[1] or 1

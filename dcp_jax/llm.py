@@ -46,17 +46,13 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 
 
 def join_runtime(coordinator, num_processes, process_id, mesh_devices: int, timeout_s: float) -> None:
-    """Join jax.distributed unless this process already has (each simulates its share of the mesh's
-    devices on CPU)."""
-    import math
-
+    """Join jax.distributed unless this process already has (`mesh.init_distributed`)."""
     if None in (coordinator, num_processes, process_id):
         raise UserError("several processes need all of coordinator='host:port', num_processes and process_id")
     if not (isinstance(process_id, int) and 0 <= process_id < num_processes):
         raise UserError(f"process_id must be in [0, {num_processes}), got {process_id!r}")
-    if not getattr(jax.distributed, "is_initialized", lambda: False)():
-        mesh_lib.init_distributed(coordinator, num_processes, process_id, timeout_s=int(timeout_s),
-                                  local_cpu_devices=math.ceil(mesh_devices / num_processes))
+    mesh_lib.init_distributed(coordinator, num_processes, process_id, mesh_devices=mesh_devices,
+                              timeout_s=int(timeout_s))
 
 
 def _positive_int(name: str, value, least: int = 1) -> None:
@@ -82,7 +78,7 @@ class LLM:
                  decode_steps: int = 8, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, speculative: SpeculativeConfig | None = None,
                  num_pages: int | None = None, kv_host_memory: int | str | None = None, kv_cache_dtype: str = "auto",
-                 dist_timeout: float = 60.0):
+                 dist_timeout: float = mesh_lib.DIST_TIMEOUT_S):
         self.model, self.mesh, self.tokenizer, self.source = model, mesh, tokenizer, source
         self.dist_timeout, self.engines_built = dist_timeout, 0
         self.impl, self.interleave, self.speculative = impl, interleave, speculative
@@ -148,7 +144,7 @@ class LLM:
         from dcp_jax.weights import load_any, resolve_dtype
 
         if coordinator is not None or (num_processes or 1) > 1:
-            join_runtime(coordinator, num_processes, process_id, tp * dcp, engine_kw.get("dist_timeout", 60))
+            join_runtime(coordinator, num_processes, process_id, tp * dcp, engine_kw.get("dist_timeout", mesh_lib.DIST_TIMEOUT_S))
 
         if interleave != "contiguous" and not (isinstance(interleave, int) and interleave >= 1):
             raise UserError(f"interleave must be an integer >= 1 or 'contiguous', got {interleave!r}")

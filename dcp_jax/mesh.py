@@ -36,8 +36,7 @@ def simulate_cpu_devices(n: int) -> bool:
     """
     from jax._src import xla_bridge  # private: the only way to ask "already initialised?"
 
-    distributed = getattr(jax.distributed, "is_initialized", lambda: False)()
-    if xla_bridge.backends_are_initialized() or distributed:  # multi-process: init_distributed set it
+    if xla_bridge.backends_are_initialized() or is_distributed():  # multi-process: init_distributed set it
         return False
     platforms = os.environ.get("JAX_PLATFORMS", "") or jax.config.jax_platforms or ""
     if "cpu" not in platforms.split(",") and platforms != "":
@@ -63,18 +62,30 @@ def ensure_cpu_devices(n: int) -> None:
         )
 
 
+DIST_TIMEOUT_S = 60  # default seconds to wait for peers at start, and to tolerate a silent peer later
+
+
+def is_distributed() -> bool:
+    """Whether this process has joined jax.distributed."""
+    return getattr(jax.distributed, "is_initialized", lambda: False)()
+
+
 def init_distributed(coordinator: str | None = None, num_processes: int | None = None,
-                     process_id: int | None = None, *, local_cpu_devices: int = 0, timeout_s: int = 60) -> None:
+                     process_id: int | None = None, *, mesh_devices: int = 0, timeout_s: int = DIST_TIMEOUT_S) -> None:
     """Join JAX's multi-process runtime (`jax.distributed`): the mesh then spans every process's devices.
 
     With no coordinator, JAX detects the cluster itself (SLURM, Open MPI, TPU/GPU cluster environments).
-    On CPU, processes talk through gloo and each simulates `local_cpu_devices` devices. `timeout_s`
-    bounds the wait for peers at start-up, and how long a silent peer is tolerated later.
+    On CPU, processes talk through gloo and each simulates its share of the mesh's `mesh_devices`
+    (⌈mesh_devices / num_processes⌉). `timeout_s` bounds the wait for peers at start-up, and how long a
+    silent peer is tolerated later. A process that has joined already stays as it is.
     """
     import inspect
+    import math
 
-    if local_cpu_devices:
-        jax.config.update("jax_num_cpu_devices", local_cpu_devices)
+    if is_distributed():
+        return
+    if mesh_devices:
+        jax.config.update("jax_num_cpu_devices", math.ceil(mesh_devices / (num_processes or 1)))
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     wanted = dict(initialization_timeout=timeout_s, heartbeat_timeout_seconds=timeout_s,
                   shutdown_timeout_seconds=timeout_s)

@@ -9,7 +9,6 @@ child's stderr, and reports how it ended in one `error:` line (exit status 1).
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import signal
@@ -31,7 +30,7 @@ def add_distributed_args(p) -> None:
     d.add_argument("--process-id", type=int, default=None)
     d.add_argument("--distributed", action="store_true",
                    help="join a cluster that jax.distributed.initialize detects by itself (SLURM, MPI, ...)")
-    d.add_argument("--dist-timeout", type=positive_int("--dist-timeout"), default=60, metavar="S",
+    d.add_argument("--dist-timeout", type=positive_int("--dist-timeout"), default=60, metavar="S",  # mesh.DIST_TIMEOUT_S
                    help="seconds to wait for peers at start, and to tolerate a silent peer later (default 60)")
 
 
@@ -51,27 +50,24 @@ def is_multi(args) -> bool:
     return bool(args.distributed or (args.num_processes or 1) > 1)
 
 
-def is_worker() -> bool:
-    """Whether this is the supervised child of a multi-process entry point."""
-    return bool(os.environ.get(WORKER))
-
-
-def join(args, mesh_devices: int | None) -> None:
-    """Join the runtime (in the supervised child). On CPU each process simulates its share of the
-    mesh's devices (`mesh_devices`, default 8)."""
-    from dcp_jax import mesh as mesh_lib
-
-    per_process = math.ceil((mesh_devices or 8) / (args.num_processes or 1))
-    mesh_lib.init_distributed(args.coordinator, args.num_processes, args.process_id,
-                              local_cpu_devices=per_process, timeout_s=args.dist_timeout)
-
-
-def send_stdout_to_stderr():
-    """Native libraries (gloo) log on fd 1: send them to stderr; returns a stream on the real stdout."""
+def start(module: str, argv, args, mesh_devices: int | None, stream: bool = False) -> int | None:
+    """An entry point's multi-process start, after its flags were checked. In the first process of this
+    share of the job: run the job in a supervised child (`supervise`) and return its exit status. In
+    that child: keep stdout for results (gloo logs on fd 1: it goes to stderr), join the runtime, each
+    process simulating its share of the mesh's `mesh_devices` (default 8) on CPU, and return None. One
+    process alone: nothing, None."""
+    if not is_multi(args):
+        return None
+    if not os.environ.get(WORKER):
+        return supervise(module, argv if argv is not None else sys.argv[1:], args, stream=stream)
     results = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = results
-    return results
+    from dcp_jax import mesh as mesh_lib
+
+    mesh_lib.init_distributed(args.coordinator, args.num_processes, args.process_id,
+                              mesh_devices=mesh_devices or 8, timeout_s=args.dist_timeout)
+    return None
 
 
 def supervise(module: str, argv, args, stream: bool = False) -> int:
@@ -94,7 +90,7 @@ def supervise(module: str, argv, args, stream: bool = False) -> int:
             failing = failing or bool(errors) or bool(_NATIVE_ERROR.search(line))
             # a runtime log line and the lines it runs on to (up to a line of ours) stay out of view
             native = bool(_NATIVE_LOG.search(line)) or (native and not _OURS.match(line))
-            if failing or native or _native_log(line):
+            if failing or native or "[Gloo]" in line or "peer ranks" in line or not line.strip():
                 continue
             if stream:
                 sys.stderr.write(line)
@@ -133,7 +129,3 @@ _NATIVE_ERROR = re.compile(_ABSL.format("EF"))
 _NATIVE_LOG = re.compile(_ABSL.format("EFWI") + r"|^(\s+@\s+0x|\*\*\* |=== Source Location|external/|RPC: "
                          r"|The tasks have crashed|\[type\.googleapis)")
 
-
-def _native_log(line: str) -> bool:
-    """A line of the runtime's own logging or its abort's C++ stack dump (kept out of the user's view)."""
-    return bool(_NATIVE_LOG.search(line)) or "[Gloo]" in line or "peer ranks" in line or not line.strip()

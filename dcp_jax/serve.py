@@ -28,15 +28,7 @@ from dcp_jax.cli import (
     positive_float,
     positive_int,
 )
-from dcp_jax.processes import (
-    add_distributed_args,
-    check_distributed_args,
-    is_multi,
-    is_worker,
-    join,
-    send_stdout_to_stderr,
-    supervise,
-)
+from dcp_jax.processes import add_distributed_args, check_distributed_args, is_multi, start
 
 
 def build_parser():
@@ -118,11 +110,10 @@ def run(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return USAGE_ERROR
     multi = is_multi(args)
-    if multi and not is_worker():  # this process's share runs in a child: a lost peer becomes one line
-        return supervise("dcp_jax.serve", argv if argv is not None else sys.argv[1:], args, stream=True)
-    if multi:
-        send_stdout_to_stderr()
-        join(args, (tp or 1) * (dcp or 1) if tp or dcp else None)
+    # several processes: this share runs in a supervised child (a lost peer becomes one line)
+    if (status := start("dcp_jax.serve", argv, args, (tp or 1) * (dcp or 1) if tp or dcp else None,
+                        stream=True)) is not None:
+        return status
     try:
         import uvicorn  # noqa: F401
     except ImportError:

@@ -83,10 +83,10 @@ def test_a_silent_leader_ends_a_follower_in_bounded_time():
 def test_an_idle_leader_sends_heartbeats_and_a_failed_step_is_fatal(monkeypatch):
     leader, _ = engines(num_pages=64)
     store = LocalStore()
-    leader.lockstep = Lockstep(store, 0, timeout_s=0.04)
+    leader.lockstep = Lockstep(store, 0, timeout_s=40)
     leader.lockstep.heartbeat()
-    assert leader.lockstep.messages == 0  # not yet due
-    threading.Event().wait(0.02)
+    assert leader.lockstep.messages == 0  # not yet due: due 10 s (timeout / 4) after the last message
+    leader.lockstep.last_sent -= 10
     leader.lockstep.heartbeat()
     assert leader.lockstep.messages == 1 and store.values["dcp_jax/lockstep/serve/0"]
 
