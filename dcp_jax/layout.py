@@ -88,8 +88,10 @@ class KVLayout:
         return self.slice_positions(rank).at(slot)
 
     def slot_positions(self, rank):
-        """Global positions of all local slots of shard `rank` (int32 [slots_per_shard])."""
-        return self.position_of(rank, jnp.arange(self.slots_per_shard, dtype=jnp.int32))
+        """Global positions of all local slots of shard `rank` (int32 [slots_per_shard]; NumPy for a host
+        rank, JAX for a traced one)."""
+        xp = jnp if isinstance(rank, jax.Array) else np
+        return self.position_of(rank, xp.arange(self.slots_per_shard, dtype=xp.int32))
 
     # --- lengths ---------------------------------------------------------------------------------
     def local_length(self, length, rank):

@@ -34,35 +34,16 @@ def prompts():
     return [a for p in EXP["prompts"] for a in ("--prompt-ids", ",".join(map(str, p)))]
 
 
-@pytest.mark.parametrize("mesh", ["tp=2,dcp=4", "tp=1,dcp=8"])
-def test_two_processes_match_one(mesh):
+def test_two_processes_match_one():
+    # (tp=2 x dcp=4 on two processes: the server and LLM.generate tests below)
     port = free_port()
-    procs = [launch(i, port, "--mesh", mesh, "--max-new-tokens", 8, *prompts()) for i in (0, 1)]
+    procs = [launch(i, port, "--mesh", "tp=1,dcp=8", "--max-new-tokens", 8, *prompts()) for i in (0, 1)]
     outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     result = json.loads(outs[0][0])
     assert result["tokens"] == EXP["greedy"]  # == one process with 8 devices (test_generate)
     assert (result["stats"]["tp"] * result["stats"]["dcp"]) == 8
     assert outs[1][0] == ""  # only process 0 reports
-
-
-def test_killed_peer_ends_the_other_in_bounded_time():
-    port = free_port()
-    args = ("--mesh", "tp=2,dcp=4", "--max-new-tokens", 3000, "--max-seq-len", 3072, "--dist-timeout", 10,
-            "--prompt-ids", "1,2,3")
-    procs = [launch(i, port, *args) for i in (0, 1)]
-    time.sleep(15)  # both joined; compiling or decoding
-    assert procs[0].poll() is None, procs[0].communicate()
-    os.killpg(procs[1].pid, signal.SIGKILL)
-    start = time.monotonic()
-    _, err = procs[0].communicate(timeout=120)
-    elapsed = time.monotonic() - start
-    procs[1].wait()
-    assert procs[0].returncode == 1
-    assert elapsed < 60, elapsed
-    last = err.strip().splitlines()[-1]
-    assert last.startswith("error: process 0") and "peer process" in last, err[-2000:]
-    assert "Traceback" not in err
 
 
 def test_unreachable_coordinator_is_a_clear_error():
