@@ -79,20 +79,21 @@ WORKLOADS = {
     "long": dict(model="bench", requests=32, prompt=(64, 16384), output=(8, 128), poisson=False, static=True),
 }
 QUICK_WORKLOADS = {
-    "short": dict(model="tiny", requests=48, prompt=(8, 64), output=(12, 12), poisson=False, static=False,
-                  max_num_seqs=8),
+    "short": dict(model="tiny", requests=48, prompt=(8, 64), output=(12, 12), poisson=False, static=False),
     "mixed": dict(model="tiny", requests=12, prompt=(16, 256), output=(4, 32), poisson=True, static=False),
     "long": dict(model="tiny", requests=8, prompt=(16, 512), output=(4, 16), poisson=False, static=True),
 }
 
 # Sizes of the default and the --quick run (command-line flags override them one by one).
+# --quick: every workload on one engine shape (slots, max_model_len, so one pool), so a run with a
+# compilation cache (the tests') compiles each program once.
 DEFAULTS = dict(
-    model="bench", max_num_seqs=8, prefill_chunk=256, page_size=64, decode_steps=8, max_num_batched_tokens=2048,
+    model="bench", max_num_seqs=8, max_model_len=None, prefill_chunk=256, page_size=64, decode_steps=8, max_num_batched_tokens=2048,
     cap_requests=16, cap_prompt=4064, cap_output=32, cap_page_size=64, cap_fit=3, cap_chunk=4096,
     client_requests=32, client_prompt=(64, 2048), client_output=(8, 64), client_concurrency=[1, 4, 16],
 )
 QUICK = dict(
-    model="tiny", max_num_seqs=4, prefill_chunk=128, page_size=16, decode_steps=8, max_num_batched_tokens=256,
+    model="tiny", max_num_seqs=8, max_model_len=544, prefill_chunk=128, page_size=16, decode_steps=8, max_num_batched_tokens=256,
     cap_requests=10, cap_prompt=240, cap_output=16, cap_page_size=16, cap_fit=2, cap_chunk=256,
     client_requests=8, client_prompt=(16, 256), client_output=(4, 16), client_concurrency=[1, 4],
 )
@@ -238,7 +239,7 @@ def serving_worker(spec: dict) -> dict:
     """One workload on one code under test: the burst, then (if asked) Poisson arrivals and static batches."""
     s = spec["max_num_seqs"]
     workload = spec["workload"]
-    max_model_len = max(len(w["prompt"]) + w["max_tokens"] for w in workload)
+    max_model_len = spec.get("max_model_len") or max(len(w["prompt"]) + w["max_tokens"] for w in workload)
     budget = spec.get("kv_cache_memory")
     llm = load_llm(spec, max_num_seqs=s, page_size=spec["page_size"], decode_steps=spec["decode_steps"],
                    kv_cache_memory=budget, max_model_len=max_model_len, prefill_chunk=spec["prefill_chunk"],
@@ -339,7 +340,7 @@ def capacity_worker(spec: dict) -> dict:
     from dcp_jax.serving.runner import page_bytes_per_device
 
     server = llm.engine
-    server.runner.compile_all()
+    compiled = server.runner.compile_s  # programs compile on first use (only those this run needs): not timed
     peak = dict(decoding=0, running=0)
     reqs = [Request(w["id"], w["prompt"], max_tokens=w["max_tokens"], ignore_eos=True) for w in workload]
 
@@ -357,7 +358,8 @@ def capacity_worker(spec: dict) -> dict:
                 budget_bytes=spec["kv_cache_memory"],
                 page_bytes_per_device=page_bytes, pages_total=result["pages_total"],
                 kv_capacity_tokens=result["kv_capacity_tokens"], peak_decoding=peak["decoding"],
-                peak_active=peak["running"], preemptions=result["preemptions"], wall_s=result["wall_s"],
+                peak_active=peak["running"], preemptions=result["preemptions"],
+                wall_s=result["wall_s"] - (server.runner.compile_s - compiled),
                 requests=len(reqs), tokens=[list(r.output_token_ids) for r in reqs])
 
 
@@ -690,7 +692,7 @@ def main(argv=None) -> int:
             work = make_workload(w["requests"], w["prompt"], w["output"], cfg["vocab_size"], args.seed)
             spec = dict(checkpoint=str(checkpoint), tp=tp, dcp=dcp, workload=work, kv_cache_memory=args.kv_cache_memory,
                         rate=args.rate, load=args.load, seed=args.seed, prefix_caching=args.prefix_caching,
-                        poisson=w["poisson"], static=w["static"], **sizes_kw)
+                        poisson=w["poisson"], static=w["static"], max_model_len=size["max_model_len"], **sizes_kw)
             if args.max_num_seqs is None and "max_num_seqs" in w:  # the workload's own slots
                 spec["max_num_seqs"] = w["max_num_seqs"]
             info[name] = dict(max_num_seqs=spec["max_num_seqs"])
