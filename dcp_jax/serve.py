@@ -89,9 +89,9 @@ def check_role_args(args) -> str | None:
     if args.role != "single" and bind in ("0.0.0.0", "::", "") and not args.transfer_advertise:
         return (f"the KV transfer server binds {bind or 'every address'}: give --transfer-advertise HOST, the name "
                 "the peer instance reaches this host by")
-    if args.role != "single" and is_multi(args):
-        return (f"--role {args.role} runs on one process: serve a model that needs several processes with "
-                "--role single")
+    if args.role == "prefill" and is_multi(args):
+        return ("--role prefill runs on one process: a prefill instance spanning processes is not supported "
+                "(the decode instance may: --role decode with the multi-process flags)")
     if args.role != "single" and args.speculative is not None:
         return (f"--speculative is not supported with --role {args.role}: serve speculative decoding "
                 "from a single instance (--role single)")
@@ -124,7 +124,7 @@ def run(argv=None) -> int:
     if args.role != "single":  # dcp_jax.disagg: the two roles share the key (/v1 and the control channel)
         from dcp_jax.disagg.server import run_role
 
-        return run_role(args, llm_kw, api_key)
+        return run_role(args, llm_kw, api_key, lockstep_timeout=args.dist_timeout if multi else None)
     from dcp_jax.launch import follow, make_app, serve_forever
     from dcp_jax.serving.lockstep import LockstepError
 

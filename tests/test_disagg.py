@@ -147,7 +147,7 @@ class Stalling:
         out = self.inner.prefill(items, timeout_s)
         for item, offer in zip(items, out):
             if item["prompt_token_ids"] == self.stall:
-                offer["uuid"] = 12345
+                offer["parts"] = [[p, 12345, idx] for p, _, idx in offer["parts"]]
         return out
 
     def release(self, uuid, pulled):

@@ -299,3 +299,65 @@ def test_a_lost_leader_ends_the_follower_with_one_line():
         assert len(lines) == 1 and lines[0].startswith("error: process 1"), err[-3000:]
     finally:
         pair.close()
+
+
+# --- a disaggregated pair whose decode instance is two processes --------------------------------------
+
+def test_a_decode_instance_on_two_processes_pulls_each_process_its_share():
+    # A prefill instance (one process, tp=1 x dcp=2, pages of 4) and a decode instance on two processes
+    # (tp=2 x dcp=4, pages of 2: each process keeps one of the two kv heads over all four context ranks):
+    # 12 concurrent requests through the openai client get the tokens one process with 8 devices gives
+    # them alone, and each decode process pulls only its own devices' share of every prompt's KV.
+    import concurrent.futures as cf
+
+    import httpx
+
+    from dcp_jax import LLM
+
+    prompts, lengths = mixed_requests()
+    llm = LLM.load(FIX, tp=2, dcp=4, page_size=2, max_model_len=64)
+    solo = [llm.generate([p], max_new_tokens=n, ignore_eos=True).tokens[0] for p, n in zip(prompts, lengths)]
+    cfg = llm.model.config
+    pport = free_port()
+    prefill = subprocess.Popen([sys.executable, "-m", "dcp_jax.serve", "--role", "prefill", "--model", str(FIX),
+                                "--mesh", "tp=1,dcp=2", "--page-size", "4", "--max-model-len", "64", "--port", str(pport),
+                                "--log-level", "warning", "--transfer-timeout", "20"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    pair = None
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert prefill.poll() is None, prefill.communicate()
+            try:
+                if httpx.get(f"http://127.0.0.1:{pport}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the prefill instance did not start"
+            time.sleep(0.5)
+        pair = Pair("--role", "decode", "--prefill-at", f"127.0.0.1:{pport}", "--transfer-timeout", 20)
+        client = pair.client()
+        with cf.ThreadPoolExecutor(12) as pool:
+            got = list(pool.map(lambda a: completion_ids(client, *a), zip(prompts, lengths)))
+        assert got == solo
+        stats = httpx.get(pair.base + "/disagg/stats", timeout=30).json()
+        by_process = {int(p): b for p, b in stats["bytes_by_process"].items()}
+        # each process keeps one kv head: half of every prompt's KV, plus at most the zero padding of the
+        # source's last page on each source rank (a source page of 4 slots per rank, half the heads)
+        tb = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # one token, every kv head, k and v
+        half = sum(len(p) for p in prompts) * tb // 2
+        pad = len(prompts) * 2 * 4 * tb // 2
+        assert sorted(by_process) == [0, 1]
+        assert all(half <= b <= half + pad for b in by_process.values()), (by_process, half, pad)
+        assert by_process[0] == stats["transfer_bytes"]  # process 0's own pulls: only its share
+        pair.procs[0].send_signal(signal.SIGTERM)  # the leader drains and tells the follower to stop
+        outs = [p.communicate(timeout=120) for p in pair.procs]
+        assert [p.returncode for p in pair.procs] == [0, 0], [o[1][-2000:] for o in outs]
+        assert not any("Traceback" in err for _, err in outs)
+    finally:
+        if pair is not None:
+            pair.close()
+        if prefill.poll() is None:
+            os.killpg(prefill.pid, signal.SIGKILL)
+        prefill.communicate(timeout=60)

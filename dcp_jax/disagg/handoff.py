@@ -28,7 +28,7 @@ def config_hash(cfg) -> str:
 
 # The handoff's wire format (what `describe`, `Offer` and `PieceSpec` carry). Both sides of a pair must
 # speak the same one: the handshake refuses another. Raise it whenever that format changes.
-PROTOCOL = 3
+PROTOCOL = 4
 
 
 def describe(engine, role: str, address: str) -> dict:
@@ -77,7 +77,10 @@ PLACEMENT_KEYS = ("num_shards", "interleave", "page_size", "tp", "stored_kv_head
 def placement(info: dict) -> dict:
     """What the decode side tells the prefill side with every request (JSON-able, from its `describe`):
     its paged placement and how its cache heads split, so the source cuts the pieces it wants."""
-    return {k: int(info[k]) for k in PLACEMENT_KEYS}
+    out = {k: int(info[k]) for k in PLACEMENT_KEYS}
+    if "processes" in info:  # which decode process keeps which pieces (`process_groups`)
+        out["processes"] = [[int(r), int(lo), int(hi), [int(p) for p in ps]] for r, lo, hi, ps in info["processes"]]
+    return out
 
 
 def head_ranges(info: dict) -> list[tuple[int, int]]:
@@ -138,12 +141,33 @@ class PieceSpec:
                    int(d["offset"]), tuple(int(x) for x in d["shape"]), str(d["dtype"]))
 
 
+def process_groups(specs: list[PieceSpec], dest: dict) -> dict[int, list[int]]:
+    """Which decode process pulls which pieces: process -> indices into `specs`. `dest` (the decode
+    placement) names, per (destination rank, kv heads [lo, hi)) of a piece, the processes whose devices
+    keep it (`processes`: [[rank, lo, hi, [process, ...]], ...]; a decode instance on one process names
+    only 0). A piece two processes keep (heads replicated over tp ranks on both) is in both groups."""
+    if "processes" not in dest:  # (a placement from this process: one group)
+        return {0: list(range(len(specs)))}
+    keeps = {(int(r), int(lo), int(hi)): [int(p) for p in ps] for r, lo, hi, ps in dest["processes"]}
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(specs):
+        who = keeps.get((s.dst_rank, s.head0, s.head0 + s.shape[2]))
+        if not who:
+            raise ValueError(f"the decode placement names no process keeping rank {s.dst_rank}'s kv heads "
+                             f"{s.head0}..{s.head0 + s.shape[2] - 1}")
+        for p in who:
+            groups.setdefault(p, []).append(i)
+    return groups
+
+
 @dataclasses.dataclass
 class Offer:
-    """What the prefill side answers for one request: its first sampled token and where its KV waits."""
+    """What the prefill side answers for one request: its first sampled token and where its KV waits:
+    `parts`, one offer per decode process that keeps any of the pieces ((process, uuid, indices into
+    `pieces`)), each pulled by that process alone (a pull takes a whole offer)."""
 
     request_id: str
-    uuid: int
+    parts: list[tuple[int, int, list[int]]]
     length: int  # prompt tokens whose KV is offered
     first_token: int
     first_logprob: float
@@ -151,16 +175,25 @@ class Offer:
     prefill_s: float = 0.0
     first_top: list = dataclasses.field(default_factory=list)  # the first token's [id, logprob] alternatives
 
+    def part(self, process: int) -> tuple[int | None, list[PieceSpec]]:
+        """(uuid, pieces) of what `process` pulls; (None, []) when it keeps none of the prompt."""
+        for p, uuid, idx in self.parts:
+            if p == process:
+                return uuid, [self.pieces[i] for i in idx]
+        return None, []
+
     def to_json(self) -> dict:
-        return dict(request_id=self.request_id, uuid=self.uuid, length=self.length, first_token=self.first_token,
-                    first_logprob=self.first_logprob, pieces=[p.to_json() for p in self.pieces],
-                    prefill_s=self.prefill_s, first_top=[[int(i), float(x)] for i, x in self.first_top])
+        return dict(request_id=self.request_id, parts=[[p, u, list(idx)] for p, u, idx in self.parts],
+                    length=self.length, first_token=self.first_token, first_logprob=self.first_logprob,
+                    pieces=[p.to_json() for p in self.pieces], prefill_s=self.prefill_s,
+                    first_top=[[int(i), float(x)] for i, x in self.first_top])
 
     @classmethod
     def from_json(cls, d: dict) -> "Offer":
-        return cls(str(d["request_id"]), int(d["uuid"]), int(d["length"]), int(d["first_token"]),
-                   float(d["first_logprob"]), [PieceSpec.from_json(p) for p in d["pieces"]],
-                   float(d.get("prefill_s", 0.0)), [(int(i), float(x)) for i, x in d.get("first_top", [])])
+        return cls(str(d["request_id"]), [(int(p), int(u), [int(i) for i in idx]) for p, u, idx in d["parts"]],
+                   int(d["length"]), int(d["first_token"]), float(d["first_logprob"]),
+                   [PieceSpec.from_json(p) for p in d["pieces"]], float(d.get("prefill_s", 0.0)),
+                   [(int(i), float(x)) for i, x in d.get("first_top", [])])
 
 
 def new_uuid() -> int:

@@ -34,7 +34,8 @@ import dataclasses
 import threading
 import time
 
-from dcp_jax.disagg.handoff import Offer, check_pairing, describe, head_ranges, new_uuid, placement, src_layout
+from dcp_jax.disagg.handoff import (Offer, check_pairing, describe, head_ranges, new_uuid, placement, process_groups,
+                                   src_layout)
 from dcp_jax.disagg.transfer import Receiver, Stager, TransferError, TransferPort
 from dcp_jax.errors import UserError
 from dcp_jax.sampling import SamplingParams
@@ -111,17 +112,19 @@ class PrefillInstance:
                     try:  # (the gather reads the pool, donates nothing: a failure here is this item's alone)
                         arrays, specs = self.stager.stage(plan.block_table[c.slot], c.end,  # before the next step
                                                           dests[r.request_id])
-                        uuid = new_uuid()
-                        self.port.offer(uuid, arrays)
+                        parts = []  # one offer per decode process (each pulls only its own devices' pieces)
+                        for process, idx in sorted(process_groups(specs, dests[r.request_id]).items()):
+                            parts.append((process, new_uuid(), idx))
+                            self.port.offer(parts[-1][1], [arrays[j] for j in idx])
                     except Exception as e:  # noqa: BLE001 - this item fails, the batch goes on
                         results[r.request_id] = dict(request_id=reqs[i][0], error=f"staging its KV failed: "
                                                      f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
                     else:
                         top = r.output_top_logprobs[0] if r.output_top_logprobs else []
-                        results[r.request_id] = Offer(reqs[i][0], uuid, c.end, r.output_token_ids[0],
+                        results[r.request_id] = Offer(reqs[i][0], parts, c.end, r.output_token_ids[0],
                                                       r.output_logprobs[0], specs, time.perf_counter() - t0,
                                                       top).to_json()
-                        self.stats["offered_bytes"] += sum(s.nbytes for s in specs)
+                        self.stats["offered_bytes"] += sum(specs[j].nbytes for _, _, idx in parts for j in idx)
                         self.stats["requests"] += 1
                         self.stats["prompt_tokens"] += c.end
                     self.stats["stage_s"] += time.perf_counter() - ts
@@ -165,10 +168,12 @@ class LocalPrefill:
 
 @dataclasses.dataclass
 class Landed:
-    """A request's KV pulled onto the decode instance's devices, not yet in its pool."""
+    """A request's KV pulled onto this process's decode devices (its part of the offer: `specs`), not
+    yet in the pool."""
 
     offer: Offer
     pieces: list
+    specs: list
     transfer_bytes: int
     transfer_s: float
     device_bytes: dict = dataclasses.field(default_factory=dict)  # device id -> KV bytes placed there (write)
@@ -183,8 +188,9 @@ class DecodeInstance:
         self.source = prefill.handshake()
         check_pairing(self.source, self.info())
         self.receiver = Receiver(engine.runner, self.source)
-        self.placement = placement(self.info())
+        self.placement = placement(dict(self.info(), processes=self.receiver.processes()))
         self.stats = dict(transfer_bytes=0, transfer_s=0.0, write_s=0.0, transfers=0, failed=0)
+        self.span = None  # several processes, on process 0: the other processes' side (`disagg.spanning`)
 
     def info(self) -> dict:
         return describe(self.engine.runner, "decode", self.port.address)
@@ -198,9 +204,9 @@ class DecodeInstance:
         runner.allocate()
         return self.receiver.warm(runner.config.max_model_len - 1)
 
-    def fetch_many(self, requests: list[Request]) -> list[Landed | TransferError]:
-        """Prefill `requests` on the prefill instance (one batch) and pull each one's KV. Blocking, every
-        wait bounded by `timeout_s`; per request a Landed or the TransferError that failed it."""
+    def offers(self, requests: list[Request]) -> list[Offer | TransferError]:
+        """Prefill `requests` on the prefill instance (one batch): per request its Offer or the
+        TransferError that failed it (bounded by `timeout_s`)."""
         try:
             eos = self.engine.scheduler.config.eos_token_ids
             offers = self.prefill.prefill([request_item(r, self.placement, eos) for r in requests], self.timeout_s)
@@ -213,8 +219,13 @@ class DecodeInstance:
                 self.stats["failed"] += 1
                 out.append(TransferError(f"the prefill instance refused the request: {offer['error']}"))
                 continue
-            out.append(self.pull(Offer.from_json(offer)))
+            out.append(Offer.from_json(offer))
         return out
+
+    def fetch_many(self, requests: list[Request]) -> list[Landed | TransferError]:
+        """Prefill `requests` on the prefill instance (one batch) and pull each one's KV. Blocking, every
+        wait bounded by `timeout_s`; per request a Landed or the TransferError that failed it."""
+        return [o if isinstance(o, TransferError) else self.pull(o) for o in self.offers(requests)]
 
     def fetch(self, request: Request) -> Landed:
         (landed,) = self.fetch_many([request])
@@ -223,28 +234,32 @@ class DecodeInstance:
         return landed
 
     def pull(self, offer: Offer) -> Landed | TransferError:
+        """Pull this process's part of `offer` (the pieces its devices keep; none when they keep no
+        token of the prompt) within `timeout_s`, and release it on the prefill side."""
         t0 = time.perf_counter()
+        uuid, specs = offer.part(self.receiver.process)
+        if uuid is None:
+            return Landed(offer, [], [], 0, 0.0)
         try:
-            devices = self.receiver.pull_devices(offer.pieces)  # each piece onto a device that keeps it
-            pieces = self.port.pull(self.source["transfer_address"], offer.uuid, offer.pieces, devices,
-                                    self.timeout_s)
+            devices = self.receiver.pull_devices(specs)  # each piece onto a device that keeps it
+            pieces = self.port.pull(self.source["transfer_address"], uuid, specs, devices, self.timeout_s)
         except TransferError as e:
             self.stats["failed"] += 1
             try:
-                self.prefill.release(offer.uuid, pulled=False)
+                self.prefill.release(uuid, pulled=False)
             except TransferError:
                 pass  # the prefill instance is gone: nothing to release
             return e
         dt = time.perf_counter() - t0
         try:
-            self.prefill.release(offer.uuid, pulled=True)
+            self.prefill.release(uuid, pulled=True)
         except TransferError:
             pass  # it will drain the (already consumed) offer after its timeout
         nbytes = sum(int(p.nbytes) for p in pieces)  # what the transfer delivered
         self.stats["transfer_bytes"] += nbytes
         self.stats["transfer_s"] += dt
         self.stats["transfers"] += 1
-        return Landed(offer, pieces, nbytes, dt)
+        return Landed(offer, pieces, specs, nbytes, dt)
 
     def admit(self, request: Request, landed: Landed) -> bool | None:
         """Between engine steps: take pages, write the landed KV, record the first token (see
@@ -256,7 +271,7 @@ class DecodeInstance:
         t0 = time.perf_counter()
 
         def write(pages):
-            landed.device_bytes = self.receiver.write(landed.pieces, o.pieces, o.length, pages)
+            landed.device_bytes = self.receiver.write(landed.pieces, landed.specs, o.length, pages)
 
         ok = self.engine.scheduler.admit_prefilled(request, o.first_token, o.first_logprob, write,
                                                    top=list(zip(*o.first_top)) if o.first_top else None)
@@ -275,6 +290,8 @@ class DecodeInstance:
         while waiting:
             request = waiting[0]
             if not request.is_finished:
+                # several processes: the others reserve for the request as it is before this reservation
+                before = self.span.lockstep.dump_request(request) if self.span is not None else None
                 try:
                     ok = sched.reserve_prefilled(request)
                 except UserError as e:  # a duplicate id: this request fails, the others go on
@@ -284,6 +301,8 @@ class DecodeInstance:
                     break
                 if ok:
                     reserved.append(request)
+                    if self.span is not None:  # the other processes reserve the same pages
+                        self.span.record("reserve", before)
             waiting.popleft()
         return reserved
 
@@ -297,6 +316,18 @@ class DecodeInstance:
         sched, admitted = self.engine.scheduler, []
         while backlog:
             request, landed = backlog[0]
+            if not request.is_finished and self.span is not None:  # several processes: each pulled its part?
+                verdict = self.span.verdict(request, landed)  # (recorded for the others: admit, or fail and why)
+                if verdict is None:
+                    break  # another process is still pulling: admit in order, after a step
+                if verdict is not True:
+                    sched.fail(request, verdict, retryable=True)
+                    backlog.popleft()
+                    continue
+                self.span.admit(request, landed)  # a failed write is fatal: its pages differ between processes
+                admitted.append(request)
+                backlog.popleft()
+                continue
             if not request.is_finished:
                 try:
                     ok = self.admit(request, landed)

@@ -240,7 +240,16 @@ class DisaggAsyncEngine(AsyncEngine):
 
     def fetch(self, tracked) -> None:
         try:
-            landed = self.decode.fetch(tracked.request)
+            if self.decode.span is None:
+                landed = self.decode.fetch(tracked.request)
+            else:  # several processes: the others pull their parts while this one pulls its own
+                (offer,) = self.decode.offers([tracked.request])
+                if isinstance(offer, TransferError):
+                    raise offer
+                self.commands.put(("offered", (tracked, offer)))
+                landed = self.decode.pull(offer)
+                if isinstance(landed, TransferError):
+                    raise landed
             self.commands.put(("landed", (tracked, landed)))
         except TransferError as e:
             self.commands.put(("failed", (tracked, str(e))))
@@ -256,6 +265,12 @@ class DisaggAsyncEngine(AsyncEngine):
     def drain(self, block: bool) -> None:
         self.decode.admit_ready(self.backlog)
         self.fetch_ready()  # pages freed by the last step or command
+        block = block and not self.engine.scheduler.has_unfinished()  # (one admitted just now: step, don't wait)
+        if block and self.backlog and self.decode.span is not None:  # landed here, another process still pulling
+            super().drain(False)
+            self.engine.lockstep.heartbeat()
+            time.sleep(0.002)
+            return
         super().drain(block)
 
     def handle(self, kind: str, arg) -> None:
@@ -273,37 +288,71 @@ class DisaggAsyncEngine(AsyncEngine):
             if not refused:
                 self.waiting.append(arg.request)
                 self.fetch_ready()
+        elif kind == "offered":  # several processes: the others pull their parts now
+            tracked, offer = arg
+            if not tracked.request.is_finished:
+                self.decode.span.offered(tracked.request, offer)
         elif kind == "landed":
             tracked, landed = arg
             self.backlog.append((tracked.request, landed))
             self.decode.admit_ready(self.backlog)
         elif kind == "failed":
             tracked, error = arg
+            if self.decode.span is not None:  # the other processes give its reservation back too
+                self.decode.span.fail(tracked.request, error)
             sched.fail(tracked.request, error, retryable=True)  # the prefill instance's failure, not the request's
         else:
             super().handle(kind, arg)  # cancel: in the scheduler, or still fetching / in the backlog
 
 
-def make_decode_app(model_dir, *, prefill_at: str, timeout_s: float, served_model_name, max_pending,
-                    host: str = "127.0.0.1", queue_timeout_s: float = 60.0, api_key: str | None = None,
-                    max_request_bytes: int | None = None, advertise: str | None = None, **llm_kw):
-    """Load, pair with the prefill instance at `prefill_at` (UserError if that fails), compile, and
-    return (FastAPI app, LLM, DecodeInstance). `timeout_s` bounds each prefill and each pull,
-    `queue_timeout_s` a request's wait in the prefill instance's queue; `api_key` guards /v1 and is sent
-    to the prefill instance's control channel. `llm_kw`: as `dcp_jax.launch.load_llm`."""
+def decode_instance(model_dir, *, prefill_at: str, timeout_s: float, host: str = "127.0.0.1",
+                    queue_timeout_s: float = 60.0, api_key: str | None = None, advertise: str | None = None,
+                    lockstep_timeout: float | None = None, **llm_kw):
+    """Load, pair with the prefill instance at `prefill_at` (UserError if that fails) and compile: (LLM,
+    model path, embedded, DecodeInstance). Several processes (`lockstep_timeout`): join the others; on
+    process 0 the instance leads them (`spanning.Span`), on the others it follows (`spanning.Follower`)."""
+    import jax
+
     llm, path, embedded = load_llm(model_dir, **llm_kw)
     engine = llm.engine
-    port = TransferPort(llm.mesh.devices.flat[0], host=host, advertise=advertise)
+    mine = [d for d in llm.mesh.devices.flat if d.process_index == jax.process_index()]
+    port = TransferPort(mine[0], host=host, advertise=advertise)  # this process's transfer server
     decode = DecodeInstance(engine, HttpPrefill(prefill_at, timeout_s, queue_timeout_s, api_key), port,
                             timeout_s=timeout_s)
     decode.warm()  # before the port opens: no request compiles a program in the engine thread
+    if lockstep_timeout is not None:
+        from dcp_jax.disagg.spanning import Follower, Span
+        from dcp_jax.launch import join_lockstep
+
+        lockstep = join_lockstep(llm, lockstep_timeout)
+        if lockstep.leader:
+            decode.span = Span(decode, lockstep, jax.process_count())
+        else:
+            Follower(decode, lockstep)  # (its commands' handlers, on the lockstep)
+    return llm, path, embedded, decode
+
+
+def make_decode_app(model_dir, *, prefill_at: str, timeout_s: float, served_model_name, max_pending,
+                    host: str = "127.0.0.1", queue_timeout_s: float = 60.0, api_key: str | None = None,
+                    max_request_bytes: int | None = None, advertise: str | None = None,
+                    lockstep_timeout: float | None = None, **llm_kw):
+    """Load, pair with the prefill instance at `prefill_at` (UserError if that fails), compile, and
+    return (FastAPI app, LLM, DecodeInstance). `timeout_s` bounds each prefill and each pull,
+    `queue_timeout_s` a request's wait in the prefill instance's queue; `api_key` guards /v1 and is sent
+    to the prefill instance's control channel; `lockstep_timeout`: several processes, this one process 0.
+    `llm_kw`: as `dcp_jax.launch.load_llm`."""
+    llm, path, embedded, decode = decode_instance(
+        model_dir, prefill_at=prefill_at, timeout_s=timeout_s, host=host, queue_timeout_s=queue_timeout_s,
+        api_key=api_key, advertise=advertise, lockstep_timeout=lockstep_timeout, **llm_kw)
+    engine = llm.engine
     runner = DisaggAsyncEngine(engine, decode, max_pending=max_pending)
     app_kw = dict(api_key=api_key) | ({} if max_request_bytes is None else dict(max_request_bytes=max_request_bytes))
     app = openai_app(runner, llm, path, embedded, served_model_name, **app_kw)
 
     @app.get("/disagg/stats")
     async def stats():  # the transfers so far, and the scheduler's snapshot after the last step
-        return dict(decode.stats, source=decode.source, scheduler=runner.stats)
+        span = {} if decode.span is None else dict(bytes_by_process=decode.span.bytes_by_process)
+        return dict(decode.stats, **span, source=decode.source, scheduler=runner.stats)
 
     return app, llm, decode
 
@@ -320,16 +369,27 @@ def make_prefill(model_dir, *, timeout_s: float, host: str = "127.0.0.1", queue_
     return make_prefill_app(instance, queue_timeout_s=queue_timeout_s, api_key=api_key), llm, instance
 
 
-def run_role(args, llm_kw: dict, api_key: str | None = None) -> int:
+def run_role(args, llm_kw: dict, api_key: str | None = None, lockstep_timeout: float | None = None) -> int:
     """`python -m dcp_jax.serve --role prefill|decode ...` after the arguments were checked; `llm_kw`:
-    `load_llm`'s keywords from the shared flags; `api_key`: the key both roles share."""
+    `load_llm`'s keywords from the shared flags; `api_key`: the key both roles share;
+    `lockstep_timeout`: a decode instance on several processes (process 0 serves HTTP, the others follow)."""
     import sys
 
+    import jax
+
     from dcp_jax.cli import RUN_ERROR
+    from dcp_jax.serving.lockstep import LockstepError
 
     llm_kw = dict(llm_kw, interleave=args.interleave)
     transfer = dict(host=args.transfer_host or args.host, advertise=args.transfer_advertise)
     try:
+        if lockstep_timeout is not None and jax.process_index() > 0:  # a follower: no HTTP
+            _, _, _, inst = decode_instance(args.model, prefill_at=args.prefill_at, timeout_s=args.transfer_timeout,
+                                            **transfer, queue_timeout_s=args.prefill_queue_timeout, api_key=api_key,
+                                            lockstep_timeout=lockstep_timeout, **llm_kw)
+            with inst.engine.lock:
+                inst.engine.lockstep.follow(inst.engine)
+            return 0
         if args.role == "prefill":
             app, llm, inst = make_prefill(args.model, timeout_s=args.transfer_timeout, **transfer,
                                           queue_timeout_s=args.prefill_queue_timeout, api_key=api_key, **llm_kw)
@@ -339,11 +399,12 @@ def run_role(args, llm_kw: dict, api_key: str | None = None) -> int:
                                              served_model_name=args.served_model_name,
                                              max_pending=args.max_pending, **transfer,
                                              queue_timeout_s=args.prefill_queue_timeout, api_key=api_key,
-                                             max_request_bytes=args.max_request_bytes, **llm_kw)
+                                             max_request_bytes=args.max_request_bytes,
+                                             lockstep_timeout=lockstep_timeout, **llm_kw)
             src = inst.source
             what = (f"decode instance paired with the prefill instance at {args.prefill_at} "
                     f"(tp={src['tp']} x dcp={src['dcp']}, interleave {src['interleave']}, page {src['page_size']})")
-    except (ValueError, ImportError) as e:  # UserError and the library's own ValueErrors
+    except (ValueError, ImportError, LockstepError) as e:  # UserError and the library's own ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return RUN_ERROR
     lay = inst.engine.layout

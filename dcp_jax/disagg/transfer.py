@@ -19,7 +19,8 @@
 
 So no decode device ever holds more of a prompt than its own tokens of its own heads, plus the zero
 padding of the source's last block (under one source page per source rank); the bytes pulled are the
-prompt's KV plus that padding, each head once.
+prompt's KV plus that padding, each head once. A decode instance on several processes (`spanning`)
+gets one offer per process: each pulls and writes only what its own devices keep.
 
 The transport is `jax.experimental.transfer`. What it does and does not do (JAX 0.12, probed on CPU):
 a pull must ask for exactly the source's shard structure (the same shard shapes, in order; a
@@ -198,20 +199,35 @@ class Receiver:
             idx = where[dev]
             h = range(model.kv_heads)[idx[2]]
             self.devices.append((dev, (idx[1].start or 0) // pages, heads_of[h.start:h.stop]))
+        # several processes (a decode instance on jax.distributed): this one pulls and writes only what
+        # its own devices keep
+        self.process = jax.process_index()
+        self.local = [d for d, _, _ in self.devices if d.process_index == self.process]
+
+    def keepers(self, rank: int, lo: int, hi: int) -> list:
+        """The devices of context rank `rank` holding all of the model's kv heads [lo, hi)."""
+        return [d for d, r, mine in self.devices if r == rank and all(h in mine for h in range(lo, hi))]
 
     def targets(self, spec: PieceSpec) -> list:
-        """The devices that keep `spec`'s tokens and heads: those of its destination rank holding its
-        heads (several when this side stores a head on more than one tp rank)."""
+        """This process's devices that keep `spec`'s tokens and heads: those of its destination rank
+        holding its heads (several when this side stores a head on more than one tp rank)."""
         heads = range(spec.head0, spec.head0 + spec.shape[2])
-        out = [d for d, rank, mine in self.devices if rank == spec.dst_rank and all(h in mine for h in heads)]
+        out = [d for d in self.keepers(spec.dst_rank, heads.start, heads.stop) if d in self.local]
         if not out:
             raise TransferError(f"the prefill instance offered a piece for rank {spec.dst_rank}, kv heads "
-                                f"{heads.start}..{heads.stop - 1}, which no device of this instance keeps")
+                                f"{heads.start}..{heads.stop - 1}, which no device of this process keeps")
         return out
 
     def pull_devices(self, specs: list[PieceSpec]) -> list:
-        """Where each piece lands when pulled: the first device that keeps it."""
+        """Where each piece lands when pulled: the first device of this process that keeps it."""
         return [self.targets(s)[0] for s in specs]
+
+    def processes(self) -> list:
+        """Per (destination rank, kv heads [lo, hi) of a piece the source cuts for this side), the
+        processes whose devices keep it: the decode placement's `processes` (`handoff.process_groups`)."""
+        ranges = piece_head_ranges(self.source, describe(self.engine, "decode", ""))
+        return [[rank, lo, hi, sorted({d.process_index for d in self.keepers(rank, lo, hi)})]
+                for rank in range(self.engine.layout.num_shards) for lo, hi in ranges]
 
     def chunk_meta(self, head0: int, heads: int, size: int) -> tuple[tuple, tuple]:
         """A write program's key past the device: (pool array, head0, piece shape) of one chunk of
@@ -229,6 +245,8 @@ class Receiver:
         sizes = reshard_plan(self.src, self.engine.layout, blocks * self.src.tokens_per_block).piece_sizes()
         ranges = piece_head_ranges(self.source, describe(self.engine, "decode", ""))
         for dev, rank, mine in self.devices:
+            if dev not in self.local:
+                continue
             most = int(sizes[:, rank].max())
             for lo, hi in ranges:
                 if not all(h in mine for h in range(lo, hi)):
@@ -289,7 +307,7 @@ class Receiver:
         positions = reshard_plan(self.src, lay, length).piece_positions()
         table_row = np.asarray(table_row)
         groups = [(s, k) for s, stack in enumerate(eng.pool_spec().target) for k in range(len(stack))]
-        held: dict = {d: [] for d, _, _ in self.devices}  # device -> [(spec, array, page, slot)]
+        held: dict = {d: [] for d in self.local}  # device -> [(spec, array, page, slot)]
         for piece, spec in zip(pieces, specs):
             pos = positions[spec.rank][spec.dst_rank] if spec.rank < len(positions) else np.zeros(0, np.int64)
             if spec.offset + spec.shape[0] > len(pos) or spec.shape[0] & (spec.shape[0] - 1):

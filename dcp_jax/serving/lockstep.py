@@ -91,6 +91,16 @@ class RuntimeStore:
             raise LockstepError(f"the distributed runtime failed ({type(e).__name__}: {first}): process 0 "
                                 "stopped, or its coordination service did") from e
 
+    def try_get(self, key: str) -> bytes | None:
+        """The value if the key is set now, else None (no wait)."""
+        try:
+            return self.client.key_value_try_get_bytes(key)
+        except Exception as e:  # noqa: BLE001 - the runtime's own error type
+            if "NOT_FOUND" in str(e) or "not found" in str(e).lower():
+                return None
+            raise LockstepError(f"the distributed runtime failed ({type(e).__name__}: "
+                                f"{(str(e).strip().splitlines() or [''])[0][:200]})") from e
+
     def delete(self, key: str) -> None:
         try:
             self.client.key_value_delete(key)
@@ -113,6 +123,10 @@ class LocalStore:
     def get(self, key: str, timeout_s: float) -> bytes | None:
         with self.changed:
             self.changed.wait_for(lambda: key in self.values, timeout_s)
+            return self.values.get(key)
+
+    def try_get(self, key: str) -> bytes | None:
+        with self.changed:
             return self.values.get(key)
 
     def delete(self, key: str) -> None:
@@ -138,6 +152,7 @@ class Lockstep:
         self.journal: list = []  # leader: commands applied since the last message
         self.expected: int | None = None  # follower: the digest of the plan the current message runs
         self.known: collections.OrderedDict[str, Request] = collections.OrderedDict()  # follower: the newest by id
+        self.handlers: dict = {}  # more commands (kind -> fn(engine, *args)): e.g. dcp_jax.disagg.spanning's
         self.last_sent = time.monotonic()
         self.bytes_sent = self.messages = 0
 
@@ -152,8 +167,8 @@ class Lockstep:
         """Note a command the leader applies (a new request is pickled now, before anything changes it)."""
         if not self.leader or self.spmd:
             return
-        if kind == "add":
-            args = (self.dump_request(args[0]),)
+        if args and isinstance(args[0], Request):  # "add", and other layers' commands about a request
+            args = (self.dump_request(args[0]), *args[1:])
         self.journal.append((kind, *args))
 
     def publish(self, digest: int | None = None, stop: bool = False) -> None:
@@ -212,12 +227,10 @@ class Lockstep:
 
     def apply(self, engine, commands) -> None:
         for kind, *args in commands:
-            if kind == "add":
-                r = self.load_request(args[0])
-                self.known[r.request_id] = r
-                while len(self.known) > KNOWN:
-                    self.known.popitem(last=False)
-                engine.add_request(r)
+            if kind in self.handlers:
+                self.handlers[kind](engine, *args)
+            elif kind == "add":
+                engine.add_request(self.load_request(args[0]))
             elif kind == "abort":
                 engine.abort(*args)
             elif kind == "reset_prefix_cache":
@@ -236,6 +249,11 @@ class Lockstep:
         return buf.getvalue()
 
     def load_request(self, body: bytes) -> Request:
+        """A request the leader recorded (`dump_request`), remembered by id (a later one may follow it)."""
         unpickler = pickle.Unpickler(io.BytesIO(body))
         unpickler.persistent_load = self.known.__getitem__
-        return unpickler.load()
+        r = unpickler.load()
+        self.known[r.request_id] = r
+        while len(self.known) > KNOWN:
+            self.known.popitem(last=False)
+        return r

@@ -201,8 +201,9 @@ class ModelRunner:
 
     def write_pool_shards(self, write) -> None:
         """Per-device writes into the target's pools (prefill/decode disaggregation): `write(device,
-        shards)` gets that device's shards of every pool array, in `jax.tree.leaves` order, donates them,
-        and returns the new ones; the pools are reassembled from the shards without a copy. If `write`
+        shards)`, for each of this process's devices, gets that device's shards of every pool array, in
+        `jax.tree.leaves` order, donates them, and returns the new ones; the pools are reassembled from
+        the shards without a copy. If `write`
         fails part way after donating shards, the pools are left deleted: `pools_lost` says so and the
         engine rebuilds them (`ServingEngine.recover_pools`), so no later step runs on dead buffers."""
         if self.before_pool_write is not None:
@@ -210,7 +211,7 @@ class ModelRunner:
         caches = self.allocate()
         leaves, tree = jax.tree.flatten(caches.target)
         shards = [{sh.device: sh.data for sh in leaf.addressable_shards} for leaf in leaves]
-        devices = list(self.mesh.devices.flat)
+        devices = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]  # (its own)
         for dev in devices:
             out = write(dev, tuple(sh[dev] for sh in shards))
             for sh, new in zip(shards, out):

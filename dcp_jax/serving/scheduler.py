@@ -150,8 +150,8 @@ class Scheduler:
         return out
 
     def get(self, request_id: str) -> Request | None:
-        """An unfinished request by id."""
-        return self.requests.get(request_id)
+        """An unfinished request by id (also one holding a reservation: `reserve_prefilled`)."""
+        return self.requests.get(request_id) or self.reserved.get(request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
