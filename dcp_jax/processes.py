@@ -90,7 +90,7 @@ def supervise(module: str, argv, args, stream: bool = False) -> int:
             failing = failing or bool(errors) or bool(_NATIVE_ERROR.search(line))
             # a runtime log line and the lines it runs on to (up to a line of ours) stay out of view
             native = bool(_NATIVE_LOG.search(line)) or (native and not _OURS.match(line))
-            if failing or native or "[Gloo]" in line or "peer ranks" in line or not line.strip():
+            if failing or native or "[Gloo]" in line or "peer ranks" in line or not _WORDS.search(line):
                 continue
             if stream:
                 sys.stderr.write(line)
@@ -121,6 +121,7 @@ def supervise(module: str, argv, args, stream: bool = False) -> int:
     return RUN_ERROR
 
 
+_WORDS = re.compile(r"[A-Za-z]{2}")  # a line without a word is a fragment of a native write (seen: "7")
 _OURS = re.compile(r"^(INFO|WARNING|ERROR|CRITICAL|DEBUG):|^(serving |note: |error: |warning: )")  # Python-side lines
 # absl's log line head (E1204 15:05:54.639188   16088 file.cc:1518]), found anywhere: the runtime's native
 # writes may land on the end of another line

@@ -98,6 +98,35 @@ def test_a_collective_that_lost_its_peer_is_reported_as_the_peer(monkeypatch, ca
     assert last.startswith("error: process 0 stopped: a peer process stopped during a step")
 
 
+def test_a_streamed_log_keeps_our_lines_and_drops_the_runtimes(monkeypatch, capsys):
+    # A server's stderr passes through the supervisor: our lines stay; the runtime's log lines, the lines
+    # they run on to and fragments of its writes (a line holding only "7" was seen in CI) do not.
+    import argparse
+    import io
+    import subprocess as sp
+
+    from dcp_jax import processes
+
+    class Child:
+        returncode = None
+
+        def __init__(self, *a, **kw):
+            self.stderr = io.StringIO("serving x on http://127.0.0.1:1/v1\n7\n"
+                                      "W1204 18:44:02.123456   1234 client.cc:99] Slow heartbeat\n"
+                                      "  detail the log line ran on to\nnote: ours again\n7\n\n")
+
+        def wait(self):
+            self.returncode = 0
+
+        def poll(self):
+            return self.returncode
+
+    monkeypatch.setattr(sp, "Popen", Child)
+    args = argparse.Namespace(process_id=0, coordinator="127.0.0.1:1", dist_timeout=10)
+    assert processes.supervise("dcp_jax.serve", [], args, stream=True) == 0
+    assert capsys.readouterr().err.splitlines() == ["serving x on http://127.0.0.1:1/v1", "note: ours again"]
+
+
 # --- the server on two processes -------------------------------------------------------------------
 
 def serve(process_id, port, coordinator, *extra):

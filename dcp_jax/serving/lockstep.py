@@ -23,6 +23,9 @@ leader publishes a heartbeat every `timeout_s / 4` seconds, and a follower that 
 `LockstepError` on every process that sees it: the processes ran its collectives together and cannot
 recover apart (a lost peer also ends the others through JAX's own heartbeats).
 
+Layers above add commands of their own (`Lockstep.handlers`, kind -> function): a disaggregated decode
+instance's reserve / pull / admit / fail (`dcp_jax.disagg.spanning`).
+
 `spmd=True` is the other way to drive several processes, the one `LLM.generate` and the generate CLI
 use: every process makes the same calls (the same requests, in the same order) and schedules them
 itself; process 0 still publishes each plan's digest and the others check theirs against it.
