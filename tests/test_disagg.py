@@ -411,3 +411,25 @@ def test_the_prefill_queue_batches_what_waits_and_bounds_the_wait():
         q.stop.set()
         q.thread.join(5)
     assert not any(t.name == "dcp-jax-prefill" and t.is_alive() for t in threading.enumerate())
+
+
+def test_each_decode_process_gets_the_pieces_its_devices_keep():
+    # A decode instance on several processes: the placement names, per (rank, kv heads) of a piece, the
+    # processes keeping it; the prefill side groups the pieces so, and each process's part of the offer
+    # holds exactly its pieces (a head kept on both processes: in both parts).
+    from dcp_jax.disagg.handoff import Offer, PieceSpec, process_groups
+
+    def piece(rank, head0, heads):
+        return PieceSpec(0, 0, 0, rank, head0, 0, (4, 2, heads, 8), "float32")
+
+    specs = [piece(0, 0, 1), piece(0, 1, 1), piece(1, 0, 1), piece(1, 1, 1), piece(0, 2, 2)]
+    dest = dict(processes=[[0, 0, 1, [0]], [0, 1, 2, [1]], [1, 0, 1, [0]], [1, 1, 2, [1]], [0, 2, 4, [0, 1]]])
+    groups = process_groups(specs, dest)
+    assert groups == {0: [0, 2, 4], 1: [1, 3, 4]}
+    assert process_groups(specs, {}) == {0: [0, 1, 2, 3, 4]}  # a placement without processes: one part
+    with pytest.raises(ValueError, match="names no process keeping rank 1's kv heads 2..3"):
+        process_groups([piece(1, 2, 2)], dest)
+    offer = Offer("r", [(p, 100 + p, idx) for p, idx in groups.items()], 7, 3, -0.5, specs)
+    back = Offer.from_json(offer.to_json())
+    assert back.part(1) == (101, [specs[1], specs[3], specs[4]])
+    assert back.part(2) == (None, [])
