@@ -433,3 +433,66 @@ def test_each_decode_process_gets_the_pieces_its_devices_keep():
     back = Offer.from_json(offer.to_json())
     assert back.part(1) == (101, [specs[1], specs[3], specs[4]])
     assert back.part(2) == (None, [])
+
+
+def test_a_spanning_decode_instance_admits_together_and_fails_together():
+    # The protocol of a decode instance on several processes, in one process: a leader (Span) and a
+    # follower (Follower) share a LocalStore. Both reserve the same pages; the follower pulls its part
+    # (here none: every device is process 0's) and reports; the leader admits only then, and the follower
+    # writes at the same point. When the follower's pull fails, the leader fails the request and both
+    # give the reservation back.
+    import collections
+    import time
+
+    from dcp_jax import LLM
+    from dcp_jax.disagg.roles import DecodeInstance, LocalPrefill
+    from dcp_jax.disagg.spanning import Follower, Span, report_key
+    from dcp_jax.disagg.transfer import TransferError, TransferPort
+    from dcp_jax.serving.lockstep import LocalStore, Lockstep
+    from dcp_jax.serving.request import Request
+
+    kw = dict(tp=1, dcp=2, page_size=2, max_model_len=64)
+    pair = DisaggregatedLLM.load(FIXTURES / "llama-gqa", prefill=dict(tp=1, dcp=1, page_size=2), decode=kw,
+                                 timeout_s=5.0)
+    other = LLM.load(FIXTURES / "llama-gqa", devices=jax.devices()[3:5], **kw)
+    lead = pair.decode_instance
+    follow = DecodeInstance(other.engine, LocalPrefill(pair.prefill), TransferPort(other.mesh.devices.flat[0]),
+                            timeout_s=5.0)
+    follow.receiver.process = 1  # (in one process every device is process 0's: this side keeps no piece)
+    store = LocalStore()
+    lead.engine.lockstep, other.engine.lockstep = Lockstep(store, 0), Lockstep(store, 1)
+    lead.span = Span(lead, lead.engine.lockstep, 2)
+    follower = Follower(follow, other.engine.lockstep)
+
+    def handoff(prompt, fail: bool):
+        r = Request(f"r{len(prompt)}", prompt, max_tokens=3, ignore_eos=True)
+        assert lead.reserve_ready(collections.deque([r])) == [r]
+        (offer,) = lead.offers([r])
+        lead.span.offered(r, offer)  # reserve + pull, published at once
+        if fail:
+            follow.pull = lambda offer: TransferError("the pull failed")
+        msg = other.engine.lockstep.receive()
+        other.engine.lockstep.apply(other.engine, msg.commands)
+        key = report_key(other.engine.lockstep, r.request_id, 1)
+        end = time.monotonic() + 30
+        while store.try_get(key) is None:
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        backlog = collections.deque([(r, lead.pull(offer))])
+        lead.admit_ready(backlog)
+        lead.engine.lockstep.publish()
+        msg = other.engine.lockstep.receive()
+        other.engine.lockstep.apply(other.engine, msg.commands)
+        return r, other.engine.scheduler.get(r.request_id) or other.engine.lockstep.known[r.request_id]
+
+    prompt = [int(t) for t in np.random.default_rng(2).integers(3, 250, 13)]
+    r, mirror = handoff(prompt, fail=False)
+    assert not r.is_finished and r.output_token_ids == mirror.output_token_ids and len(r.output_token_ids) == 1
+    assert list(r.pages) == list(mirror.pages)  # the same pages on both
+    assert lead.span.bytes_by_process[1] == 0 and lead.span.bytes_by_process[0] > 0  # (process 0 keeps it all)
+    r2, mirror2 = handoff(prompt + [5], fail=True)
+    assert r2.finish_reason == mirror2.finish_reason == "error" and r2.error_retryable
+    assert r2.error == "process 1: the pull failed" and mirror2.error == r2.error
+    for sched in (lead.engine.scheduler, other.engine.scheduler):
+        assert not sched.reserved and len(sched.running) == 1
+        sched.check()
