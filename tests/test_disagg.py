@@ -462,7 +462,7 @@ def test_a_spanning_decode_instance_admits_together_and_fails_together():
     store = LocalStore()
     lead.engine.lockstep, other.engine.lockstep = Lockstep(store, 0), Lockstep(store, 1)
     lead.span = Span(lead, lead.engine.lockstep, 2)
-    follower = Follower(follow, other.engine.lockstep)
+    Follower(follow, other.engine.lockstep)  # (its handlers, on the follower's lockstep)
 
     def handoff(prompt, fail: bool):
         r = Request(f"r{len(prompt)}", prompt, max_tokens=3, ignore_eos=True)
