@@ -144,7 +144,8 @@ class LLM:
         from dcp_jax.weights import load_any, resolve_dtype
 
         if coordinator is not None or (num_processes or 1) > 1:
-            join_runtime(coordinator, num_processes, process_id, tp * dcp, engine_kw.get("dist_timeout", mesh_lib.DIST_TIMEOUT_S))
+            join_runtime(coordinator, num_processes, process_id, tp * dcp,
+                         engine_kw.get("dist_timeout", mesh_lib.DIST_TIMEOUT_S))
 
         if interleave != "contiguous" and not (isinstance(interleave, int) and interleave >= 1):
             raise UserError(f"interleave must be an integer >= 1 or 'contiguous', got {interleave!r}")
@@ -188,7 +189,7 @@ class LLM:
         if not self.enable_prefix_caching:
             raise UserError("kv_host_memory keeps evicted prefix blocks in host memory: it needs prefix caching "
                             "on (drop --no-enable-prefix-caching)")
-        local = sum(1 for d in self.mesh.devices.flat if d.process_index == jax.process_index())
+        local = len(self.mesh.local_devices)
         block = self.page_bytes() * local
         if self.kv_host_memory < block:
             raise UserError(f"kv_host_memory {self.kv_host_memory:,} bytes holds no block: one block takes "

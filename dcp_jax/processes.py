@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 from dcp_jax.cli import RUN_ERROR, UsageError, positive_int
+from dcp_jax.mesh import DIST_TIMEOUT_S
 
 WORKER = "DCP_JAX_DISTRIBUTED_WORKER"  # set in the supervised child
 # what a step's error says when a collective lost its peer (JAX's CPU collectives run on gloo over TCP)
@@ -30,8 +31,8 @@ def add_distributed_args(p) -> None:
     d.add_argument("--process-id", type=int, default=None)
     d.add_argument("--distributed", action="store_true",
                    help="join a cluster that jax.distributed.initialize detects by itself (SLURM, MPI, ...)")
-    d.add_argument("--dist-timeout", type=positive_int("--dist-timeout"), default=60, metavar="S",  # mesh.DIST_TIMEOUT_S
-                   help="seconds to wait for peers at start, and to tolerate a silent peer later (default 60)")
+    d.add_argument("--dist-timeout", type=positive_int("--dist-timeout"), default=DIST_TIMEOUT_S, metavar="S",
+                   help=f"seconds to wait for peers at start, and to tolerate a silent peer later (default {DIST_TIMEOUT_S})")
 
 
 def check_distributed_args(args) -> None:

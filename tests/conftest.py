@@ -8,20 +8,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # suite fast (the results are the same; only LLVM's optimisation effort changes).
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
+# Many tests compile the same small programs (the fixtures' step programs on the same meshes), in every
+# xdist worker and in the processes tests start (scripts' workers, multi-process pairs, the notebook's
+# kernel): JAX's persistent compilation cache, set through the environment (read by JAX at import, here
+# and in every child), keeps one copy. Keyed by the program and the JAX version, so a stale entry is never
+# used; tests that count compilations count the runner's own table, and no test asserts a compile time.
+for key, value in {"JAX_COMPILATION_CACHE_DIR": os.path.join(tempfile.gettempdir(), f"dcp_jax-tests-xla-cache-{os.getuid()}"),
+                   "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+                   "JAX_COMPILATION_CACHE_MAX_SIZE": str(1 << 30)}.items():  # least recently used entries go past 1 GiB
+    os.environ.setdefault(key, value)
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
-# Many tests compile the same small programs (the fixtures' step programs on the same meshes), in every
-# xdist worker and in the processes tests start (scripts' workers, multi-process pairs, the notebook's
-# kernel): JAX's persistent compilation cache, shared through the environment, keeps one copy. Keyed by
-# the program and the JAX version, so a stale entry is never used; tests that count compilations count
-# the runner's own table, and no test asserts a compile time.
-CACHE = {"JAX_COMPILATION_CACHE_DIR": os.path.join(tempfile.gettempdir(), f"dcp_jax-tests-xla-cache-{os.getuid()}"),
-         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-         "JAX_COMPILATION_CACHE_MAX_SIZE": str(1 << 30)}  # least recently used entries go past 1 GiB
-for key, value in CACHE.items():
-    os.environ.setdefault(key, value)
-jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
-jax.config.update("jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))

@@ -67,10 +67,8 @@ def test_distributed_usage_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_a_collective_that_lost_its_peer_is_reported_as_the_peer(monkeypatch, capsys):
-    # A peer killed while a step's collective runs surfaces in the surviving process as a failed step
-    # (gloo's "Connection reset by peer"), not as the coordination service's abort: both end in one line
-    # that names the peer.
+def supervise_child(monkeypatch, stderr: str, returncode: int, **kw) -> int:
+    """`processes.supervise` over a fake child whose stderr is `stderr` and that exits with `returncode`."""
     import argparse
     import io
     import subprocess as sp
@@ -81,19 +79,28 @@ def test_a_collective_that_lost_its_peer_is_reported_as_the_peer(monkeypatch, ca
         returncode = None
 
         def __init__(self, *a, **kw):
-            self.stderr = io.StringIO("[Gloo] Rank 0 is connected to 1 peer ranks.\n"
-                                      "error: the step failed on the server (JaxRuntimeError: UNKNOWN: Gloo all-reduce "
-                                      "failed: Read error [127.0.0.1]:5559: Connection reset by peer)\n")
+            self.stderr = io.StringIO(stderr)
 
         def wait(self):
-            self.returncode = 1
+            self.returncode = returncode
 
         def poll(self):
             return self.returncode
 
     monkeypatch.setattr(sp, "Popen", Child)
     args = argparse.Namespace(process_id=0, coordinator="127.0.0.1:1", dist_timeout=10)
-    assert processes.supervise("dcp_jax.generate", [], args) == processes.RUN_ERROR
+    return processes.supervise("dcp_jax.serve", [], args, **kw)
+
+
+def test_a_collective_that_lost_its_peer_is_reported_as_the_peer(monkeypatch, capsys):
+    # A peer killed while a step's collective runs surfaces in the surviving process as a failed step
+    # (gloo's "Connection reset by peer"), not as the coordination service's abort: both end in one line
+    # that names the peer.
+    from dcp_jax.processes import RUN_ERROR
+
+    assert supervise_child(monkeypatch, "[Gloo] Rank 0 is connected to 1 peer ranks.\n"
+                           "error: the step failed on the server (JaxRuntimeError: UNKNOWN: Gloo all-reduce "
+                           "failed: Read error [127.0.0.1]:5559: Connection reset by peer)\n", 1) == RUN_ERROR
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("error: process 0 stopped: a peer process stopped during a step")
 
@@ -101,29 +108,9 @@ def test_a_collective_that_lost_its_peer_is_reported_as_the_peer(monkeypatch, ca
 def test_a_streamed_log_keeps_our_lines_and_drops_the_runtimes(monkeypatch, capsys):
     # A server's stderr passes through the supervisor: our lines stay; the runtime's log lines, the lines
     # they run on to and fragments of its writes (a line holding only "7" was seen in CI) do not.
-    import argparse
-    import io
-    import subprocess as sp
-
-    from dcp_jax import processes
-
-    class Child:
-        returncode = None
-
-        def __init__(self, *a, **kw):
-            self.stderr = io.StringIO("serving x on http://127.0.0.1:1/v1\n7\n"
-                                      "W1204 18:44:02.123456   1234 client.cc:99] Slow heartbeat\n"
-                                      "  detail the log line ran on to\nnote: ours again\n7\n\n")
-
-        def wait(self):
-            self.returncode = 0
-
-        def poll(self):
-            return self.returncode
-
-    monkeypatch.setattr(sp, "Popen", Child)
-    args = argparse.Namespace(process_id=0, coordinator="127.0.0.1:1", dist_timeout=10)
-    assert processes.supervise("dcp_jax.serve", [], args, stream=True) == 0
+    assert supervise_child(monkeypatch, "serving x on http://127.0.0.1:1/v1\n7\n"
+                           "W1204 18:44:02.123456   1234 client.cc:99] Slow heartbeat\n"
+                           "  detail the log line ran on to\nnote: ours again\n7\n\n", 0, stream=True) == 0
     assert capsys.readouterr().err.splitlines() == ["serving x on http://127.0.0.1:1/v1", "note: ours again"]
 
 
@@ -138,25 +125,30 @@ def serve(process_id, port, coordinator, *extra):
                             env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
+def wait_healthy(procs, base: str, what: str, limit_s: float = 240) -> None:
+    """Until `base`/health answers 200 (an assertion error when one of `procs` exits or `limit_s` passes)."""
+    import httpx
+
+    deadline = time.monotonic() + limit_s
+    while True:
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"{what} did not start"
+        time.sleep(0.5)
+
+
 class Pair:
     """A two-process server (process 0 serves HTTP) on loopback; every process group killed at the end."""
 
     def __init__(self, *extra):
-        import httpx
-
         self.port, coordinator = free_port(), free_port()
         self.procs = [serve(i, self.port, coordinator, *extra) for i in (0, 1)]
         self.base = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 240
-        while True:
-            assert all(p.poll() is None for p in self.procs), [p.communicate() for p in self.procs]
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the two-process server did not start"
-            time.sleep(0.5)
+        wait_healthy(self.procs, self.base, "the two-process server")
 
     def client(self):
         import openai
@@ -355,16 +347,7 @@ def test_a_decode_instance_on_two_processes_pulls_each_process_its_share():
                                env=dict(os.environ, JAX_PLATFORMS="cpu"))
     pair = None
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert prefill.poll() is None, prefill.communicate()
-            try:
-                if httpx.get(f"http://127.0.0.1:{pport}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the prefill instance did not start"
-            time.sleep(0.5)
+        wait_healthy([prefill], f"http://127.0.0.1:{pport}", "the prefill instance")
         pair = Pair("--role", "decode", "--prefill-at", f"127.0.0.1:{pport}", "--transfer-timeout", 20)
         client = pair.client()
         with cf.ThreadPoolExecutor(12) as pool:
@@ -379,7 +362,7 @@ def test_a_decode_instance_on_two_processes_pulls_each_process_its_share():
         pad = len(prompts) * 2 * 4 * tb // 2
         assert sorted(by_process) == [0, 1]
         assert all(half <= b <= half + pad for b in by_process.values()), (by_process, half, pad)
-        assert by_process[0] == stats["transfer_bytes"]  # process 0's own pulls: only its share
+        assert by_process[0] == stats["transfer_bytes"]  # (every request admitted: all it pulled was counted)
         pair.procs[0].send_signal(signal.SIGTERM)  # the leader drains and tells the follower to stop
         outs = [p.communicate(timeout=120) for p in pair.procs]
         assert [p.returncode for p in pair.procs] == [0, 0], [o[1][-2000:] for o in outs]

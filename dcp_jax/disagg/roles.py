@@ -168,12 +168,11 @@ class LocalPrefill:
 
 @dataclasses.dataclass
 class Landed:
-    """A request's KV pulled onto this process's decode devices (its part of the offer: `specs`), not
-    yet in the pool."""
+    """A request's KV pulled onto this process's decode devices (its part of the offer), not yet in the
+    pool."""
 
     offer: Offer
     pieces: list
-    specs: list
     transfer_bytes: int
     transfer_s: float
     device_bytes: dict = dataclasses.field(default_factory=dict)  # device id -> KV bytes placed there (write)
@@ -239,7 +238,7 @@ class DecodeInstance:
         t0 = time.perf_counter()
         uuid, specs = offer.part(self.receiver.process)
         if uuid is None:
-            return Landed(offer, [], [], 0, 0.0)
+            return Landed(offer, [], 0, 0.0)
         try:
             devices = self.receiver.pull_devices(specs)  # each piece onto a device that keeps it
             pieces = self.port.pull(self.source["transfer_address"], uuid, specs, devices, self.timeout_s)
@@ -259,7 +258,7 @@ class DecodeInstance:
         self.stats["transfer_bytes"] += nbytes
         self.stats["transfer_s"] += dt
         self.stats["transfers"] += 1
-        return Landed(offer, pieces, specs, nbytes, dt)
+        return Landed(offer, pieces, nbytes, dt)
 
     def admit(self, request: Request, landed: Landed) -> bool | None:
         """Between engine steps: take pages, write the landed KV, record the first token (see
@@ -271,7 +270,8 @@ class DecodeInstance:
         t0 = time.perf_counter()
 
         def write(pages):
-            landed.device_bytes = self.receiver.write(landed.pieces, landed.specs, o.length, pages)
+            _, mine = o.part(self.receiver.process)  # the specs of this process's pieces
+            landed.device_bytes = self.receiver.write(landed.pieces, mine, o.length, pages)
 
         ok = self.engine.scheduler.admit_prefilled(request, o.first_token, o.first_logprob, write,
                                                    top=list(zip(*o.first_top)) if o.first_top else None)

@@ -240,16 +240,14 @@ class DisaggAsyncEngine(AsyncEngine):
 
     def fetch(self, tracked) -> None:
         try:
-            if self.decode.span is None:
-                landed = self.decode.fetch(tracked.request)
-            else:  # several processes: the others pull their parts while this one pulls its own
-                (offer,) = self.decode.offers([tracked.request])
-                if isinstance(offer, TransferError):
-                    raise offer
+            (offer,) = self.decode.offers([tracked.request])
+            if isinstance(offer, TransferError):
+                raise offer
+            if self.decode.span is not None:  # several processes: the others pull their parts meanwhile
                 self.commands.put(("offered", (tracked, offer)))
-                landed = self.decode.pull(offer)
-                if isinstance(landed, TransferError):
-                    raise landed
+            landed = self.decode.pull(offer)
+            if isinstance(landed, TransferError):
+                raise landed
             self.commands.put(("landed", (tracked, landed)))
         except TransferError as e:
             self.commands.put(("failed", (tracked, str(e))))
@@ -315,8 +313,7 @@ def decode_instance(model_dir, *, prefill_at: str, timeout_s: float, host: str =
 
     llm, path, embedded = load_llm(model_dir, **llm_kw)
     engine = llm.engine
-    mine = [d for d in llm.mesh.devices.flat if d.process_index == jax.process_index()]
-    port = TransferPort(mine[0], host=host, advertise=advertise)  # this process's transfer server
+    port = TransferPort(llm.mesh.local_devices[0], host=host, advertise=advertise)  # this process's own
     decode = DecodeInstance(engine, HttpPrefill(prefill_at, timeout_s, queue_timeout_s, api_key), port,
                             timeout_s=timeout_s)
     decode.warm()  # before the port opens: no request compiles a program in the engine thread

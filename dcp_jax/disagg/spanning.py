@@ -33,6 +33,18 @@ def report_key(lockstep, request_id: str, process: int) -> str:
     return f"{lockstep.key}/landed/{request_id}/{process}"
 
 
+def admit(decode, request, landed, process: int) -> None:
+    """Write `process`'s pieces of a reserved request into its pages. Any failure is fatal: the other
+    processes wrote theirs, so the processes' pages would differ."""
+    try:
+        ok = decode.admit(request, landed)
+    except Exception as e:  # noqa: BLE001 - reported as the processes' divergence
+        raise LockstepError(f"writing request {request.request_id}'s KV failed on process {process} "
+                            f"({type(e).__name__}: {e})") from e
+    if not ok:
+        raise LockstepError(f"request {request.request_id} held no reservation on process {process}")
+
+
 class Span:
     """Process 0's side: records the commands the other processes apply and collects their reports."""
 
@@ -72,13 +84,7 @@ class Span:
 
     def admit(self, request, landed) -> None:
         """Write this process's pieces (after `verdict` said True); any failure is fatal."""
-        try:
-            ok = self.decode.admit(request, landed)
-        except Exception as e:  # noqa: BLE001 - the others wrote theirs: the processes' pages would differ
-            raise LockstepError(f"writing request {request.request_id}'s KV failed on process 0 "
-                                f"({type(e).__name__}: {e})") from e
-        if not ok:
-            raise LockstepError(f"request {request.request_id} held no reservation on process 0")
+        admit(self.decode, request, landed, 0)
 
     def fail(self, request, error: str) -> None:
         """A request whose prefill or pull failed here: the others give its reservation back."""
@@ -129,13 +135,7 @@ class Follower:
         if request is None or landed is None:
             raise LockstepError(f"process {self.lockstep.process_id} has no reservation or KV for request "
                                 f"{request_id}, which process 0 admitted")
-        try:
-            ok = self.decode.admit(request, landed)
-        except Exception as e:  # noqa: BLE001 - see Span.admit
-            raise LockstepError(f"writing request {request_id}'s KV failed on process {self.lockstep.process_id} "
-                                f"({type(e).__name__}: {e})") from e
-        if not ok:
-            raise LockstepError(f"request {request_id} held no reservation on process {self.lockstep.process_id}")
+        admit(self.decode, request, landed, self.lockstep.process_id)
 
     def fail(self, engine, request_id: str, error: str) -> None:
         request = engine.scheduler.reserved.get(request_id)

@@ -202,7 +202,7 @@ class Receiver:
         # several processes (a decode instance on jax.distributed): this one pulls and writes only what
         # its own devices keep
         self.process = jax.process_index()
-        self.local = [d for d, _, _ in self.devices if d.process_index == self.process]
+        self.local = runner.mesh.local_devices
 
     def keepers(self, rank: int, lo: int, hi: int) -> list:
         """The devices of context rank `rank` holding all of the model's kv heads [lo, hi)."""

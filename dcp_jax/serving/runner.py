@@ -211,7 +211,7 @@ class ModelRunner:
         caches = self.allocate()
         leaves, tree = jax.tree.flatten(caches.target)
         shards = [{sh.device: sh.data for sh in leaf.addressable_shards} for leaf in leaves]
-        devices = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]  # (its own)
+        devices = self.mesh.local_devices  # (this process's own)
         for dev in devices:
             out = write(dev, tuple(sh[dev] for sh in shards))
             for sh, new in zip(shards, out):
