@@ -52,13 +52,12 @@ def fixture_rows(names):
 
 
 def held_out_losses(windows: int) -> dict:
-    import train_tiny
+    import corpus
 
     from dcp_jax import LLM
     from dcp_jax.cli import DEFAULT_MODEL
 
-    data = train_tiny.corpus()
-    held = data[int(len(data) * 0.95):]
+    _, held = corpus.split()
     starts = np.linspace(0, len(held) - 256, windows).astype(int)
     texts = [list(held[s:s + 255]) for s in starts]
     out = {}

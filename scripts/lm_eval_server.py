@@ -40,10 +40,9 @@ NAME = "dcp-jax-eval"
 
 def held_out_text() -> str:
     """The embedded model's held-out text (train_tiny's split)."""
-    import train_tiny
+    import corpus
 
-    data = train_tiny.corpus()
-    return data[int(len(data) * 0.95):].decode("utf-8", errors="ignore")
+    return corpus.split()[1].decode("utf-8", errors="ignore")
 
 
 def lines_of(text: str, min_words: int = 8, max_words: int = 30) -> list[list[str]]:

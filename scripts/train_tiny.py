@@ -31,6 +31,8 @@ from dcp_jax.config import ModelConfig
 from dcp_jax.model import CausalLM, random_source
 from dcp_jax.weights import ByteTokenizer, DictSource, save_checkpoint
 
+import corpus  # scripts/corpus.py: the text and its held-out split
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "dcp_jax" / "assets" / "tiny"
 
@@ -51,13 +53,6 @@ CONFIG = {
     "bos_token_id": None,
     "eos_token_id": None,
 }
-
-
-def corpus() -> bytes:
-    import pydoc_data.topics
-
-    topics = pydoc_data.topics.topics
-    return "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
 
 
 def default_prompt(held: bytes, size: int = 160) -> str:
@@ -81,10 +76,8 @@ def main(argv=None):
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
 
-    data = np.frombuffer(corpus(), np.uint8).astype(np.int32)
-    split = int(len(data) * 0.95)
-    train, held = data[:split], data[split:]
-    print(f"corpus: {len(data):,} bytes; train {len(train):,}, held-out {len(held):,}", flush=True)
+    train, held = (np.frombuffer(x, np.uint8).astype(np.int32) for x in corpus.split())
+    print(f"corpus: {len(train) + len(held):,} bytes; train {len(train):,}, held-out {len(held):,}", flush=True)
 
     cfg = ModelConfig.from_dict(CONFIG)
     mesh = make_mesh(1, 1)

@@ -139,10 +139,9 @@ def test_embedded_model_held_out_loss_within_one_percent():
     from dcp_jax.cli import DEFAULT_MODEL
 
     sys.path.insert(0, str(FIXTURES.parent.parent / "scripts"))
-    import train_tiny
+    import corpus
 
-    data = train_tiny.corpus()
-    held = data[int(len(data) * 0.95):]
+    _, held = corpus.split()
     texts = [list(held[s:s + 255]) for s in np.linspace(0, len(held) - 256, 8).astype(int)]
     loss = {}
     for kind in ("auto", "int8", "fp8"):
