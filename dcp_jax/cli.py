@@ -38,17 +38,22 @@ def positive_int(name):
     return parse
 
 
-def top_logprobs_arg(text):
-    """An argparse type: --top-logprobs, an integer in [0, 20]."""
+def alternatives(name):
+    """An argparse type: how many alternatives a logprobs flag reports, an integer in [0, 20]."""
     from dcp_jax.sampling import MAX_TOP_LOGPROBS
 
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--top-logprobs must be an integer, got {text!r}") from None
-    if not 0 <= value <= MAX_TOP_LOGPROBS:
-        raise argparse.ArgumentTypeError(f"--top-logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
-    return value
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise argparse.ArgumentTypeError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+        return value
+    return parse
+
+
+top_logprobs_arg = alternatives("--top-logprobs")
 
 
 def non_negative_float(name, upper=None, positive=False):
@@ -87,14 +92,82 @@ def positive_float(name, upper=None):
     return non_negative_float(name, upper, positive=True)
 
 
-def token_ids_arg(text):
+def token_ids(name):
+    """An argparse type: comma-separated token ids for the flag `name`."""
+    def parse(text):
+        try:
+            ids = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} takes comma-separated integers, got {text!r}") from None
+        if not ids:
+            raise argparse.ArgumentTypeError(f"{name} is empty")
+        return ids
+    return parse
+
+
+token_ids_arg = token_ids("--prompt-ids")
+
+
+def non_negative_int(name):
+    """An argparse type: an integer >= 0."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {value}")
+        return value
+    return parse
+
+
+def logit_bias_arg(text):
+    """An argparse type: --logit-bias ID=BIAS, a token id and a number in [-100, 100]."""
+    from dcp_jax.sampling import MAX_BIAS
+
+    tid, sep, bias = text.partition("=")
     try:
-        ids = [int(x) for x in text.split(",") if x.strip()]
+        pair = int(tid), float(bias)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise argparse.ArgumentTypeError("--prompt-ids is empty")
-    return ids
+        pair = None
+    if not sep or pair is None or not -MAX_BIAS <= pair[1] <= MAX_BIAS:
+        raise argparse.ArgumentTypeError(f"--logit-bias takes ID=BIAS with a bias in [-{MAX_BIAS:g}, {MAX_BIAS:g}], "
+                                         f"got {text!r}")
+    return pair
+
+
+def json_or_file(name):
+    """An argparse type: JSON text, or the path of a file holding it."""
+    import json
+
+    def parse(text):
+        if not text.lstrip().startswith(("{", "[")):
+            try:
+                text = Path(text).read_text()
+            except OSError as e:
+                raise argparse.ArgumentTypeError(
+                    f"{name} takes JSON or a file of it; {text!r} is neither ({e.strerror})") from None
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{name} is not valid JSON ({e})") from None
+    return parse
+
+
+def text_or_file(name):
+    """An argparse type: a file's text when `text` names one (a grammar in a file), else `text`."""
+    def parse(text):
+        try:
+            is_file = "\n" not in text and Path(text).is_file()
+        except OSError:  # e.g. a grammar longer than a file name may be
+            is_file = False
+        if not is_file:
+            return text
+        try:
+            return Path(text).read_text()
+        except OSError as e:
+            raise argparse.ArgumentTypeError(f"{name} cannot read {text!r} ({e.strerror})") from None
+    return parse
 
 
 def byte_size(name):

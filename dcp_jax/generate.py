@@ -21,13 +21,19 @@ from dcp_jax.cli import (
     CliParser,
     UsageError,
     add_engine_args,
+    alternatives,
     engine_kwargs,
     interleave_arg,
+    json_or_file,
+    logit_bias_arg,
     mesh_shape,
     non_negative_float,
+    non_negative_int,
     penalty_arg,
     positive_float,
     positive_int,
+    text_or_file,
+    token_ids,
     token_ids_arg,
     top_logprobs_arg,
 )
@@ -56,9 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"default 32 ({DEFAULT_NEW_TOKENS} for the default run)")
     p.add_argument("--temperature", type=non_negative_float("--temperature"), default=None,
                    help="0 = greedy (the default, but 0.7 with top-k 20 for the default run)")
-    p.add_argument("--top-k", type=lambda t: 0 if t == "0" else positive_int("--top-k")(t), default=None)
+    p.add_argument("--top-k", type=non_negative_int("--top-k"), default=None)
     p.add_argument("--top-p", type=positive_float("--top-p", 1.0), default=1.0)
-    p.add_argument("--seed", type=lambda t: 0 if t == "0" else positive_int("--seed")(t), default=0)
+    p.add_argument("--seed", type=non_negative_int("--seed"), default=0)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--impl", choices=("reference", "pallas", "pallas_interpret"), default=None,
                    help="attention kernel (default: Pallas on GPU, jnp reference on CPU)")
@@ -76,6 +82,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "output (> 0; 1 = off)")
     p.add_argument("--bad-word", action="append", default=[], metavar="TEXT",
                    help="a word never generated (repeat for more; vLLM's bad_words)")
+    p.add_argument("--min-tokens", type=non_negative_int("--min-tokens"), default=0,
+                   help="no end-of-sequence (or stop) token before this many tokens")
+    p.add_argument("--logit-bias", action="append", type=logit_bias_arg, default=[], metavar="ID=BIAS",
+                   help="added to token ID's logit before sampling ([-100, 100]; repeat for more)")
+    p.add_argument("--allowed-token-ids", type=token_ids("--allowed-token-ids"), default=None, metavar="IDS",
+                   help="the only token ids that may be generated, e.g. 5,6,7")
+    p.add_argument("--n", type=positive_int("--n"), default=1,
+                   help="samples per prompt (sample j draws with seed + j; they share the prompt's prefill)")
+    p.add_argument("--prompt-logprobs", type=alternatives("--prompt-logprobs"), default=None, metavar="N",
+                   help="report each prompt token's log-probability and its N most likely alternatives (0-20)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", type=json_or_file("--json-schema"), default=None, metavar="SCHEMA",
+                   help="the output is JSON valid under this schema (JSON text or a file)")
+    g.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    g.add_argument("--regex", default=None, help="the output matches this regular expression")
+    g.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                   help="the output is one of these (repeat the flag for each)")
+    g.add_argument("--grammar", type=text_or_file("--grammar"), default=None,
+                   help="the output follows this Lark grammar (text or a file)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_distributed_args(p)
@@ -133,7 +158,7 @@ def run(argv=None) -> int:
         new_tokens = args.max_new_tokens or (DEFAULT_NEW_TOKENS if default_run else 32)
         leader = not multi or jax.process_index() == 0  # only process 0 reports
         show = _Display(llm, quiet=args.json or args.quiet or not leader,
-                        stream=leader and not args.json and len(prompts) == 1)
+                        stream=leader and not args.json and len(prompts) == 1 and args.n == 1)
         if show.stream and default_run and not args.prompt:
             print(f"prompt ({len(prompts[0]):,} bytes of Python's documentation, held out from training):\n"
                   f"{prompts[0]}", end="", flush=True)
@@ -144,7 +169,10 @@ def run(argv=None) -> int:
                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
                            top_logprobs=args.top_logprobs, min_p=args.min_p, presence_penalty=args.presence_penalty,
                            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
-                           bad_words=args.bad_word, on_chunk=show.prefill, on_token=show.token)
+                           bad_words=args.bad_word, min_tokens=args.min_tokens,
+                           logit_bias=dict(args.logit_bias), allowed_token_ids=args.allowed_token_ids, n=args.n,
+                           prompt_logprobs=args.prompt_logprobs, structured=structured(args),
+                           on_chunk=show.prefill, on_token=show.token)
         show.close()
     except ValueError as e:  # UserError and the library's own ValueErrors (bad mesh, bad sizes)
         print(f"error: {e}", file=sys.stderr)
@@ -163,6 +191,8 @@ def run(argv=None) -> int:
             obj["logprobs"] = out.logprobs
         if args.top_logprobs:
             obj["top_logprobs"] = out.top_logprobs
+        if args.prompt_logprobs is not None:
+            obj["prompt_logprobs"], obj["prompt_top_logprobs"] = out.prompt_logprobs, out.prompt_top_logprobs
         obj["stats"] = dict(out.stats, model=llm.source)
         print(json.dumps(obj))
         return RUN_ERROR if failed else 0
@@ -175,8 +205,18 @@ def run(argv=None) -> int:
     if args.top_logprobs:
         for i, tops in enumerate(out.top_logprobs):
             print(f"top logprobs [{i}]: {[[(t, round(x, 4)) for t, x in alts] for alts in tops]}")
+    if args.prompt_logprobs is not None:
+        for i, lp in enumerate(out.prompt_logprobs):
+            print(f"prompt logprobs [{i}]: {[None if x is None else round(x, 4) for x in lp]}")
     print(report(out.stats, llm.model.config.num_kv_heads, llm.source))
     return RUN_ERROR if failed else 0
+
+
+def structured(args) -> dict | None:
+    """The structured-output flag given (at most one: argparse checks), as LLM.generate's `structured`."""
+    spec = dict(json=args.json_schema, json_object=args.json_object or None, regex=args.regex,
+                choice=args.choice, grammar=args.grammar)
+    return {k: v for k, v in spec.items() if v is not None} or None
 
 
 def report(s: dict, kv_heads: int, source: str) -> str:

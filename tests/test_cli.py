@@ -54,6 +54,44 @@ def test_sampling_flags_are_generate_arguments(capsys):
     assert code == 1 and err == "error: bad_words as text needs a tokenizer: give them as token id lists\n"
 
 
+def test_request_surface_flags_are_generate_arguments(capsys, tmp_path):
+    # each flag reaches LLM.generate: what the CLI prints is what the call gives with the same keywords
+    from dcp_jax import LLM
+
+    code, out, err = cli(capsys, "--model", LLAMA, "--prompt-ids", "5,6,7,8", "--max-new-tokens", "4", "--ignore-eos",
+                         "--logit-bias", "9=100", "--prompt-logprobs", "2", "--json")
+    assert code == 0, err
+    obj = json.loads(out)
+    assert obj["tokens"] == [[9, 9, 9, 9]]  # the bias wins every greedy choice
+    ref = LLM.load(LLAMA).generate([[5, 6, 7, 8]], max_new_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    assert obj["prompt_logprobs"] == ref.prompt_logprobs and len(obj["prompt_logprobs"][0]) == 4
+    assert obj["prompt_top_logprobs"] == json.loads(json.dumps(ref.prompt_top_logprobs))
+    # EOS (id 2) pushed up, held back for --min-tokens; n samples with their own seeds, allowed ids only
+    code, out, err = cli(capsys, "--model", LLAMA, "--prompt-ids", "5,6,7,8", "--max-new-tokens", "8",
+                         "--logit-bias", "2=100", "--min-tokens", "3", "--json")
+    assert code == 0, err
+    assert json.loads(out)["tokens"][0][3:] == [2] and 2 not in json.loads(out)["tokens"][0][:3]
+    code, out, err = cli(capsys, "--model", LLAMA, "--prompt-ids", "5,6,7,8", "--max-new-tokens", "6", "--ignore-eos",
+                         "--allowed-token-ids", "11,12,13", "--n", "3", "--temperature", "1", "--seed", "4", "--json")
+    assert code == 0, err
+    tokens = json.loads(out)["tokens"]
+    assert len(tokens) == 3 and len({tuple(t) for t in tokens}) > 1 and set(sum(tokens, [])) <= {11, 12, 13}
+    assert tokens == LLM.load(LLAMA).generate([[5, 6, 7, 8]], max_new_tokens=6, ignore_eos=True, n=3,
+                                              allowed_token_ids=[11, 12, 13], temperature=1.0, seed=4).tokens
+    # structured outputs: a choice, a schema given as a file
+    tok = FIX / "llama-tokenizer"
+    code, out, err = cli(capsys, "--model", tok, "--prompt", "Answer:", "--choice", "yes", "--choice", "no", "--json")
+    assert code == 0, err
+    assert json.loads(out)["text"][0] in ("yes", "no")
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    code, out, err = cli(capsys, "--model", tok, "--prompt", "Return the", "--json-schema", tmp_path / "schema.json",
+                         "--max-new-tokens", "24", "--json")
+    assert code == 0, err
+    assert set(json.loads(json.loads(out)["text"][0])) == {"n"}
+
+
 def test_text_output(capsys):
     code, out, err = cli(capsys, "--model", LLAMA, "--dcp", "2", "--prompt-ids", "1,2,3", "--prompt-ids", "4,5",
                          "--max-new-tokens", "3")
@@ -135,6 +173,15 @@ USAGE = [
     (["--model", LLAMA, "--prompt-ids", "1", "--dtype", "int8"], "invalid choice"),
     (["--model", LLAMA, "--prompt-ids", "1", "--interleave", "0"], "--interleave must be >= 1"),
     (["--model", LLAMA, "--prompt-ids", "1", "--bogus"], "unrecognized arguments: --bogus"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--logit-bias", "5"], "--logit-bias takes ID=BIAS"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--logit-bias", "5=101"], "with a bias in [-100, 100], got '5=101'"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--allowed-token-ids", "a"], "--allowed-token-ids takes comma-separated"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--min-tokens", "-1"], "--min-tokens must be >= 0, got -1"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--n", "0"], "--n must be >= 1"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--prompt-logprobs", "21"], "--prompt-logprobs must be in [0, 20]"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--regex", "a", "--choice", "b"], "--choice: not allowed with"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--json-schema", "/no/schema.json"], "--json-schema takes JSON or a file"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--json-schema", "{oops"], "--json-schema is not valid JSON"),
 ]
 
 
@@ -168,6 +215,7 @@ RUNTIME = [
     (lambda d: None, ["--page-size", "6", "--interleave", "4"], "page_size 6 must be a multiple of the interleave"),
     (lambda d: None, ["--prompt-ids", "3,999"], "token id 999 is outside the vocabulary [0, 256)"),
     (lambda d: None, ["--prompt", "hello"], "no tokenizer.json"),
+    (lambda d: None, ["--regex", "a+"], "structured outputs need the model's tokenizer (tokenizer.json)"),
 ]
 
 
