@@ -41,14 +41,27 @@ def fixture_rows(names):
                            impl="reference")
             out = llm.generate(seqs, max_new_tokens=1, prompt_logprobs=0)
             lps[kind] = np.concatenate([np.asarray(x[1:], np.float64) for x in out.prompt_logprobs])
-            greedy[kind] = llm.generate(exp["prompts"], max_new_tokens=16, ignore_eos=True).tokens
+            greedy[kind] = llm.generate(exp["prompts"], max_new_tokens=16, ignore_eos=True, top_logprobs=2)
             kv[kind] = llm.engine.kv_bytes()["kv_bytes_per_device"]
         for kind in KINDS[1:]:
             d = np.abs(lps[kind] - lps["auto"])
             rows.append(dict(fixture=name, kv=kind, max_abs=float(d.max()), mean_abs=float(d.mean()),
-                             greedy16_same=sum(a == b for a, b in zip(greedy[kind], greedy["auto"])),
+                             greedy16_same=sum(a == b for a, b in zip(greedy[kind].tokens, greedy["auto"].tokens)),
+                             flip_gap=first_flip_gap(greedy["auto"], greedy[kind]),
                              prompts=len(seqs), kv_bytes_ratio=kv["auto"] / kv[kind]))
     return rows
+
+
+def first_flip_gap(ref, out) -> float | None:
+    """The largest top-2 logprob gap of the reference (model-dtype cache) at the first token where a
+    greedy continuation differs from it (None when none differs): how close to a tie the flips were."""
+    gaps = []
+    for i, (want, got) in enumerate(zip(ref.tokens, out.tokens)):
+        j = next((k for k, (a, b) in enumerate(zip(want, got)) if a != b), None)
+        if j is not None:
+            (_, top1), (_, top2) = ref.top_logprobs[i][j][:2]
+            gaps.append(top1 - top2)
+    return max(gaps) if gaps else None
 
 
 def held_out_losses(windows: int) -> dict:
@@ -60,13 +73,17 @@ def held_out_losses(windows: int) -> dict:
     _, held = corpus.split()
     starts = np.linspace(0, len(held) - 256, windows).astype(int)
     texts = [list(held[s:s + 255]) for s in starts]
-    out = {}
+    out, greedy = {}, {}
     for kind in KINDS:
         llm = LLM.load(DEFAULT_MODEL, tp=1, dcp=2, kv_cache_dtype=kind, max_model_len=256, max_num_seqs=16,
                        impl="reference")
         gen = llm.generate(texts, max_new_tokens=1, prompt_logprobs=0)
         out[kind] = -float(np.mean(np.concatenate([np.asarray(x[1:], np.float64) for x in gen.prompt_logprobs])))
-    return out
+        # greedy continuations of each window's first 160 bytes (as the default run's prompt)
+        greedy[kind] = llm.generate([t[:160] for t in texts], max_new_tokens=16, ignore_eos=True, top_logprobs=2)
+    same = {k: sum(a == b for a, b in zip(greedy["auto"].tokens, greedy[k].tokens)) for k in KINDS[1:]}
+    gaps = {k: first_flip_gap(greedy["auto"], greedy[k]) for k in KINDS[1:]}
+    return dict(loss=out, greedy16_same=same, flip_gap=gaps, windows=len(texts))
 
 
 def main(argv=None) -> int:
@@ -78,22 +95,31 @@ def main(argv=None) -> int:
 
     dcp_jax.ensure_cpu_devices(2)
     rows = fixture_rows(["llama-gqa", "mistral", "qwen3", "deepseek-v3"])
-    losses = held_out_losses(args.windows)
+    held = held_out_losses(args.windows)
+    losses = held["loss"]
     widths = {f"D={d}": {"vs bfloat16": 2 * d / (d + 4), "vs float32": 4 * d / (d + 4)} for d in (8, 64, 128, 576)}
     if args.json:
-        print(json.dumps(dict(accuracy=rows, held_out_loss=losses, capacity_formula=widths)))
+        print(json.dumps(dict(accuracy=rows, held_out_loss=losses, embedded_greedy=held, capacity_formula=widths)))
         return 0
     print("capacity (bytes per token and kv head: D + 4 against 2D / 4D)")
     for k, v in widths.items():
         print(f"  {k:6} {v['vs bfloat16']:.2f}x bfloat16, {v['vs float32']:.2f}x float32")
     print("accuracy (fixtures, float32 models, mesh 1x2; logprobs of prompt + greedy continuation)")
-    print(f"  {'fixture':12} {'kv':5} {'max|dlp|':>9} {'mean|dlp|':>10} {'greedy16':>9} {'KV bytes':>9}")
+    print("  (greedy16: prompts whose 16 greedy tokens equal the model-dtype cache's; flip gap: the largest top-2")
+    print("   logprob gap of the model-dtype cache at a first differing token, i.e. how near a tie the flips were)")
+    print(f"  {'fixture':12} {'kv':5} {'max|dlp|':>9} {'mean|dlp|':>10} {'greedy16':>9} {'flip gap':>9} {'KV bytes':>9}")
+
+    def gap(x):
+        return "-" if x is None else f"{x:.4f}"
+
     for r in rows:
         print(f"  {r['fixture']:12} {r['kv']:5} {r['max_abs']:9.4f} {r['mean_abs']:10.5f} "
-              f"{r['greedy16_same']:>5}/{r['prompts']:<3} {r['kv_bytes_ratio']:8.2f}x")
+              f"{r['greedy16_same']:>5}/{r['prompts']:<3} {gap(r['flip_gap']):>9} {r['kv_bytes_ratio']:8.2f}x")
     base = losses["auto"]
     print("embedded model, held-out loss (nats/byte): " + ", ".join(
         f"{k} {v:.4f} ({100 * (v / base - 1):+.2f}%)" for k, v in losses.items()))
+    print("embedded model, greedy16: " + ", ".join(
+        f"{k} {held['greedy16_same'][k]}/{held['windows']} (flip gap {gap(held['flip_gap'][k])})" for k in KINDS[1:]))
     return 0
 
 

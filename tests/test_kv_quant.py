@@ -115,22 +115,32 @@ BOUNDS = {"int8": (0.35, 0.05), "fp8": (2.0, 0.3)}
 @pytest.mark.parametrize("name", ["llama-gqa"])  # (MLA's: scripts/bench_kv_quant.py, within the same bounds)
 def test_accuracy_against_the_model_dtype_cache(name):
     # every token of prompt + greedy continuation scored through the paged cache (prompt logprobs):
-    # |logprob - float32's| within the measured bounds; int8 keeps the greedy tokens of most prompts
+    # |logprob - float32's| within the measured bounds. Greedy: 16 tokens identical to the float32
+    # cache's, except after a position where the float32 cache's own top-2 gap is within twice the
+    # largest logprob deviation (each of the two moves by at most that much, so such a near-tie may flip;
+    # measured on the fixtures, the first differing tokens sat at gaps of 0.005-0.51 nats)
     exp = expected(name)
     seqs = [p + g for p, g in zip(exp["prompts"], exp["greedy"])]
-    ref = None
+    ref = greedy = None
     for kind in ("auto", "int8", "fp8"):
         llm = LLM.load(FIXTURES / name, tp=1, dcp=2, page_size=4, max_model_len=128, kv_cache_dtype=kind)
         lps = np.concatenate([np.asarray(x[1:], float) for x in
                               llm.generate(seqs, max_new_tokens=1, prompt_logprobs=0).prompt_logprobs])
+        out = llm.generate(exp["prompts"], max_new_tokens=16, ignore_eos=True, top_logprobs=2)
         if ref is None:
-            ref = lps
+            ref, greedy = lps, out
             continue
         d = np.abs(lps - ref)
         assert 0 < d.mean() <= BOUNDS[kind][1] and d.max() <= BOUNDS[kind][0], (kind, d.max(), d.mean())
-        if kind == "int8":
-            out = llm.generate(exp["prompts"], max_new_tokens=8, ignore_eos=True)
-            assert sum(a == b for a, b in zip(out.tokens, exp["greedy"])) >= 2
+        same = 0
+        for i, (want, got) in enumerate(zip(greedy.tokens, out.tokens)):
+            if want == got:
+                same += 1
+                continue
+            j = next(k for k, (a, b) in enumerate(zip(want, got)) if a != b)
+            (_, top1), (_, top2) = greedy.top_logprobs[i][j][:2]
+            assert top1 - top2 <= 2 * d.max(), (kind, i, j, top1 - top2, d.max())
+        assert same >= (2 if kind == "int8" else 1), (kind, same)
 
 
 def test_embedded_model_held_out_loss_within_one_percent():
