@@ -26,31 +26,34 @@ class UsageError(Exception):
     pass
 
 
-def positive_int(name):
+def integer(name, low: int = 1, high: int | None = None):
+    """An argparse type: an integer in [low, high] (no upper bound without `high`) for the flag `name`."""
     def parse(text):
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        if high is not None and not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{name} must be in [{low}, {high}], got {value}")
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {low}, got {value}")
         return value
     return parse
+
+
+def positive_int(name):
+    return integer(name, 1)
+
+
+def non_negative_int(name):
+    return integer(name, 0)
 
 
 def alternatives(name):
     """An argparse type: how many alternatives a logprobs flag reports, an integer in [0, 20]."""
     from dcp_jax.sampling import MAX_TOP_LOGPROBS
 
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if not 0 <= value <= MAX_TOP_LOGPROBS:
-            raise argparse.ArgumentTypeError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
-        return value
-    return parse
+    return integer(name, 0, MAX_TOP_LOGPROBS)
 
 
 top_logprobs_arg = alternatives("--top-logprobs")
@@ -106,19 +109,6 @@ def token_ids(name):
 
 
 token_ids_arg = token_ids("--prompt-ids")
-
-
-def non_negative_int(name):
-    """An argparse type: an integer >= 0."""
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {value}")
-        return value
-    return parse
 
 
 def logit_bias_arg(text):
