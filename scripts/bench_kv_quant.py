@@ -6,9 +6,11 @@
              or 4D (float32), so 128-wide heads give 1.94x / 3.88x and MLA's 576-wide latent 1.99x / 3.97x
   accuracy   each fixture's prompt + greedy continuation scored through the paged cache
              (prompt logprobs: every token attends the quantized KV): max and mean |logprob - float32's|,
-             and how many prompts keep all of their first 16 greedy tokens
+             how many prompts keep all of their first 16 greedy tokens, and the largest top-2 gap of
+             the model-dtype cache where one changed (how near a tie the changed tokens were)
   loss       the embedded model's held-out loss (nats per byte, the last 5% of pydoc_data as
-             scripts/train_tiny.py splits it, 255-byte windows) with each cache
+             scripts/corpus.py splits it, 255-byte windows) with each cache, and the same greedy
+             count over the windows' first 160 bytes
 
     python scripts/bench_kv_quant.py            # --windows 64 by default
 """
