@@ -436,6 +436,30 @@ def test_reference_masks_only_the_tail_and_walks_the_filled_part(monkeypatch, pa
     assert masked == [(256, 16), (272, 16), (288, 16)]
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_reference_reads_nothing_for_queries_that_see_nothing(monkeypatch, paged):
+    # A ragged step's unused tiles (position -1) and empty rows: the CPU path visits no KV block for them
+    # (a step pads its tile groups with such tiles, so each would otherwise cost a block per layer) and
+    # returns o = 0, lse = -inf; a query block where some rows see something walks only what they see.
+    x = make_inputs(2, 3, 4, 2, 256, 8, 8)
+    x["kv_len"] = jnp.asarray([100, 0], jnp.int32)
+    x["q_pos"] = jnp.asarray([[-1, -1, -1], [5, 6, 7]], jnp.int32)
+    call = dict(x)
+    if paged:
+        (k_pool, table), (v_pool, _) = to_pages(x["k"], 16), to_pages(x["v"], 16)
+        call.update(k=k_pool, v=v_pool, block_table=table)
+    counter = BlockCounter(ref_kernel, monkeypatch)
+    o, lse = attention(**call, impl="reference", block_k=64, block_k_masked=16)
+    jax.block_until_ready(o)
+    assert counter.seen == []
+    assert not np.asarray(o).any() and np.isneginf(np.asarray(lse)).all()
+    x["q_pos"] = jnp.asarray([[-1, 20, 40], [5, 6, 7]], jnp.int32)  # row 0 sees up to slot 40
+    call["q_pos"] = x["q_pos"]
+    counter.seen.clear()
+    o, lse = attention(**call, impl="reference", block_k=64, block_k_masked=16)
+    check_against_oracle(o, lse, x, 1e-5)
+    assert sorted((s, n) for _, _, s, n in counter.seen) == [(0, 16), (16, 16), (32, 16)]
+
 # --- lowering for CUDA without a GPU (the lowering convention in docs/ARCHITECTURE.md) -------------------------------------------------
 
 def lower_for_cuda(b, t, h, kh, s, dk, dv, dtype, shared_v=False, page=0, layers=0, kv_quant=None, **opts):

@@ -117,18 +117,21 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
         sc, vb = block(i * bs, bs, False)
         return update(carry, sc, vb, lambda m: m)  # every score is finite: so is the running max
 
+    # The loop carry starts as a zero that derives from every input, so that inside shard_map it varies
+    # over the same mesh axes as the blocks folded into it (a constant would not); nothing of the inputs
+    # is read beyond one element each. A block that sees nothing leaves the running state unchanged.
+    inputs = [jnp.asarray(x) for x in (qg, k, v, limit, block_table, layer, kv_pos.at(0)) if x is not None]
+    zero = jnp.where(False, sum(x[(0,) * x.ndim].astype(jnp.float32) for x in inputs), 0.0)
     init = (
-        jnp.full((b, kh, rows), -jnp.inf, jnp.float32),
-        jnp.zeros((b, kh, rows), jnp.float32),
-        jnp.zeros((b, kh, rows, dv), jnp.float32),
+        jnp.full((b, kh, rows), -jnp.inf, jnp.float32) + zero,
+        jnp.zeros((b, kh, rows), jnp.float32) + zero,
+        jnp.zeros((b, kh, rows, dv), jnp.float32) + zero,
     )
-    # The first masked block is peeled: the loop carry then derives from the inputs (and, inside shard_map,
-    # varies over the same mesh axes as they do); a block that sees nothing leaves the running state
-    # unchanged, and the order blocks are folded in does not matter.
-    carry = masked_step(0, init)
-    if bm < s:  # (one block needs no loop, which keeps the single-block form reverse-differentiable)
-        carry = lax.fori_loop(0, num_unmasked, unmasked_step, carry)
-        carry = lax.fori_loop(1, num_masked, masked_step, carry)
+    if bm < s:  # blocks up to the last visible slot only: a query block that sees nothing costs no block
+        carry = lax.fori_loop(0, num_unmasked, unmasked_step, init)
+        carry = lax.fori_loop(0, num_masked, masked_step, carry)
+    else:  # one block, no loop: the single-block form stays reverse-differentiable
+        carry = masked_step(0, init)
     m, l, acc = carry
     has = l > 0
     safe_l = jnp.where(has, l, 1.0)
