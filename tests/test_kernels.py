@@ -290,6 +290,12 @@ def to_pages(x, page, seed=0, spare=3):
     return jnp.asarray(pool, x.dtype), jnp.asarray(order, jnp.int32)
 
 
+def paged(x, page):
+    """The attention call `x` (make_inputs') over page pools of its k and v, with their block table."""
+    (k_pool, table), (v_pool, _) = to_pages(x["k"], page), to_pages(x["v"], page)
+    return dict(x, k=k_pool, v=v_pool, block_table=table)
+
+
 @pytest.mark.parametrize("impl,opts", [("reference", dict(block_k=16, block_k_masked=8)),
                                        ("reference", {}), (PALLAS, dict(block_k=16)), (PALLAS, {})])
 @pytest.mark.parametrize("t,h,kh,dk,dv,page,runs,dtype", [
@@ -299,10 +305,7 @@ def to_pages(x, page, seed=0, spare=3):
 ])
 def test_paged_matches_float64(impl, opts, t, h, kh, dk, dv, page, runs, dtype):
     x = make_inputs(3, t, h, kh, 4 * page, dk, dv, dtype, runs=runs)
-    k_pool, table = to_pages(x["k"], page)
-    v_pool, _ = to_pages(x["v"], page)
-    paged = dict(x, k=k_pool, v=v_pool)
-    o, lse = attention(**paged, impl=impl, block_table=table, **opts)
+    o, lse = attention(**paged(x, page), impl=impl, **opts)
     check_against_oracle(o, lse, x, TOL[dtype])
 
 
@@ -327,15 +330,15 @@ def test_paged_bad_table():
 
 
 @pytest.mark.parametrize("impl", ["reference", PALLAS])
-@pytest.mark.parametrize("paged", [False, True])
-def test_layer_of_stacked_caches_is_read_in_place(impl, paged):
+@pytest.mark.parametrize("in_pages", [False, True])
+def test_layer_of_stacked_caches_is_read_in_place(impl, in_pages):
     # Scanned layers keep their caches stacked [L, ...]: the kernels read layer i (traced) in place, the
     # same result as the cache of that layer alone.
     x = make_inputs(2, 3, 8, 2, 32, 16, 16, runs=(1, 1, 2))
     rng = np.random.default_rng(3)
     others = [jnp.asarray(rng.standard_normal(x["k"].shape), jnp.float32) for _ in range(2)]
     k, v, extra = x["k"], x["v"], {}
-    if paged:
+    if in_pages:
         (k, table), (v, _) = to_pages(k, 16), to_pages(v, 16)
         others = [to_pages(o, 16)[0] for o in others]
         extra = dict(block_table=table)
@@ -368,9 +371,9 @@ class BlockCounter:
         return out
 
 
-@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("in_pages", [False, True])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_kernel_masks_only_the_last_block_and_walks_the_filled_part(monkeypatch, paged, splits):
+def test_kernel_masks_only_the_last_block_and_walks_the_filled_part(monkeypatch, in_pages, splits):
     # Decode over a 512-slot slice filled to 200 (and 208: whole blocks) of it, block_k 16: each program
     # visits only blocks holding slots < the length (13 blocks, none of the 19 empty ones), every block
     # exactly once over the splits, and masks at most one: the one the length ends inside.
@@ -378,13 +381,9 @@ def test_kernel_masks_only_the_last_block_and_walks_the_filled_part(monkeypatch,
         x = make_inputs(1, 1, 4, 2, 512, 16, 16)
         x["kv_len"] = jnp.asarray([length], jnp.int32)
         x["q_pos"] = jnp.asarray([[length - 1]], jnp.int32)
-        extra = {}
-        if paged:
-            k_pool, table = to_pages(x["k"], 16)
-            v_pool, _ = to_pages(x["v"], 16)
-            x, extra = dict(x, k=k_pool, v=v_pool), dict(block_table=table)
+        call = paged(x, 16) if in_pages else x
         counter = BlockCounter(triton_kernel, monkeypatch)
-        o, _ = attention(**x, impl="pallas_interpret", block_k=16, num_splits=splits, **extra)
+        o, _ = attention(**call, impl="pallas_interpret", block_k=16, num_splits=splits)
         jax.block_until_ready(o)
         by_program = counter.programs()
         assert {p[:3] for p in by_program} == {(0, 0, 0), (0, 1, 0)}  # one query block per kv head
@@ -416,17 +415,14 @@ def test_kernel_masks_only_the_diagonal_of_a_prefill_chunk(monkeypatch):
         assert masked == list(range(first_tok // 16 * 16, last_tok + 1, 16)) and len(masked) <= 2
 
 
-@pytest.mark.parametrize("paged", [False, True])
-def test_reference_masks_only_the_tail_and_walks_the_filled_part(monkeypatch, paged):
+@pytest.mark.parametrize("in_pages", [False, True])
+def test_reference_masks_only_the_tail_and_walks_the_filled_part(monkeypatch, in_pages):
     # The CPU path: decode at 300 of 1024 slots, blocks of 64 unmasked and 16 masked: 4 unmasked blocks
     # (256 slots) and 3 masked ones (48 slots); nothing past slot 303 of the 1024 is read.
     x = make_inputs(1, 1, 4, 2, 1024, 8, 8)
     x["kv_len"] = jnp.asarray([300], jnp.int32)
     x["q_pos"] = jnp.asarray([[299]], jnp.int32)
-    call = dict(x)
-    if paged:
-        (k_pool, table), (v_pool, _) = to_pages(x["k"], 16), to_pages(x["v"], 16)
-        call.update(k=k_pool, v=v_pool, block_table=table)
+    call = paged(x, 16) if in_pages else dict(x)
     counter = BlockCounter(ref_kernel, monkeypatch)
     o, lse = attention(**call, impl="reference", block_k=64, block_k_masked=16)
     check_against_oracle(o, lse, x, 1e-5)
@@ -436,18 +432,15 @@ def test_reference_masks_only_the_tail_and_walks_the_filled_part(monkeypatch, pa
     assert masked == [(256, 16), (272, 16), (288, 16)]
 
 
-@pytest.mark.parametrize("paged", [False, True])
-def test_reference_reads_nothing_for_queries_that_see_nothing(monkeypatch, paged):
+@pytest.mark.parametrize("in_pages", [False, True])
+def test_reference_reads_nothing_for_queries_that_see_nothing(monkeypatch, in_pages):
     # A ragged step's unused tiles (position -1) and empty rows: the CPU path visits no KV block for them
     # (a step pads its tile groups with such tiles, so each would otherwise cost a block per layer) and
     # returns o = 0, lse = -inf; a query block where some rows see something walks only what they see.
     x = make_inputs(2, 3, 4, 2, 256, 8, 8)
     x["kv_len"] = jnp.asarray([100, 0], jnp.int32)
     x["q_pos"] = jnp.asarray([[-1, -1, -1], [5, 6, 7]], jnp.int32)
-    call = dict(x)
-    if paged:
-        (k_pool, table), (v_pool, _) = to_pages(x["k"], 16), to_pages(x["v"], 16)
-        call.update(k=k_pool, v=v_pool, block_table=table)
+    call = paged(x, 16) if in_pages else dict(x)
     counter = BlockCounter(ref_kernel, monkeypatch)
     o, lse = attention(**call, impl="reference", block_k=64, block_k_masked=16)
     jax.block_until_ready(o)
@@ -459,6 +452,7 @@ def test_reference_reads_nothing_for_queries_that_see_nothing(monkeypatch, paged
     o, lse = attention(**call, impl="reference", block_k=64, block_k_masked=16)
     check_against_oracle(o, lse, x, 1e-5)
     assert sorted((s, n) for _, _, s, n in counter.seen) == [(0, 16), (16, 16), (32, 16)]
+
 
 # --- lowering for CUDA without a GPU (the lowering convention in docs/ARCHITECTURE.md) -------------------------------------------------
 
