@@ -53,6 +53,12 @@ def make_inputs(b, t, h, kh, s, dk, dv, dtype=jnp.float32, seed=0, stride=1, run
                 q_pos=jnp.asarray(q_pos), kv_pos=kv_pos, kv_len=jnp.asarray(lengths))
 
 
+def attend(call, **static):
+    """`attention(**call, **static)` as one jitted program, as the engine runs it (called eagerly, every op
+    of the wrapper and of the walk would compile as a program of its own: ~1,500 compiles in this file)."""
+    return jax.jit(lambda c: attention(**c, **static))(call)
+
+
 def check_against_oracle(o, lse, x, tol):
     scale = 1.0 / np.sqrt(x["q"].shape[-1])
     ref_o, ref_lse = dense_attention(x["q"].astype(jnp.float32), x["k"].astype(jnp.float32),
@@ -72,7 +78,7 @@ def check_against_oracle(o, lse, x, tol):
 ])
 def test_reference_matches_float64(dtype, t, h, kh, dk, dv, stride):
     x = make_inputs(3, t, h, kh, 12, dk, dv, dtype, stride=stride)
-    o, lse = attention(**x, impl="reference")
+    o, lse = attend(x, impl="reference")
     assert o.dtype == dtype and lse.dtype == jnp.float32
     ref_o = check_against_oracle(o, lse, x, TOL[dtype])
     np.testing.assert_array_equal(np.asarray(o[1], np.float32), 0.0)  # nothing cached: zeros
@@ -89,8 +95,8 @@ def test_reference_matches_float64(dtype, t, h, kh, dk, dv, stride):
 ])
 def test_pallas_interpret_matches_reference(t, h, kh, s, dk, dv, dtype, runs, opts):
     x = make_inputs(2, t, h, kh, s, dk, dv, dtype, runs=runs)
-    o_ref, lse_ref = attention(**x, impl="reference")
-    o, lse = attention(**x, impl=PALLAS, **opts)
+    o_ref, lse_ref = attend(x, impl="reference")
+    o, lse = attend(x, impl=PALLAS, **opts)
     tol = TOL[dtype]
     assert o.dtype == dtype
     assert rel_err(o, o_ref) <= tol
@@ -104,9 +110,9 @@ def test_values_shared_with_keys(impl, opts):
     dk = dim(24)
     x = make_inputs(2, 2, 8, 1, 40, dk, 16, runs=(2, 2, 8))
     x["v"] = x["k"][..., :16]
-    o_ref, lse_ref = attention(**x, impl="reference")
+    o_ref, lse_ref = attend(x, impl="reference")
     shared = dict(x, v=None)
-    o, lse = attention(**shared, impl=impl, v_dim=16, **opts)
+    o, lse = attend(shared, impl=impl, v_dim=16, **opts)
     assert o.shape == o_ref.shape
     assert rel_err(o, o_ref) <= 1e-5
     assert_lse_close(lse, lse_ref, 1e-5)
@@ -121,7 +127,7 @@ def test_values_shared_with_keys(impl, opts):
 def test_reference_blocked_walk(block_k, runs):
     # Several blocks, ragged lengths (the walk stops early for short sequences): same as float64.
     x = make_inputs(3, 2, 4, 2, 24, 8, 8, runs=runs)
-    o, lse = attention(**x, impl="reference", block_k=block_k)
+    o, lse = attend(x, impl="reference", block_k=block_k)
     check_against_oracle(o, lse, x, 1e-5)
 
 
@@ -133,7 +139,7 @@ def test_reference_unmasked_and_masked_blocks(block_k, block_k_masked, runs, t):
     # before the diagonal take the unmasked loop body, the rest the masked one in smaller blocks, the
     # last of them shifted back; block_k >= S is a single masked block.
     x = make_inputs(1, t, 4, 2, 40, 8, 8, runs=runs)
-    o, lse = attention(**x, impl="reference", block_k=block_k, block_k_masked=block_k_masked)
+    o, lse = attend(x, impl="reference", block_k=block_k, block_k_masked=block_k_masked)
     check_against_oracle(o, lse, x, 1e-5)
 
 
@@ -178,7 +184,7 @@ def test_tiled_prefill_matches_float64(b, t, h, kh, prefix, runs, dtype, opts):
     runs = runs or (0, 1, 1)
     s = math.ceil((prefix + t) / runs[2]) * runs[1]  # slots holding positions up to prefix + t
     x = make_inputs(b, t, h, kh, s, 16, 16, dtype, runs=runs)
-    o, lse = attention(**x, impl=PALLAS, **opts)
+    o, lse = attend(x, impl=PALLAS, **opts)
     assert o.dtype == dtype and lse.dtype == jnp.float32
     check_against_oracle(o, lse, x, TOL[dtype])
     assert np.isneginf(np.asarray(lse[1])).all()  # the empty sequence sees nothing, no NaN
@@ -305,7 +311,7 @@ def paged(x, page):
 ])
 def test_paged_matches_float64(impl, opts, t, h, kh, dk, dv, page, runs, dtype):
     x = make_inputs(3, t, h, kh, 4 * page, dk, dv, dtype, runs=runs)
-    o, lse = attention(**paged(x, page), impl=impl, **opts)
+    o, lse = attend(paged(x, page), impl=impl, **opts)
     check_against_oracle(o, lse, x, TOL[dtype])
 
 
@@ -315,7 +321,7 @@ def test_paged_values_shared_with_keys(impl):
     x = make_inputs(2, 2, 8, 1, 64, dim(24), 16, runs=(1, 1, 4))
     x["v"] = x["k"][..., :16]
     k_pool, table = to_pages(x["k"], 16)
-    o, lse = attention(**dict(x, k=k_pool, v=None), impl=impl, v_dim=16, block_table=table)
+    o, lse = attend(dict(x, k=k_pool, v=None, block_table=table), impl=impl, v_dim=16)
     check_against_oracle(o, lse, x, 1e-5)
 
 
@@ -383,7 +389,7 @@ def test_kernel_masks_only_the_last_block_and_walks_the_filled_part(monkeypatch,
         x["q_pos"] = jnp.asarray([[length - 1]], jnp.int32)
         call = paged(x, 16) if in_pages else x
         counter = BlockCounter(triton_kernel, monkeypatch)
-        o, _ = attention(**call, impl="pallas_interpret", block_k=16, num_splits=splits)
+        o, _ = attend(call, impl="pallas_interpret", block_k=16, num_splits=splits)
         jax.block_until_ready(o)
         by_program = counter.programs()
         assert {p[:3] for p in by_program} == {(0, 0, 0), (0, 1, 0)}  # one query block per kv head
@@ -403,7 +409,7 @@ def test_kernel_masks_only_the_diagonal_of_a_prefill_chunk(monkeypatch):
     x["kv_len"] = jnp.asarray([148], jnp.int32)
     x["q_pos"] = jnp.asarray(100 + np.arange(48)[None], jnp.int32)
     counter = BlockCounter(triton_kernel, monkeypatch)
-    o, lse = attention(**x, impl="pallas_interpret", block_q=16, block_k=16, num_splits=1)
+    o, lse = attend(x, impl="pallas_interpret", block_q=16, block_k=16, num_splits=1)
     check_against_oracle(o, lse, x, 1e-5)
     by_program = counter.programs()
     assert len(by_program) == 6
@@ -424,7 +430,7 @@ def test_reference_masks_only_the_tail_and_walks_the_filled_part(monkeypatch, in
     x["q_pos"] = jnp.asarray([[299]], jnp.int32)
     call = paged(x, 16) if in_pages else dict(x)
     counter = BlockCounter(ref_kernel, monkeypatch)
-    o, lse = attention(**call, impl="reference", block_k=64, block_k_masked=16)
+    o, lse = attend(call, impl="reference", block_k=64, block_k_masked=16)
     check_against_oracle(o, lse, x, 1e-5)
     unmasked = sorted((s, n) for _, m, s, n in counter.seen if not m)
     masked = sorted((s, n) for _, m, s, n in counter.seen if m)
@@ -442,14 +448,14 @@ def test_reference_reads_nothing_for_queries_that_see_nothing(monkeypatch, in_pa
     x["q_pos"] = jnp.asarray([[-1, -1, -1], [5, 6, 7]], jnp.int32)
     call = paged(x, 16) if in_pages else dict(x)
     counter = BlockCounter(ref_kernel, monkeypatch)
-    o, lse = attention(**call, impl="reference", block_k=64, block_k_masked=16)
+    o, lse = attend(call, impl="reference", block_k=64, block_k_masked=16)
     jax.block_until_ready(o)
     assert counter.seen == []
     assert not np.asarray(o).any() and np.isneginf(np.asarray(lse)).all()
     x["q_pos"] = jnp.asarray([[-1, 20, 40], [5, 6, 7]], jnp.int32)  # row 0 sees up to slot 40
     call["q_pos"] = x["q_pos"]
     counter.seen.clear()
-    o, lse = attention(**call, impl="reference", block_k=64, block_k_masked=16)
+    o, lse = attend(call, impl="reference", block_k=64, block_k_masked=16)
     check_against_oracle(o, lse, x, 1e-5)
     assert sorted((s, n) for _, _, s, n in counter.seen) == [(0, 16), (16, 16), (32, 16)]
 
