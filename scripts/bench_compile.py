@@ -5,7 +5,7 @@ tokens/s with the layers scanned vs one program per layer (`scan_layers=False`),
 run. Prints a table, or one JSON object with --json.
 
     python scripts/bench_compile.py                   # 4 vs 32 layers, Llama-3.1-8B width, 1 x 2 mesh
-    python scripts/bench_compile.py --quick --json    # the tiny width
+    python scripts/bench_compile.py --quick --json    # the tiny width; the decode comparison on 2 layers
 """
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ def measure(width: str, layers: int, tp: int, dcp: int, repeats: int) -> dict:
     return row
 
 
-def decode_speed(context: int, new_tokens: int, repeats: int) -> list[dict]:
-    """Decode tokens/s and TTFT of one request with `context` prompt tokens on a random 8-layer Llama of
-    hidden 512: `LLM.generate` (paged, continuous batching) and the dense static `Engine`, each with the
+def decode_speed(context: int, new_tokens: int, repeats: int, layers: int = 8) -> list[dict]:
+    """Decode tokens/s and TTFT of one request with `context` prompt tokens on a random `layers`-layer
+    Llama of hidden 512: `LLM.generate` (paged, continuous batching) and the dense static `Engine`, each with the
     layers scanned and with one stack per layer; alternating, best of `repeats`."""
     import numpy as np
 
@@ -68,7 +68,7 @@ def decode_speed(context: int, new_tokens: int, repeats: int) -> list[dict]:
 
     cfg = ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=4096, hidden_size=512,
                                      intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2,
-                                     num_hidden_layers=8, max_position_embeddings=1 << 16))
+                                     num_hidden_layers=layers, max_position_embeddings=1 << 16))
     mesh = make_mesh(1, 1)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, size=context).tolist()
     runs = {}
@@ -89,7 +89,7 @@ def decode_speed(context: int, new_tokens: int, repeats: int) -> list[dict]:
             best[key] = (max(tok_s, out.stats["decode_tokens_per_s"]), min(ttft, out.stats["ttft_s"]))
             tokens.add(tuple(out.tokens[0]))
     assert len(tokens) == 1, "the four programs disagree"
-    return [dict(engine=engine, scan_layers=scan, context=context, decode_tokens_per_s=round(best[(engine, scan)][0], 2),
+    return [dict(engine=engine, scan_layers=scan, context=context, layers=layers, decode_tokens_per_s=round(best[(engine, scan)][0], 2),
                  ttft_s=round(best[(engine, scan)][1], 3)) for engine, scan in runs]
 
 
@@ -110,7 +110,8 @@ def main(argv=None) -> int:
     ensure_cpu_devices(2)
     rows = [measure(args.width, n, 1, 2, args.repeats) for n in args.layers]
     ratios = {name: rows[-1][f"{name}_compile_s"] / rows[0][f"{name}_compile_s"] for name in ("decode", "prefill")}
-    speed = decode_speed(args.context, 8 if args.quick else 32, args.repeats + 1)
+    # quick: 2 layers (the unscanned programs unroll every layer: 8 would compile four times the code)
+    speed = decode_speed(args.context, 8 if args.quick else 32, args.repeats + 1, layers=2 if args.quick else 8)
     by = {(r["engine"], r["scan_layers"]): r["decode_tokens_per_s"] for r in speed}
     speed_ratio = by[("paged", True)] / by[("paged", False)]
     if args.json:
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
               f"{r['decode_instructions']:>13} {r['prefill_instructions']:>14}")
     print(f"{args.layers[-1]} / {args.layers[0]} layers compile time: decode {ratios['decode']:.2f}x, "
           f"prefill {ratios['prefill']:.2f}x")
-    print(f"\ndecode of one {args.context}-token request, 8 layers of hidden 512 (best of {args.repeats + 1}):")
+    print(f"\ndecode of one {args.context}-token request, {speed[0]['layers']} layers of hidden 512 (best of {args.repeats + 1}):")
     for r in speed:
         print(f"  {r['engine']:>5} engine, {'layers scanned' if r['scan_layers'] else 'one stack per layer':>19}: "
               f"{r['decode_tokens_per_s']:7.2f} tok/s, TTFT {r['ttft_s']:.3f} s")
