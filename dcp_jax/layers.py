@@ -10,6 +10,7 @@ of a mixture-of-experts layer are one [E, ...] weight, sharded over E).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -73,9 +74,16 @@ def stacked_source(get: WeightSource, indices, mesh: Mesh) -> WeightSource:
         sharding = mesh_lib.named(mesh, mesh_lib.stacked_spec(spec))
         if isinstance(parts[0], jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct((len(parts), *parts[0].shape), parts[0].dtype, sharding=sharding)
-        return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*parts)
+        return _stacker(sharding)(*parts)
 
     return stacked
+
+
+@functools.lru_cache(maxsize=256)
+def _stacker(sharding):
+    """The jitted stack onto `sharding`: one per placement for the process (jit then compiles it once per
+    distinct shape), not a new program for every weight of every load."""
+    return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)
 
 
 def param(get: WeightSource, name: str, shape, spec, kv_rep: int = 1) -> nnx.Param:

@@ -11,10 +11,12 @@ would force every model einsum to spell out its output sharding for no gain here
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -255,6 +257,20 @@ def stacked_lse_spec(head_axes: AxisNames, context_axes: AxisNames) -> P:
 
 def named(mesh: Mesh, spec: P) -> NamedSharding:
     return NamedSharding(mesh, spec)
+
+
+def zeros(specs):
+    """Zeroed arrays for a pytree of ShapeDtypeStructs that carry their shardings, each allocated sharded
+    (never whole on one device). The allocating program is compiled once per distinct set of shapes,
+    dtypes and shardings in the process (loading the same model again compiles nothing)."""
+    leaves, tree = jax.tree.flatten(specs)
+    return tree.unflatten(_zeros_program(tuple((x.shape, x.dtype, x.sharding) for x in leaves))())
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros_program(leaves: tuple):
+    return jax.jit(lambda: [jnp.zeros(shape, dtype) for shape, dtype, _ in leaves],
+                   out_shardings=[sharding for *_, sharding in leaves])
 
 
 def host(x) -> np.ndarray:

@@ -315,11 +315,9 @@ def init_cache(model: CausalLM, batch: int, layout: KVLayout, mesh: Mesh, dtype)
 
     Allocated sharded from the start (jit with out_shardings), never as a full array on one device.
     """
-    shapes = model.cache_shapes(batch, layout.max_seq_len)
     sharding = cache_sharding(model, mesh)
-    make = jax.jit(lambda: tuple(tuple(jnp.zeros(s, dtype) for s in layer) for layer in shapes),
-                   out_shardings=sharding)
-    return make()
+    return mesh_lib.zeros(tuple(tuple(jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for s in layer)
+                                for layer in model.cache_shapes(batch, layout.max_seq_len)))
 
 
 def random_source(cfg: ModelConfig, mesh: Mesh, seed: int = 0, dtype=jnp.float32, scale: float = 0.5):

@@ -142,12 +142,9 @@ class ModelRunner:
     def allocate(self) -> Caches:
         """The zeroed pools, sharded from the start (never whole on one device), and the token history."""
         if self.caches is None:
-            spec = self.pool_spec()
-            self.caches = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec),
-                                  out_shardings=self.shardings)()
+            self.caches = mesh_lib.zeros(self.pool_spec())
         if self.history is None:
-            spec = self.history_spec()
-            self.history = jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=self.replicated)()
+            self.history = mesh_lib.zeros(self.history_spec())
             self.history_owner = [None] * self.config.max_num_seqs
         return self.caches
 
