@@ -10,7 +10,6 @@ of a mixture-of-experts layer are one [E, ...] weight, sharded over E).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 
 import jax
@@ -74,16 +73,13 @@ def stacked_source(get: WeightSource, indices, mesh: Mesh) -> WeightSource:
         sharding = mesh_lib.named(mesh, mesh_lib.stacked_spec(spec))
         if isinstance(parts[0], jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct((len(parts), *parts[0].shape), parts[0].dtype, sharding=sharding)
-        return _stacker(sharding)(*parts)
+        return jax.jit(_stack, out_shardings=sharding)(*parts)  # jit's cache: one compile per shape and placement
 
     return stacked
 
 
-@functools.lru_cache(maxsize=256)
-def _stacker(sharding):
-    """The jitted stack onto `sharding`: one per placement for the process (jit then compiles it once per
-    distinct shape), not a new program for every weight of every load."""
-    return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)
+def _stack(*xs):
+    return jnp.stack(xs)
 
 
 def param(get: WeightSource, name: str, shape, spec, kv_rep: int = 1) -> nnx.Param:

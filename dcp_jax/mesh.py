@@ -11,7 +11,6 @@ would force every model einsum to spell out its output sharding for no gain here
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Sequence
 
@@ -261,16 +260,16 @@ def named(mesh: Mesh, spec: P) -> NamedSharding:
 
 def zeros(specs):
     """Zeroed arrays for a pytree of ShapeDtypeStructs that carry their shardings, each allocated sharded
-    (never whole on one device). The allocating program is compiled once per distinct set of shapes,
-    dtypes and shardings in the process (loading the same model again compiles nothing)."""
+    (never whole on one device). One module-level function jitted with the shapes static, so jit's own
+    cache compiles it once per distinct set of shapes, dtypes and shardings (a fresh lambda per call
+    would compile every time: loading the same model again would recompile)."""
     leaves, tree = jax.tree.flatten(specs)
-    return tree.unflatten(_zeros_program(tuple((x.shape, x.dtype, x.sharding) for x in leaves))())
+    shapes = tuple((x.shape, jnp.dtype(x.dtype)) for x in leaves)
+    return tree.unflatten(jax.jit(_zeros, static_argnums=0, out_shardings=[x.sharding for x in leaves])(shapes))
 
 
-@functools.lru_cache(maxsize=256)
-def _zeros_program(leaves: tuple):
-    return jax.jit(lambda: [jnp.zeros(shape, dtype) for shape, dtype, _ in leaves],
-                   out_shardings=[sharding for *_, sharding in leaves])
+def _zeros(shapes):
+    return [jnp.zeros(shape, dtype) for shape, dtype in shapes]
 
 
 def host(x) -> np.ndarray:

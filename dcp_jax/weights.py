@@ -12,7 +12,6 @@ slice of the fp8 tensor times the scales of the blocks it covers, in the compute
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
@@ -300,13 +299,13 @@ class DictSource:
         if name not in self.arrays:
             raise UserError(f"the checkpoint has no tensor {name!r}")
         x = self.arrays[name]
-        return _expander(kv_rep, self.cfg.head_dim, jnp.dtype(self.dtype), mesh_lib.named(self.mesh, spec))(x)
+        # a module-level function with static arguments: jit's cache compiles it once per shape and placement
+        expand = jax.jit(_expand, static_argnums=(1, 2, 3), out_shardings=mesh_lib.named(self.mesh, spec))
+        return expand(x, kv_rep, self.cfg.head_dim, jnp.dtype(self.dtype))
 
 
-@functools.lru_cache(maxsize=256)
-def _expander(kv_rep: int, head_dim: int, dtype, sharding):
-    """The jitted KV-head expansion onto `sharding`, one per (expansion, dtype, placement) for the process."""
-    return jax.jit(lambda a: jnp.asarray(expand_kv_rows(a, kv_rep, head_dim), dtype), out_shardings=sharding)
+def _expand(a, kv_rep: int, head_dim: int, dtype):
+    return jnp.asarray(expand_kv_rows(a, kv_rep, head_dim), dtype)
 
 
 def load_checkpoint(path, mesh: Mesh, dtype: str = "auto", *, scan_layers: bool = True):

@@ -89,8 +89,9 @@ def decode_speed(context: int, new_tokens: int, repeats: int, layers: int = 8) -
             best[key] = (max(tok_s, out.stats["decode_tokens_per_s"]), min(ttft, out.stats["ttft_s"]))
             tokens.add(tuple(out.tokens[0]))
     assert len(tokens) == 1, "the four programs disagree"
-    return [dict(engine=engine, scan_layers=scan, context=context, layers=layers, decode_tokens_per_s=round(best[(engine, scan)][0], 2),
-                 ttft_s=round(best[(engine, scan)][1], 3)) for engine, scan in runs]
+    return [dict(engine=engine, scan_layers=scan, context=context, layers=layers,
+                 decode_tokens_per_s=round(best[(engine, scan)][0], 2), ttft_s=round(best[(engine, scan)][1], 3))
+            for engine, scan in runs]
 
 
 def main(argv=None) -> int:
