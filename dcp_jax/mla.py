@@ -103,7 +103,8 @@ class MLAttention(nnx.Module):
         opts = dict(scale=cfg.softmax_scale, v_dim=lora)
         if cache is None:  # cache-free causal attention over the block (training / scoring)
             o, _ = kernels.attention(q_abs, latent.transpose(0, 2, 1, 3), None, positions,
-                                     SlotPositions.dense(t), kv_len, impl="reference", block_k=t, **opts)
+                                     SlotPositions.dense(t), kv_len, impl="reference", block_k=t, block_k_masked=t,
+                                     **opts)
         else:
             axes = dict(head_axes=HEAD_AXES, context_axes=self.context_axes)
             cache = attn_lib.write_kv(cache, (latent,), positions, valid, **ctx.placement(), **axes)

@@ -116,9 +116,9 @@ class Attention(nnx.Module):
         q, k = rope(q, positions, inv_freq, factor=factor), rope(k, positions, inv_freq, factor=factor)
         if cache is None:  # training / scoring: causal attention within the block, no cache, no mesh
             kv_pos = SlotPositions.dense(t)
-            # one dense block (block_k = T): no loop with a traced trip count, so it is reverse-differentiable
+            # one dense block (both block sizes T): no loop with a traced trip count, so it is reverse-differentiable
             o, _ = kernels.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions, kv_pos,
-                                     kv_len, impl="reference", block_k=t)
+                                     kv_len, impl="reference", block_k=t, block_k_masked=t)
             return linear(o.reshape(b, t, -1), self.o_proj), None
         cache = attn_lib.write_kv(cache, (k, v), positions, valid, **ctx.placement())
         o = attn_lib.dcp_attention(q, *cache, positions, kv_len, impl=ctx.impl, combine=ctx.combine,

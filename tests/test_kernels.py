@@ -459,6 +459,24 @@ def test_reference_reads_nothing_for_queries_that_see_nothing(monkeypatch, in_pa
     assert sorted((s, n) for _, _, s, n in counter.seen) == [(0, 16), (16, 16), (32, 16)]
 
 
+def test_reference_walks_a_short_slice_page_by_page(monkeypatch):
+    # A slice shorter than one unmasked block (a serving pool of short requests: 3 pages of 64) is walked
+    # a page at a time with the default block sizes, up to the last page some query sees: one whole-slice
+    # block would read all 192 slots of every tile of a ragged step whose prompts see a few dozen.
+    x = make_inputs(2, 4, 4, 2, 192, 8, 8)
+    x["kv_len"] = jnp.asarray([20, 100], jnp.int32)
+    x["q_pos"] = jnp.asarray([[16, 17, 18, 19], [96, 97, 98, 99]], jnp.int32)
+    call = paged(x, 64)
+    counter = BlockCounter(ref_kernel, monkeypatch)
+    o, lse = attend(call, impl="reference")
+    check_against_oracle(o, lse, x, 1e-5)
+    assert sorted((s, n) for _, _, s, n in counter.seen) == [(0, 64), (64, 64)]
+    counter.seen.clear()
+    call["kv_len"], call["q_pos"] = x["kv_len"].at[1].set(10), x["q_pos"].at[1].set(jnp.arange(6, 10))
+    jax.block_until_ready(attend(call, impl="reference"))  # both rows within the first page: one block
+    assert [(s, n) for _, _, s, n in counter.seen] == [(0, 64)]
+
+
 # --- lowering for CUDA without a GPU (the lowering convention in docs/ARCHITECTURE.md) -------------------------------------------------
 
 def lower_for_cuda(b, t, h, kh, s, dk, dv, dtype, shared_v=False, page=0, layers=0, kv_quant=None, **opts):
