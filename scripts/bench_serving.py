@@ -182,6 +182,8 @@ def continuous_run(server, workload: list[dict], arrivals=None) -> dict:
         active.append(len(plan.decode_slots) + len(plan.prefills))
         if not (ragged and plan.prefills):  # a decode loop ran: every slot for K steps
             work["loop_steps"] += plan.decode_steps
+        elif plan.decode_slots:  # the ragged step sampled the decode rows' first tokens, a loop the other K - 1
+            work["loop_steps"] += max(plan.decode_steps - 1, 0)
 
     result = run_requests(server, reqs, arrivals=arrivals, on_step=on_step, on_prefill=on_prefill)
     per = []
