@@ -475,6 +475,12 @@ def test_reference_walks_a_short_slice_page_by_page(monkeypatch):
     call["kv_len"], call["q_pos"] = x["kv_len"].at[1].set(10), x["q_pos"].at[1].set(jnp.arange(6, 10))
     jax.block_until_ready(attend(call, impl="reference"))  # both rows within the first page: one block
     assert [(s, n) for _, _, s, n in counter.seen] == [(0, 64)]
+    # a slice no block of at least half the masked size tiles (37 slots, blocks of 16): the last block overlaps
+    x = make_inputs(2, 3, 4, 2, 37, 8, 8)
+    counter.seen.clear()
+    o, lse = attend(x, impl="reference", block_k_masked=16)
+    check_against_oracle(o, lse, x, 1e-5)
+    assert {n for _, _, _, n in counter.seen} == {16}
 
 
 # --- lowering for CUDA without a GPU (the lowering convention in docs/ARCHITECTURE.md) -------------------------------------------------

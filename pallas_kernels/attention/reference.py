@@ -13,8 +13,9 @@ without the mask; the rest, up to the last visible slot, in `block_k_masked` slo
 on a dcp shard a chunk's new slots fill only part of a block). A masked block that would read past
 the slice is shifted back to end at its end, and the slots it shares with earlier blocks are masked
 out, so any block size works. A slice that one `block_k` block would cover whole is walked in
-blocks of at most `block_k_masked` slots that tile it exactly (one whole-slice block would make every
-query read all of it), and only `block_k_masked >= S` gives the single dense block.
+blocks of at most `block_k_masked` slots (tiling it exactly when blocks of at least half that size can),
+since one whole-slice block would make every query read all of it; only `block_k_masked >= S` gives the
+single dense block.
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
     # blocks that need the mask: few, often only partly visible, so smaller; one block only when both
     # sizes cover s (a short slice in one big block would read all of it for queries that see a little)
     bm = min(max(block_k_masked // unit, 1) * unit, bs)
-    if bs == s > bm:  # one unmasked block would be the whole slice: walk it in masked blocks that tile it
-        bm = bs = max(n for n in range(unit, bm + 1, unit) if s % n == 0)  # (no overlapping last block)
+    if bs == s > bm:  # one unmasked block would be the whole slice: walk it in masked blocks
+        # that tile it when one of at least half the size does (no overlapping last block), else overlap
+        tiling = max(n for n in range(unit, bm + 1, unit) if s % n == 0)
+        bm = bs = tiling if 2 * tiling >= bm else bm
     # XLA:CPU has no bf16 x bf16 -> f32 dot; compute in float32 (a no-op for float32 inputs).
     qg = (q.astype(jnp.float32) * scale).reshape(b, t, kh, g, dk)
     qg = jnp.transpose(qg, (0, 2, 3, 1, 4)).reshape(b, kh, rows, dk)  # row r = (group r // T, query r % T)
