@@ -67,11 +67,10 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
     rows = g * t
     out_dtype = q.dtype
     bs = min(max(block_k // unit, 1) * unit, s)
-    # blocks that need the mask: few, often only partly visible, so smaller; one block only when both
-    # sizes cover s (a short slice in one big block would read all of it for queries that see a little)
+    # blocks that need the mask: few, often only partly visible, so smaller
     bm = min(max(block_k_masked // unit, 1) * unit, bs)
-    if bs == s > bm:  # one unmasked block would be the whole slice: walk it in masked blocks
-        # that tile it when one of at least half the size does (no overlapping last block), else overlap
+    if bs == s > bm:  # one unmasked block would be the whole slice, read whole by queries that see a little:
+        # walk it in masked blocks, tiling it when blocks of at least half the size can (no overlapping last one)
         tiling = max(n for n in range(unit, bm + 1, unit) if s % n == 0)
         bm = bs = tiling if 2 * tiling >= bm else bm
     # XLA:CPU has no bf16 x bf16 -> f32 dot; compute in float32 (a no-op for float32 inputs).
