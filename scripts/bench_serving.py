@@ -180,10 +180,8 @@ def continuous_run(server, workload: list[dict], arrivals=None) -> dict:
                 finished[r.request_id] = t
         pages.append(server.scheduler.stats()["pages_used"])
         active.append(len(plan.decode_slots) + len(plan.prefills))
-        if not (ragged and plan.prefills):  # a decode loop ran: every slot for K steps
+        if not ragged:  # the engine before the ragged step: a decode loop of every slot for K steps
             work["loop_steps"] += plan.decode_steps
-        elif plan.decode_slots:  # the ragged step sampled the decode rows' first tokens, a loop the other K - 1
-            work["loop_steps"] += max(plan.decode_steps - 1, 0)
 
     result = run_requests(server, reqs, arrivals=arrivals, on_step=on_step, on_prefill=on_prefill)
     per = []
@@ -199,13 +197,15 @@ def continuous_run(server, workload: list[dict], arrivals=None) -> dict:
                         preemptions=r.num_preemptions, tokens=list(r.output_token_ids)))
     step_rows = (server.timing["rows_computed"] - timing0["rows_computed"] if ragged
                  else work["prefill_calls"] * chunk)
+    # a ragged engine counts its decode-loop steps itself (those after a ragged step's K - 1 included)
+    loop_steps = server.timing["decode_steps"] - timing0["decode_steps"] if ragged else work["loop_steps"]
     return dict(
         wall_s=result["wall_s"], requests=per, output_tokens=sum(p["output_tokens"] for p in per),
         pages_used_max=max(pages), pages_used_mean=float(np.mean(pages)), pages_total=result["pages_total"],
         kv_capacity_tokens=result["kv_capacity_tokens"], preemptions=result["preemptions"], steps=len(pages),
-        peak_active=max(active), rows_computed=step_rows + work["loop_steps"] * slots,
+        peak_active=max(active), rows_computed=step_rows + loop_steps * slots,
         ragged_steps=server.timing["ragged_steps"] - timing0["ragged_steps"] if ragged else 0,
-        prefill_calls=0 if ragged else work["prefill_calls"], loop_steps=work["loop_steps"])
+        prefill_calls=0 if ragged else work["prefill_calls"], loop_steps=loop_steps)
 
 
 def static_run(engine, workload: list[dict], batch: int, prefill_chunk: int) -> dict:
