@@ -60,17 +60,18 @@ top_logprobs_arg = alternatives("--top-logprobs")
 
 
 def non_negative_float(name, upper=None, positive=False):
-    """An argparse type: a number >= 0, at most `upper` when given."""
+    """An argparse type: a number >= 0 (> 0 when `positive`), at most `upper` when given."""
     def parse(text):
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-        if positive and value == 0:
-            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {text}")
-        if not value >= 0 or (upper is not None and value > upper):
+        low_ok = value > 0 if positive else value >= 0  # False for NaN
+        if not low_ok or (upper is not None and value > upper):
+            low, bound = ("(0", "> 0") if positive else ("[0", ">= 0")
             raise argparse.ArgumentTypeError(
-                f"{name} must be in [0, {upper}], got {text}" if upper else f"{name} must be >= 0, got {text}")
+                f"{name} must be in {low}, {upper:g}], got {text}" if upper is not None else
+                f"{name} must be {bound}, got {text}")
         return value
     return parse
 
