@@ -357,18 +357,27 @@ def test_a_failed_staging_fails_that_request_alone(faults):
 def test_new_prompt_lengths_compile_no_write_program(faults):
     # Every write program was compiled when the pair formed (DecodeInstance.warm: per decode device,
     # head range and power-of-two chunk size): prompts of lengths never seen, up to the longest the
-    # decode side admits, compile nothing on the decode side; their tokens equal one instance's.
+    # decode side admits, compile nothing on the decode side; their tokens equal one instance's. The
+    # prefill side's gathers run at padded block counts: however many lengths, at most one program per
+    # size in `gather_sizes` (O(log) of the longest), not one per block count.
     pair, exp, kw = faults
     dec, runner = pair.decode_instance, pair.decode_llm.engine.runner
     programs, decode_programs, dispatches = len(dec.receiver.compiled), len(runner.compiled), dec.receiver.dispatches
     assert programs > 0 and dec.warm() == 0
     rng = np.random.default_rng(3)
-    prompts = [[int(t) for t in rng.integers(3, 250, n)] for n in (1, 6, 29, runner.config.max_model_len - 3)]
+    lengths = (1, 6, 29, runner.config.max_model_len - 3, *range(7, 23))
+    prompts = [[int(t) for t in rng.integers(3, 250, n)] for n in lengths]
     out = pair.generate(prompts, max_new_tokens=2, ignore_eos=True)
     assert len(dec.receiver.compiled) == programs and len(runner.compiled) == decode_programs
     chunks = dec.receiver.dispatches - dispatches
     print(f"write programs compiled at pairing: {programs}; {len(prompts)} new lengths: 0 compiled, {chunks} run")
     assert out.tokens == pair.decode_llm.generate(prompts, max_new_tokens=2, ignore_eos=True).tokens
+    stager = pair.prefill.stager
+    src = pair.prefill_llm.paged_layout()
+    gathered = {blocks for blocks, _ in stager.compiled}
+    block_counts = {int(src.blocks_for(n)) for n in (*lengths, *map(len, exp["prompts"]))}
+    assert gathered <= set(stager.gather_sizes) and len(gathered) < len(block_counts), (gathered, block_counts)
+    assert len(stager.gather_sizes) <= 2 * stager.engine.max_blocks_per_seq.bit_length()
 
 
 def test_the_prefill_queue_batches_what_waits_and_bounds_the_wait():

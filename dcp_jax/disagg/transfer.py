@@ -57,6 +57,7 @@ from jax.sharding import SingleDeviceSharding
 from dcp_jax import mesh as mesh_lib
 from dcp_jax.disagg.handoff import PieceSpec, chunks, describe, head_ranges, piece_head_ranges, src_layout
 from dcp_jax.layout import PagedLayout, kv_head_sources, reshard_plan
+from dcp_jax.serving.config import step_sizes
 
 
 class TransferError(RuntimeError):
@@ -67,11 +68,15 @@ class Stager:
     """The prefill side: gathers a request's KV out of `engine`'s pool into single-device pieces, one per
     (source rank, destination rank, destination head shard's heads), cut for the destination's placement.
 
-    One compiled gather per (number of blocks, destination placement)."""
+    One compiled gather per (block count, destination placement), the block counts padded up to
+    `gather_sizes` (O(log) of the longest sequence's blocks), so prompt lengths never seen before reuse
+    the programs of their size; the pieces are this length's alone (each a prefix of the padded ones)."""
 
     def __init__(self, runner):
         self.engine = runner  # a ModelRunner: its pools, layout and mesh
         self.compiled: dict = {}
+        # powers of two and 1.5 times them: a gather reads at most a third more blocks than it stages
+        self.gather_sizes = step_sizes(runner.max_blocks_per_seq, smallest=1, fine_from=4)
 
     def gather_program(self, blocks: int, dst: PagedLayout):
         """(pools, block-table row [blocks], length) -> per destination rank r that owns any staged slot,
@@ -136,8 +141,11 @@ class Stager:
         dst = src_layout(dest)
         wanted = sorted(set(head_ranges(dest)))  # distinct: replicated destination heads share one piece
         blocks = int(eng.layout.blocks_for(length))
-        row = np.asarray(table_row[:blocks], np.int32)
-        program, dst_ranks, sizes = self.gather_program(blocks, dst)
+        padded = next(n for n in self.gather_sizes if n >= blocks)
+        row = np.asarray(table_row[:padded], np.int32)  # blocks past the sequence's: read, then zeroed (>= length)
+        program, dst_ranks, _ = self.gather_program(padded, dst)
+        # piece (s, r) of the padded gather starts with this length's piece (positions ascend): send that
+        sizes = reshard_plan(eng.layout, dst, blocks * eng.layout.tokens_per_block).piece_sizes()
         staged = program(eng.pools, row, np.int32(length))
         heads_of = kv_head_sources(model.kv_heads, model.kv_replication)
         flat = jax.tree.leaves(eng.pool_spec().target)
