@@ -39,6 +39,7 @@ Each mesh runs in an interpreter that sees exactly tp·dcp simulated CPU devices
 pool is max(cores, devices); see scripts/bench_decode.py).
 
     python scripts/bench_serving.py --baseline dd67113~1 --transformers auto   # the three workloads
+    python scripts/bench_serving.py --workloads short --repeat 3 ...          # median of 3 runs per code
     python scripts/bench_serving.py --quick --json                           # tiny checkpoint, seconds
 """
 
@@ -135,6 +136,23 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
     """Arrival times (s) of a Poisson process of `rate` requests/s; the first request comes at 0."""
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
     return np.concatenate([[0.0], np.cumsum(gaps[:-1])]).tolist()
+
+
+def median_run(repeats: list[dict]) -> dict:
+    """Of one workload's repeated runs (`--repeat`), the run of median wall time (the upper one of an
+    even count), with every run's wall in `walls_s`; each repeat's tokens must equal the first's."""
+    for run in repeats[1:]:
+        if [p["tokens"] for p in run["requests"]] != [p["tokens"] for p in repeats[0]["requests"]]:
+            raise SystemExit("error: a repeated run's greedy tokens differ from its first run's")
+    pick = dict(sorted(repeats, key=lambda run: run["wall_s"])[len(repeats) // 2])
+    pick["walls_s"] = [run["wall_s"] for run in repeats]
+    return pick
+
+
+def walls(run: dict) -> str:
+    """A run's wall time(s) for the log: the median, and every repeat's when there were several."""
+    every = run.get("walls_s", [run["wall_s"]])
+    return f"{run['wall_s']:.2f}" + (f" (median of {', '.join(f'{w:.2f}' for w in every)})" if len(every) > 1 else "")
 
 
 def pct(values, q):
@@ -265,16 +283,17 @@ def serving_worker(spec: dict) -> dict:
     run_requests(server, warm, arrivals=[0, 0.01, 0.02, 0.03])
     log(f"  {spec['code']}: {len(jax.devices())} devices, compile {compile_s:.1f} s, pool "
         f"{server.scheduler.stats()['pages_total']} pages ({Path(dcp_jax.__file__).parent})")
-    runs = {}
+    runs, repeat = {}, spec.get("repeat", 1)
     t = time.perf_counter()
-    runs["burst"] = continuous_run(server, workload)
-    log(f"  {spec['code']}, all at once: {runs['burst']['wall_s']:.2f} s ({time.perf_counter() - t:.0f} s)")
+    runs["burst"] = median_run([continuous_run(server, workload) for _ in range(repeat)])
+    log(f"  {spec['code']}, all at once: {walls(runs['burst'])} s ({time.perf_counter() - t:.0f} s)")
     rate = None
     if spec["poisson"]:
         rate = spec["rate"] or spec["load"] * len(workload) / runs["burst"]["wall_s"]
-        runs["poisson"] = continuous_run(server, workload, poisson_arrivals(len(workload), rate, spec["seed"] + 1))
+        arrivals = poisson_arrivals(len(workload), rate, spec["seed"] + 1)
+        runs["poisson"] = median_run([continuous_run(server, workload, arrivals) for _ in range(repeat)])
         runs["poisson"]["rate_rps"] = rate
-        log(f"  {spec['code']}, Poisson {rate:.2f} req/s: {runs['poisson']['wall_s']:.2f} s")
+        log(f"  {spec['code']}, Poisson {rate:.2f} req/s: {walls(runs['poisson'])} s")
     if spec["static"]:
         dense = Engine(llm.model, llm.mesh, interleave=llm.interleave, impl=llm.impl)  # the static baseline
         runs["static"] = static_run(dense, workload, s, spec["prefill_chunk"])
@@ -318,12 +337,14 @@ def transformers_worker(spec: dict) -> dict:
             manager.stop(block=True)
         return out, wall
 
+    repeats = []
     with torch.inference_mode():
         serve([dict(w, id=f"warm{i}") for i, w in enumerate(workload[:min(8, len(workload))])])
-        tokens, wall = serve(workload)
-    per = [dict(id=w["id"], output_tokens=len(tokens[w["id"]]), tokens=tokens[w["id"]]) for w in workload]
-    return dict(runs=dict(burst=dict(wall_s=wall, requests=per, output_tokens=sum(p["output_tokens"] for p in per))),
-                torch=torch.__version__, transformers=transformers.__version__)
+        for _ in range(spec.get("repeat", 1)):
+            tokens, wall = serve(workload)
+            per = [dict(id=w["id"], output_tokens=len(tokens[w["id"]]), tokens=tokens[w["id"]]) for w in workload]
+            repeats.append(dict(wall_s=wall, requests=per, output_tokens=sum(p["output_tokens"] for p in per)))
+    return dict(runs=dict(burst=median_run(repeats)), torch=torch.__version__, transformers=transformers.__version__)
 
 
 def capacity_worker(spec: dict) -> dict:
@@ -413,7 +434,8 @@ def serving_row(workload: str, code: str, arrivals: str, run: dict, reference: d
     ttft, tpot = [p.get("ttft_s") for p in per], [p.get("tpot_s") for p in per]
     row = dict(
         workload=workload, code=code, arrivals=arrivals, requests=len(per), output_tokens=run["output_tokens"],
-        wall_s=run["wall_s"], output_tokens_per_s=run["output_tokens"] / run["wall_s"],
+        wall_s=run["wall_s"], walls_s=run.get("walls_s", [run["wall_s"]]),
+        output_tokens_per_s=run["output_tokens"] / run["wall_s"],
         ttft_p50_s=pct(ttft, 50), ttft_p99_s=pct(ttft, 99), tpot_p50_s=pct(tpot, 50), tpot_p99_s=pct(tpot, 99),
         pages_used_max=run.get("pages_used_max"), pages_total=run.get("pages_total"),
         preemptions=run.get("preemptions"), rate_rps=run.get("rate_rps"),
@@ -450,6 +472,10 @@ def table(report: dict) -> str:
                    f"{r['exact_tokens']}")
     out.append("rows comp/useful: token rows the programs ran (padding and idle slots included) / prompt tokens + "
                "output tokens after each first; exact: greedy tokens equal ours (all at once)")
+    if any(len(r["walls_s"]) > 1 for r in rows):
+        out.append("each row is the run of median wall time; every run's wall (s):")
+        out += [f"  {r['workload']} {r['code']} {r['arrivals']}: {', '.join(f'{w:.2f}' for w in r['walls_s'])}"
+                for r in rows]
     for key, value in ratios.items():
         if key.startswith("ours/") or key.endswith("tpot_p99/p50"):
             out.append(f"  {key}: {value:.2f}x")
@@ -623,6 +649,9 @@ def main(argv=None) -> int:
                    "times the all-at-once run's request throughput)")
     p.add_argument("--load", type=float, default=1.0, help="see --rate (default 1.0)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="time each workload N times per code under test (after one warm-up) and report the run of "
+                        "median wall time, every run's wall beside it (default 1)")
     p.add_argument("--no-capacity", action="store_true", help="skip the capacity comparison")
     p.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto",
                    help="also run the capacity comparison on 8-bit KV pages")
@@ -645,6 +674,8 @@ def main(argv=None) -> int:
                         "PYTHON, an interpreter with torch and transformers ('auto': this one)")
     p.add_argument("--worker", choices=["serving", "capacity", "transformers"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error(f"--repeat must be >= 1, got {args.repeat}")
     if args.worker:
         spec = json.load(sys.stdin)
         worker = dict(serving=serving_worker, capacity=capacity_worker, transformers=transformers_worker)[args.worker]
@@ -694,6 +725,7 @@ def main(argv=None) -> int:
             work = make_workload(w["requests"], w["prompt"], w["output"], cfg["vocab_size"], args.seed)
             spec = dict(checkpoint=str(checkpoint), tp=tp, dcp=dcp, workload=work, kv_cache_memory=args.kv_cache_memory,
                         rate=args.rate, load=args.load, seed=args.seed, prefix_caching=args.prefix_caching,
+                        repeat=args.repeat,
                         poisson=w["poisson"], static=w["static"], max_model_len=size["max_model_len"], **sizes_kw)
             if args.max_num_seqs is None and "max_num_seqs" in w:  # the workload's own slots
                 spec["max_num_seqs"] = w["max_num_seqs"]

@@ -62,11 +62,14 @@ def test_bench_serving_quick_json():
 
 def test_bench_serving_baseline_runs_another_revision():
     # --baseline REV: the same workload on revision REV's package (a temporary git worktree on PYTHONPATH);
-    # HEAD here, so the two codes give the same tokens and the worktree is removed afterwards.
+    # HEAD here, so the two codes give the same tokens and the worktree is removed afterwards. --repeat 2:
+    # each code times the workload twice and reports the run of median wall (of two, the slower).
     before = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True).stdout
-    report = bench("--workloads", "short", "--requests", "6", "--no-capacity", "--baseline", "HEAD")
+    report = bench("--workloads", "short", "--requests", "6", "--no-capacity", "--baseline", "HEAD", "--repeat", "2")
     codes = [r["code"] for r in report["rows"]]
     assert codes == ["ours", "baseline HEAD"] and report["exact_tokens"] is True
+    for r in report["rows"]:
+        assert len(r["walls_s"]) == 2 and r["wall_s"] == max(r["walls_s"]), r["walls_s"]
     assert "ours/baseline HEAD short burst output tok/s" in report["ratios"]
     after = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True).stdout
     assert after == before
