@@ -67,15 +67,12 @@ class TransferError(RuntimeError):
 class Stager:
     """The prefill side: gathers a request's KV out of `engine`'s pool into single-device pieces, one per
     (source rank, destination rank, destination head shard's heads), cut for the destination's placement.
-
-    One compiled gather per (block count, destination placement), the block counts padded up to
-    `gather_sizes` (O(log) of the longest sequence's blocks), so prompt lengths never seen before reuse
-    the programs of their size; the pieces are this length's alone (each a prefix of the padded ones)."""
+    One compiled gather per (block count, destination placement), block counts padded up to `gather_sizes`
+    (powers of two and 1.5 times them: O(log) programs, each reading at most a third more blocks)."""
 
     def __init__(self, runner):
         self.engine = runner  # a ModelRunner: its pools, layout and mesh
         self.compiled: dict = {}
-        # powers of two and 1.5 times them: a gather reads at most a third more blocks than it stages
         self.gather_sizes = step_sizes(runner.max_blocks_per_seq, smallest=1, fine_from=4)
 
     def gather_program(self, blocks: int, dst: PagedLayout):
