@@ -60,6 +60,17 @@ class FakeDevice:
                 else:
                     sampled.append(None)
             self.sched.update_prefill(plan, sampled, [-0.5] * len(sampled))
+            if plan.joining:  # the decode loop after the ragged step: K - 1 steps from each first token
+                n, k = self.sched.config.max_num_seqs, plan.decode_steps - 1
+                out = np.full((n, k), -1, np.int32)
+                for c, tok in zip(plan.prefills, sampled):
+                    if not c.joins or c.request.is_finished:  # stopped at its first token: the device
+                        continue  # would still write its rows; nothing reads them
+                    row = plan.block_table[c.slot]
+                    for step in range(k):
+                        self.write(c.request, row, c.end + step, tok)
+                        tok = out[c.slot, step] = self.sample(c.request, self.read(row, c.end + step + 1))
+                self.sched.update_joined(plan, out, -out / 100.0)
         if plan.decode_slots:
             n, k = self.sched.config.max_num_seqs, plan.decode_steps
             out = np.full((n, k), -1, np.int32)
@@ -170,8 +181,11 @@ def test_one_token_budget_for_decode_rows_and_prefill_chunks():
         sched.check()
     assert max(p.num_prefill_tokens + len(p.decode_slots) for p in mixed) == 10  # the budget is spent
     assert [ch.request.request_id for p in mixed for ch in p.prefills][:2] == ["r1", "r1"]  # oldest first
+    # a prompt that ends in a ragged step joins the decode loop after it: c got its first token in the step
+    # and K - 1 = 3 more in the loop, so it has 1 of its 5 left, which bounds the next K
+    assert all(ch.joins for p in mixed for ch in p.prefills if ch.is_last) and len(c.output_token_ids) == 4
     dev.run(plan := sched.schedule())
-    assert plan.decode_steps == 4 and not plan.prefills
+    assert plan.decode_steps == 1 and not plan.prefills
     drive(sched, dev)
     assert [r.output_token_ids for r in (a, b, c)] == [reference(r, 64) for r in (a, b, c)]
 
@@ -191,7 +205,7 @@ def test_a_waiting_request_that_cannot_be_admitted_keeps_the_decode_loop():
     # pages: the decoding request holds the whole pool (2 usable pages); the waiting one gets none yet
     sched = make(dcp=1, page_size=4, num_pages=1 + 2, decode_steps=2, max_num_seqs=2)
     dev = FakeDevice(sched)
-    first = sched.add_request(req(0, 6, max_tokens=3))
+    first = sched.add_request(req(0, 5, max_tokens=4))  # 2 tokens after its prompt's step (it joins the loop)
     dev.run(sched.schedule())
     big = sched.add_request(req(1, 7, max_tokens=1))
     dev.run(plan := sched.schedule())
@@ -266,10 +280,10 @@ def test_preempted_request_resumes_from_prompt_plus_output():
     sched = make(dcp=1, page_size=4, num_pages=4, decode_steps=2, max_num_batched_tokens=64)  # 3 pages
     a = sched.add_request(req(0, 4, max_tokens=7))
     dev = FakeDevice(sched)
-    dev.run(sched.schedule())
-    dev.run(sched.schedule())
+    dev.run(sched.schedule())  # its prompt, then its first token + K - 1 = 1 in the loop after the step
+    dev.run(sched.schedule())  # K = 2
     produced = list(a.output_token_ids)
-    assert len(produced) == 3
+    assert len(produced) == 4
     assert sched.preempt(a) == "r0" and a.state is RequestState.WAITING and not a.pages
     assert sched.kv.allocator.num_used == 0
     plan = sched.schedule()
@@ -293,10 +307,11 @@ def test_cancel_in_every_state_frees_pages_at_once():
     assert sched.cancel("r2") and c.finish_reason == "abort"  # waiting
     while b.state is not RequestState.DECODING:
         dev.run(sched.schedule())
+    assert len(b.output_token_ids) == sched.config.decode_steps  # its first token, then K - 1 in the loop
     plan = sched.schedule()  # b decoding, results in flight
     assert sched.cancel("r1") and sched.kv.allocator.num_used == 0
     dev.run(plan)  # the late results are ignored
-    assert b.finish_reason == "abort" and len(b.output_token_ids) == 1
+    assert b.finish_reason == "abort" and len(b.output_token_ids) == sched.config.decode_steps
     assert not sched.cancel("r1") and not sched.cancel("nope")
     assert {r.request_id for r in sched.pop_finished()} == {"r0", "r1", "r2"}
     sched.check()
@@ -384,9 +399,21 @@ def test_bad_config_and_protocol():
     plan = sched.schedule()
     with pytest.raises(RuntimeError, match="apply the previous plan"):
         sched.schedule()
+    (chunk,) = plan.joining  # its prompt ends in this step: it decodes in the loop after it
+    k = plan.decode_steps - 1
+    with pytest.raises(RuntimeError, match="update_prefill"):
+        sched.update_joined(plan, np.zeros((8, k)))
     sched.update_prefill(plan, [3])
     with pytest.raises(RuntimeError, match="already applied"):
         sched.update_prefill(plan, [3])
+    with pytest.raises(RuntimeError, match="apply the previous plan"):
+        sched.schedule()  # the loop's tokens are not applied yet
+    with pytest.raises(ValueError, match="joined tokens have shape"):
+        sched.update_joined(plan, np.zeros((8, k + 1)))
+    sched.update_joined(plan, np.full((8, k), 5))
+    with pytest.raises(RuntimeError, match="already applied"):
+        sched.update_joined(plan, np.full((8, k), 5))
+    assert chunk.request.output_token_ids == [3] + [5] * k
     sched.schedule()
     with pytest.raises(RuntimeError, match="not the latest"):
         sched.update_decode(plan, np.zeros((8, 1)))

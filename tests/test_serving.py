@@ -84,6 +84,45 @@ def test_ragged_steps_mix_decode_rows_and_chunks_exactly(name, tp, dcp):
     assert 0 < t["rows_useful"] <= t["rows_computed"] <= t["ragged_steps"] * max(server.config.step_sizes)
 
 
+def test_a_prompt_that_ends_in_a_step_decodes_in_the_loop_after_it():
+    # Its first token comes from the ragged step, K - 1 more from the decode loop queued behind it, under
+    # every sampling rule that reads state (a seeded draw, penalties over the token history, min_tokens'
+    # ban on stop ids, top logprobs): the same tokens and logprobs as with K = 1, where no loop follows.
+    llm = load("llama-gqa", 1, 2, page_size=2, max_num_seqs=3, decode_steps=4)
+    sampling = SamplingParams(temperature=0.9, top_k=40, repetition_penalty=1.3, presence_penalty=0.5,
+                              top_logprobs=3)
+    prompts = [[3, 7, 11, 2, 9], [5, 1, 4, 1, 5, 9, 2, 6], [8, 8, 8]]
+
+    def make():
+        return [Request(f"j{i}", p, sampling=sampling, seed=10 + i, max_tokens=9, min_tokens=6)
+                for i, p in enumerate(prompts)]
+
+    joined, plans, counts = make(), [], []
+
+    def on_step(plan):
+        plans.append(plan)
+        counts.append([len(r.output_token_ids) for r in joined])
+
+    run_requests(llm.engine_with(max_model_len=32, prefill_chunk=16, num_pages=64), joined, on_step=on_step)
+    assert {c.request.request_id for c in plans[0].joining} == {"j0", "j1", "j2"} and not plans[0].decode_slots
+    assert plans[0].decode_steps == 4 and counts[0] == [4, 4, 4]  # the step's token and the loop's three
+    alone_k1 = make()
+    run_requests(llm.engine_with(max_model_len=32, prefill_chunk=16, num_pages=64, decode_steps=1), alone_k1)
+    for a, b in zip(joined, alone_k1):
+        assert a.output_token_ids == b.output_token_ids and len(a.output_token_ids) >= 6
+        np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-4)
+        assert [[t for t, _ in top] for top in a.output_top_logprobs] == [[t for t, _ in top] for top in
+                                                                         b.output_top_logprobs]
+    # no free page for its loop positions: a request does not join (nothing is preempted for it). Blocks
+    # of 4 tokens, 3 in the pool: a's prompt and loop take 2, b's prompt the last one.
+    tight = llm.engine_with(max_model_len=32, prefill_chunk=16, num_pages=1 + 3, max_num_seqs=2)
+    a, b = (Request(f"t{i}", p, max_tokens=5, ignore_eos=True) for i, p in enumerate([[3, 7, 11], [5, 1, 4, 1]]))
+    plans.clear()
+    run_requests(tight, [a, b], on_step=plans.append)
+    assert [c.joins for c in plans[0].prefills] == [True, False] and not plans[0].preempted
+    assert [a.output_token_ids, b.output_token_ids] == [alone(llm, [3, 7, 11], 5), alone(llm, [5, 1, 4, 1], 5)]
+
+
 def test_sampling_is_per_request_and_survives_preemption():
     # Temperature > 0: a request's tokens depend on its seed and positions only, not on what shares the
     # batch or on being preempted and recomputed.

@@ -2,8 +2,9 @@
 
     plan = scheduler.schedule()       which chunks prefill, which slots decode K steps, pages reserved
     runner programs                   one ragged step (every decoding slot's first token and the prompt
-                                      chunks in one flat batch), then the decode loop for the other K - 1;
-                                      with nothing to prefill, the decode loop alone (or a verify step)
+                                      chunks in one flat batch), then the decode loop for the other K - 1
+                                      (the prompts that ended in the step decoding too); with nothing to
+                                      prefill, the decode loop alone (or a verify step)
     scheduler.update_*(plan, ...)     tokens appended, stop rules applied, finished requests collected
 
 `ServingEngine` joins a `Scheduler` (dcp_jax.serving.scheduler: policy, plain Python) and a
@@ -121,7 +122,7 @@ class ServingEngine:
         them and preempt every other running request (its KV went with the pool; it is recomputed)."""
         sched, message = self.scheduler, f"the step failed on the server ({type(error).__name__}: {error})"
         self.num_failed_steps += 1
-        plan.prefill_applied = plan.decode_applied = True
+        plan.prefill_applied = plan.decode_applied = plan.joined_applied = True
         for r in [c.request for c in plan.prefills] + list(plan.decode_requests):
             sched.fail(r, message, retryable=True)
         if not self.recover_pools() and sched.kv.host is not None:
@@ -176,7 +177,8 @@ class ServingEngine:
     def ragged_iteration(self, plan: SchedulePlan, on_prefill=None) -> None:
         """One ragged step: the plan's prefill chunks and, unless a verify step follows (speculation),
         its decode rows' first tokens, in one program call padded to a step size; then the decode rows'
-        other K - 1 tokens in the decode loop, started on the device from the tokens just sampled."""
+        other K - 1 tokens in the decode loop, started on the device from the tokens just sampled, with
+        the requests whose prompt ended in the step (`plan.joining`) decoding beside them."""
         t0 = time.perf_counter()
         sched, runner = self.scheduler, self.runner
         with_decode = self.speculative is None and bool(plan.decode_slots)
@@ -196,9 +198,13 @@ class ServingEngine:
         # the pools are donated: if this raises after donating them, `recover` sees them deleted
         caches, runner.history, tok, lp, top, scores = program(runner.weights, caches, runner.history, inputs)
         runner.caches = caches
-        k = plan.decode_steps if with_decode else 0
+        joining = plan.joining  # (the scheduler sets none under speculation)
+        k = plan.decode_steps if with_decode or joining else 0
         if k > 1:  # queued behind the step (nothing comes back to the host in between)
-            more = self.decode_loop(plan, tok[:, None], plan.decode_positions + 1, k - 1)
+            loop_rows = ([(slot, r, int(plan.decode_positions[slot]) + 1)
+                          for r, slot in zip(plan.decode_requests, plan.decode_slots)] if with_decode else [])
+            loop_rows += [(c.slot, c.request, c.end) for c in joining]  # from their first token, just sampled
+            more = self.decode_loop(loop_rows, tok[:, None], k - 1, plan.block_table)
         tok, lp = host(tok), host(lp)
         requests = [r for _, r, *_ in rows]
         if any(c.request.scores_prompt for c in plan.prefills):
@@ -217,17 +223,22 @@ class ServingEngine:
                              [float(lp[c.slot]) if c.is_last else None for c in plan.prefills],
                              None if top is None else [(top[0][c.slot], top[1][c.slot]) for c in plan.prefills])
         self.advance_matchers(c.request for c in plan.prefills)
-        if with_decode:  # (decode_s and decode_tokens count the decode loop alone: the step is prefill's time)
+        if k > 1:
+            t1 = time.perf_counter()
+            out, out_lp = (host(x)[:, :k - 1] for x in more[:2])
+            more_top = top_on_host(requests, more[2], k - 1)
+            self.timing["decode_s"] += time.perf_counter() - t1
+            self.timing["decode_steps"] += k - 1
+        if joining and k > 1:  # (decode_s and decode_tokens count the decode loop alone)
+            before = sum(len(c.request.output_token_ids) for c in joining)
+            sched.update_joined(plan, out, out_lp, tops=more_top)
+            self.timing["decode_tokens"] += sum(len(c.request.output_token_ids) for c in joining) - before
+        if with_decode:  # (the step's first tokens are prefill's time)
             tokens, logprobs = tok[:, None], lp[:, None]
             tops = None if top is None else tuple(x[:, None] for x in top)
             if k > 1:
-                t1 = time.perf_counter()
-                out, out_lp = (host(x)[:, :k - 1] for x in more[:2])
-                self.timing["decode_s"] += time.perf_counter() - t1
-                self.timing["decode_steps"] += k - 1
                 tokens, logprobs = np.concatenate([tokens, out], axis=1), np.concatenate([logprobs, out_lp], axis=1)
                 if tops is not None:
-                    more_top = top_on_host(requests, more[2], k - 1)
                     tops = tuple(np.concatenate([a, b], axis=1) for a, b in zip(tops, more_top))
             before = sum(len(r.output_token_ids) for r in plan.decode_requests)
             sched.update_decode(plan, tokens, logprobs, tops=tops)
@@ -235,19 +246,19 @@ class ServingEngine:
             gained = sum(len(r.output_token_ids) for r in plan.decode_requests) - before
             self.timing["decode_tokens"] += max(gained - len(plan.decode_slots), 0)  # the loop's share
 
-    def decode_loop(self, plan: SchedulePlan, tokens, positions, steps: int):
-        """Dispatch the decode loop for `steps` steps over the plan's decode slots from `tokens` [S, 1]
-        (host or device) at `positions` [S]; returns its (tokens, logprobs) [S, K] and top logprobs
-        (ids, log-probabilities) [S, K, 20] on the device."""
+    def decode_loop(self, rows, tokens, steps: int, block_table):
+        """Dispatch the decode loop for `steps` steps over `rows` ((slot, request, position) each: the
+        slot's first input is its row of `tokens` [S, 1] (host or device), at that position) through
+        `block_table`; returns its (tokens, logprobs) [S, K] and top logprobs (ids, log-probabilities)
+        [S, K, 20] on the device."""
         s, runner = self.config.max_num_seqs, self.runner
-        rows = [None] * s
-        for r, slot in zip(plan.decode_requests, plan.decode_slots):
-            rows[slot] = r
-        self.fill_history([(slot, r, int(positions[slot])) for r, slot in zip(plan.decode_requests, plan.decode_slots)])
-        mask = self.token_mask([(slot, r, []) for r, slot in zip(plan.decode_requests, plan.decode_slots)], 1)
-        inputs = StepInputs(tokens, np.asarray(positions, np.int32)[:, None], plan.decode_mask[:, None],
-                            np.zeros(s, np.int32), plan.block_table,
-                            SamplingRows.of(rows, self.scheduler.config.eos_token_ids), mask)
+        requests, positions, live = [None] * s, np.zeros(s, np.int32), np.zeros(s, bool)
+        for slot, r, position in rows:
+            requests[slot], positions[slot], live[slot] = r, position, True
+        self.fill_history(rows)
+        mask = self.token_mask([(slot, r, []) for slot, r, _ in rows], 1)
+        inputs = StepInputs(tokens, positions[:, None], live[:, None], np.zeros(s, np.int32), block_table,
+                            SamplingRows.of(requests, self.scheduler.config.eos_token_ids), mask)
         caches, runner.history, out, out_lp, top = runner.step_program()(
             runner.weights, runner.allocate(), runner.history, inputs, np.int32(steps))
         runner.caches = caches
@@ -260,8 +271,8 @@ class ServingEngine:
         t0 = time.perf_counter()
         before = sum(len(r.output_token_ids) for r in plan.decode_requests)
         if self.speculative is None:
-            out, out_lp, top = self.decode_loop(plan, plan.decode_tokens[:, None], plan.decode_positions,
-                                                plan.decode_steps)
+            rows = [(slot, r, int(plan.decode_positions[slot])) for r, slot in zip(plan.decode_requests, plan.decode_slots)]
+            out, out_lp, top = self.decode_loop(rows, plan.decode_tokens[:, None], plan.decode_steps, plan.block_table)
             counts, steps = None, plan.decode_steps
         else:
             out, out_lp, counts, top = self.verify(plan)

@@ -16,13 +16,16 @@ from dcp_jax.serving.request import Request
 class PrefillChunk:
     """Tokens [start, start + len(token_ids)) of `request` (prompt + output so far), to write into the
     cache through block-table row `slot`. When `is_last`, the device samples one token after the chunk's
-    last row (the request's next token) and hands it to `update_prefill`."""
+    last row (the request's next token) and hands it to `update_prefill`. When also `joins`, the request
+    decodes in the decode loop that follows the ragged step: its decode_steps - 1 tokens after that one,
+    from position `end` (their pages are reserved), handed to `Scheduler.update_joined`."""
 
     request: Request
     slot: int
     start: int
     token_ids: list[int]
     is_last: bool
+    joins: bool = False
 
     @property
     def end(self) -> int:
@@ -43,13 +46,16 @@ class SchedulePlan:
     decode_budget[s]: the most tokens slot s may produce this iteration (its pages are reserved for
     them). Without speculation it is K for every decoding slot; with it, min(k + 1, tokens it has left)
     per slot: a verify step writes the KV of at most budget positions from decode_positions[s] on.
+
+    Without speculation, the K - 1 decode steps after a ragged step also run the requests whose prompt
+    ends in it (`PrefillChunk.joins`): K is set when only those decode.
     """
 
     step: int
     prefills: list[PrefillChunk]
     decode_requests: list[Request]
     decode_slots: list[int]
-    decode_steps: int  # K; 0 when nothing decodes
+    decode_steps: int  # K; 0 when nothing decodes (nor joins)
     decode_tokens: np.ndarray  # int32 [max_num_seqs]
     decode_positions: np.ndarray  # int32 [max_num_seqs]
     decode_mask: np.ndarray  # bool [max_num_seqs]
@@ -58,6 +64,7 @@ class SchedulePlan:
     preempted: list[str]
     prefill_applied: bool = False
     decode_applied: bool = False
+    joined_applied: bool = False
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -68,5 +75,11 @@ class SchedulePlan:
         return not self.prefills and not self.decode_slots
 
     @property
+    def joining(self) -> list[PrefillChunk]:
+        """The chunks whose requests decode in the loop after the ragged step (`PrefillChunk.joins`)."""
+        return [c for c in self.prefills if c.joins]
+
+    @property
     def applied(self) -> bool:
-        return (self.prefill_applied or not self.prefills) and (self.decode_applied or not self.decode_slots)
+        return ((self.prefill_applied or not self.prefills) and (self.decode_applied or not self.decode_slots)
+                and (self.joined_applied or not self.joining))

@@ -6,6 +6,7 @@ vLLM-v1 style, plain Python over integers and NumPy (testable without devices). 
     ... the device runs plan.prefills and each decode slot's first token in one ragged step, then the
         other K - 1 decode steps (with no prefills: the K decode steps alone) ...
     scheduler.update_prefill(plan, sampled)           # if plan.prefills
+    scheduler.update_joined(plan, tokens, logprobs)   # if plan.joining; tokens [max_num_seqs, K - 1]
     scheduler.update_decode(plan, tokens, logprobs)   # if plan.decode_slots; tokens [max_num_seqs, K]
 
 Device programs have fixed shapes (`max_num_seqs` slots × `max_blocks_per_seq` blocks), so a running
@@ -18,7 +19,10 @@ the iteration (it runs in the ragged step beside the chunks; without speculation
 chunks, of running requests and then of waiting ones, oldest first.
 
 Pages are reserved before the device runs: a prefill chunk gets the blocks up to its end, a decoding
-request gets the blocks for all K steps. When pages run out, the NEWEST running request is preempted:
+request gets the blocks for all K steps. A request whose prompt ends in the iteration's ragged step joins
+the K - 1 decode steps after it (without speculation or a structured output, when it may produce K
+tokens and free pages hold them: it never preempts another), so it does not sit idle in the loop until
+the next iteration. When pages run out, the NEWEST running request is preempted:
 its pages are freed and it goes back to the front of the waiting queue, to be recomputed later by
 prefilling prompt + the tokens it generated so far (the token sampled after that prefill is its next
 one). The oldest running request therefore always progresses, and `add_request` refuses requests
@@ -34,6 +38,7 @@ first). See docs/SERVING.md.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -177,7 +182,7 @@ class Scheduler(PrefilledAdmission):
             k_steps = cfg.tokens_per_decode if decoding else 0
             budget_of = lambda r: min(k_steps, left(r))  # noqa: E731
         else:
-            k_steps = min([cfg.decode_steps] + [left(r) for r in decoding]) if decoding else 0
+            k_steps = min([cfg.decode_steps] + [left(r) for r in decoding])
             if any(r.sampling.structured is not None for r in decoding):
                 k_steps = min(k_steps, 1)  # a structured output's next mask needs the token before it
             budget_of = lambda r: k_steps  # noqa: E731
@@ -241,6 +246,17 @@ class Scheduler(PrefilledAdmission):
             prefills.append(self.chunk(r, target))
             budget -= target - start
 
+        # 3. requests whose prompt ends in this step join the decode loop after it (its K - 1 steps)
+        if not cfg.num_speculative_tokens and k_steps > 1:
+            for i, c in enumerate(prefills):
+                r = c.request
+                if not c.is_last or r.sampling.structured is not None or left(r) < k_steps:
+                    continue
+                need = kv.blocks_needed(r, c.end + k_steps - 1)  # the loop writes positions end .. end + K - 2
+                if need <= kv.num_available:
+                    kv.grow(r, need)
+                    prefills[i] = dataclasses.replace(c, joins=True)
+
         n = cfg.max_num_seqs
         tokens, positions, mask = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, bool)
         budgets = np.zeros(n, np.int32)
@@ -249,7 +265,8 @@ class Scheduler(PrefilledAdmission):
             budgets[r.slot] = budget_of(r)
         plan = SchedulePlan(
             step=self.step, prefills=prefills, decode_requests=decodes, decode_slots=[r.slot for r in decodes],
-            decode_steps=k_steps if decodes else 0, decode_tokens=tokens, decode_positions=positions,
+            decode_steps=k_steps if decodes or any(c.joins for c in prefills) else 0,
+            decode_tokens=tokens, decode_positions=positions,
             decode_mask=mask, block_table=self.kv.block_table.copy(), preempted=preempted, decode_budget=budgets)
         self.last_plan = plan
         return plan
@@ -332,15 +349,43 @@ class Scheduler(PrefilledAdmission):
             count = k if counts is None else int(counts[slot])
             if not 1 <= count <= plan.decode_budget[slot]:
                 raise ValueError(f"slot {slot}: {count} tokens for a budget of {plan.decode_budget[slot]}")
-            for step in range(count):
-                r.num_computed += 1  # the step's input token is now in the cache
-                top = None if tops is None else (tops[0][slot, step], tops[1][slot, step])
-                if self.append(r, tokens[slot, step], None if lp is None else lp[slot, step], top):
-                    done.append(r)  # finish() registered its full blocks before freeing them
-                    break
-            else:
-                self.kv.register(r)
+            if self.append_decoded(r, count, tokens, lp, tops):
+                done.append(r)
         return done
+
+    def update_joined(self, plan: SchedulePlan, tokens, logprobs=None, tops=None) -> list[Request]:
+        """Apply the decode loop's tokens of the requests that joined it (`plan.joining`), after
+        `update_prefill` gave them their first: tokens (and logprobs) [max_num_seqs, K - 1], row = slot
+        (`tops` as `update_decode`'s). Tokens after a stop are discarded (one that stopped at its first
+        token gets none). Returns the requests that finished."""
+        if not plan.prefill_applied:
+            raise RuntimeError(f"plan of step {plan.step}: apply its prefills (update_prefill) first")
+        tokens = np.asarray(tokens)
+        k = plan.decode_steps - 1
+        if plan.joining and tokens.shape != (self.config.max_num_seqs, k):
+            raise ValueError(f"joined tokens have shape {tokens.shape}, expected ({self.config.max_num_seqs}, {k})")
+        self.check_plan(plan, "joined_applied")
+        lp = None if logprobs is None else np.asarray(logprobs)
+        done = []
+        for c in plan.joining:
+            r = c.request
+            if r.state is not RequestState.DECODING or r.slot != c.slot or r.num_computed != c.end:
+                continue  # stopped at its first token, or cancelled after the plan was made
+            if self.append_decoded(r, k, tokens, lp, tops):
+                done.append(r)
+        return done
+
+    def append_decoded(self, r: Request, count: int, tokens, logprobs, tops) -> bool:
+        """Record the first `count` tokens of row `r.slot` of a decode loop's output, each one's input now
+        in the cache; stop at a stop rule (returns True: the request finished)."""
+        slot = r.slot
+        for step in range(count):
+            r.num_computed += 1  # the step's input token is now in the cache
+            top = None if tops is None else (tops[0][slot, step], tops[1][slot, step])
+            if self.append(r, tokens[slot, step], None if logprobs is None else logprobs[slot, step], top):
+                return True  # finish() registered its full blocks before freeing them
+        self.kv.register(r)
+        return False
 
     def check_plan(self, plan: SchedulePlan, flag: str) -> None:
         if plan is not self.last_plan:
