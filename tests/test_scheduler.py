@@ -205,7 +205,7 @@ def test_a_waiting_request_that_cannot_be_admitted_keeps_the_decode_loop():
     # pages: the decoding request holds the whole pool (2 usable pages); the waiting one gets none yet
     sched = make(dcp=1, page_size=4, num_pages=1 + 2, decode_steps=2, max_num_seqs=2)
     dev = FakeDevice(sched)
-    first = sched.add_request(req(0, 5, max_tokens=4))  # 2 tokens after its prompt's step (it joins the loop)
+    first = sched.add_request(req(0, 6, max_tokens=3))
     dev.run(sched.schedule())
     big = sched.add_request(req(1, 7, max_tokens=1))
     dev.run(plan := sched.schedule())
@@ -280,10 +280,10 @@ def test_preempted_request_resumes_from_prompt_plus_output():
     sched = make(dcp=1, page_size=4, num_pages=4, decode_steps=2, max_num_batched_tokens=64)  # 3 pages
     a = sched.add_request(req(0, 4, max_tokens=7))
     dev = FakeDevice(sched)
-    dev.run(sched.schedule())  # its prompt, then its first token + K - 1 = 1 in the loop after the step
-    dev.run(sched.schedule())  # K = 2
+    dev.run(sched.schedule())
+    dev.run(sched.schedule())
     produced = list(a.output_token_ids)
-    assert len(produced) == 4
+    assert len(produced) == 3
     assert sched.preempt(a) == "r0" and a.state is RequestState.WAITING and not a.pages
     assert sched.kv.allocator.num_used == 0
     plan = sched.schedule()
@@ -307,11 +307,10 @@ def test_cancel_in_every_state_frees_pages_at_once():
     assert sched.cancel("r2") and c.finish_reason == "abort"  # waiting
     while b.state is not RequestState.DECODING:
         dev.run(sched.schedule())
-    assert len(b.output_token_ids) == sched.config.decode_steps  # its first token, then K - 1 in the loop
     plan = sched.schedule()  # b decoding, results in flight
     assert sched.cancel("r1") and sched.kv.allocator.num_used == 0
     dev.run(plan)  # the late results are ignored
-    assert b.finish_reason == "abort" and len(b.output_token_ids) == sched.config.decode_steps
+    assert b.finish_reason == "abort" and len(b.output_token_ids) == 1
     assert not sched.cancel("r1") and not sched.cancel("nope")
     assert {r.request_id for r in sched.pop_finished()} == {"r0", "r1", "r2"}
     sched.check()
@@ -399,13 +398,17 @@ def test_bad_config_and_protocol():
     plan = sched.schedule()
     with pytest.raises(RuntimeError, match="apply the previous plan"):
         sched.schedule()
-    (chunk,) = plan.joining  # its prompt ends in this step: it decodes in the loop after it
+    assert not plan.joining and plan.decode_steps == 0  # nothing decodes: no loop runs after the step
+    sched.update_prefill(plan, [3])
+    with pytest.raises(RuntimeError, match="already applied"):
+        sched.update_prefill(plan, [3])
+    sched.add_request(req(1, 4))
+    plan = sched.schedule()  # r0 decodes, so a loop runs after the step: r1's prompt ends in it and joins
+    (chunk,) = plan.joining
     k = plan.decode_steps - 1
     with pytest.raises(RuntimeError, match="update_prefill"):
         sched.update_joined(plan, np.zeros((8, k)))
     sched.update_prefill(plan, [3])
-    with pytest.raises(RuntimeError, match="already applied"):
-        sched.update_prefill(plan, [3])
     with pytest.raises(RuntimeError, match="apply the previous plan"):
         sched.schedule()  # the loop's tokens are not applied yet
     with pytest.raises(ValueError, match="joined tokens have shape"):
@@ -414,6 +417,7 @@ def test_bad_config_and_protocol():
     with pytest.raises(RuntimeError, match="already applied"):
         sched.update_joined(plan, np.full((8, k), 5))
     assert chunk.request.output_token_ids == [3] + [5] * k
+    sched.update_decode(plan, np.full((8, k + 1), 4))
     sched.schedule()
     with pytest.raises(RuntimeError, match="not the latest"):
         sched.update_decode(plan, np.zeros((8, 1)))

@@ -85,9 +85,11 @@ def test_ragged_steps_mix_decode_rows_and_chunks_exactly(name, tp, dcp):
 
 
 def test_a_prompt_that_ends_in_a_step_decodes_in_the_loop_after_it():
-    # Its first token comes from the ragged step, K - 1 more from the decode loop queued behind it, under
+    # While a request decodes, the K - 1 loop steps behind a ragged step run for it; requests whose prompt
+    # ends in that step decode in them too: the first token from the step, K - 1 more from the loop, under
     # every sampling rule that reads state (a seeded draw, penalties over the token history, min_tokens'
-    # ban on stop ids, top logprobs): the same tokens and logprobs as with K = 1, where no loop follows.
+    # ban on stop ids, top logprobs), with the same tokens and logprobs as with K = 1, where no loop
+    # follows. A request alone on an idle engine does not join: no loop delays its first token.
     llm = load("llama-gqa", 1, 2, page_size=2, max_num_seqs=3, decode_steps=4)
     sampling = SamplingParams(temperature=0.9, top_k=40, repetition_penalty=1.3, presence_penalty=0.5,
                               top_logprobs=3)
@@ -97,15 +99,17 @@ def test_a_prompt_that_ends_in_a_step_decodes_in_the_loop_after_it():
         return [Request(f"j{i}", p, sampling=sampling, seed=10 + i, max_tokens=9, min_tokens=6)
                 for i, p in enumerate(prompts)]
 
-    joined, plans, counts = make(), [], []
-
-    def on_step(plan):
-        plans.append(plan)
-        counts.append([len(r.output_token_ids) for r in joined])
-
-    run_requests(llm.engine_with(max_model_len=32, prefill_chunk=16, num_pages=64), joined, on_step=on_step)
-    assert {c.request.request_id for c in plans[0].joining} == {"j0", "j1", "j2"} and not plans[0].decode_slots
-    assert plans[0].decode_steps == 4 and counts[0] == [4, 4, 4]  # the step's token and the loop's three
+    engine, joined = llm.engine_with(max_model_len=32, prefill_chunk=16, num_pages=64), make()
+    engine.add_request(joined[0])
+    plan = engine.step()
+    assert not plan.joining and plan.decode_steps == 0 and len(joined[0].output_token_ids) == 1
+    for r in joined[1:]:
+        engine.add_request(r)
+    plan = engine.step()
+    assert {c.request.request_id for c in plan.joining} == {"j1", "j2"} and plan.decode_steps == 4
+    assert [len(r.output_token_ids) for r in joined] == [5, 4, 4]  # j0 decoded K; j1, j2: the step's and 3
+    while engine.scheduler.has_unfinished():
+        engine.step()
     alone_k1 = make()
     run_requests(llm.engine_with(max_model_len=32, prefill_chunk=16, num_pages=64, decode_steps=1), alone_k1)
     for a, b in zip(joined, alone_k1):
@@ -114,13 +118,20 @@ def test_a_prompt_that_ends_in_a_step_decodes_in_the_loop_after_it():
         assert [[t for t, _ in top] for top in a.output_top_logprobs] == [[t for t, _ in top] for top in
                                                                          b.output_top_logprobs]
     # no free page for its loop positions: a request does not join (nothing is preempted for it). Blocks
-    # of 4 tokens, 3 in the pool: a's prompt and loop take 2, b's prompt the last one.
-    tight = llm.engine_with(max_model_len=32, prefill_chunk=16, num_pages=1 + 3, max_num_seqs=2)
-    a, b = (Request(f"t{i}", p, max_tokens=5, ignore_eos=True) for i, p in enumerate([[3, 7, 11], [5, 1, 4, 1]]))
-    plans.clear()
-    run_requests(tight, [a, b], on_step=plans.append)
-    assert [c.joins for c in plans[0].prefills] == [True, False] and not plans[0].preempted
-    assert [a.output_token_ids, b.output_token_ids] == [alone(llm, [3, 7, 11], 5), alone(llm, [5, 1, 4, 1], 5)]
+    # of 4 tokens, 5 in the pool: d decodes in 2, a's and b's prompts take one each, and the last one holds
+    # a's loop positions: none is left for b's.
+    tight = llm.engine_with(max_model_len=32, prefill_chunk=16, num_pages=1 + 5, max_num_seqs=3)
+    d, a, b = (Request(f"t{i}", p, max_tokens=m, ignore_eos=True)
+               for i, (p, m) in enumerate([([8, 6, 7], 6), ([3, 7], 4), ([5, 1, 4, 1], 5)]))
+    tight.add_request(d)
+    tight.step()
+    tight.add_request(a), tight.add_request(b)
+    plan = tight.step()
+    assert [c.joins for c in plan.prefills] == [True, False] and not plan.preempted and plan.decode_slots
+    while tight.scheduler.has_unfinished():
+        tight.step()
+    assert [r.output_token_ids for r in (d, a, b)] == [alone(llm, [8, 6, 7], 6), alone(llm, [3, 7], 4),
+                                                        alone(llm, [5, 1, 4, 1], 5)]
 
 
 def test_sampling_is_per_request_and_survives_preemption():

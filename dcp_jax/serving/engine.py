@@ -198,11 +198,11 @@ class ServingEngine:
         # the pools are donated: if this raises after donating them, `recover` sees them deleted
         caches, runner.history, tok, lp, top, scores = program(runner.weights, caches, runner.history, inputs)
         runner.caches = caches
-        joining = plan.joining  # (the scheduler sets none under speculation)
-        k = plan.decode_steps if with_decode or joining else 0
+        joining = plan.joining  # (only beside decode rows, never under speculation)
+        k = plan.decode_steps if with_decode else 0
         if k > 1:  # queued behind the step (nothing comes back to the host in between)
-            loop_rows = ([(slot, r, int(plan.decode_positions[slot]) + 1)
-                          for r, slot in zip(plan.decode_requests, plan.decode_slots)] if with_decode else [])
+            loop_rows = [(slot, r, int(plan.decode_positions[slot]) + 1)
+                         for r, slot in zip(plan.decode_requests, plan.decode_slots)]
             loop_rows += [(c.slot, c.request, c.end) for c in joining]  # from their first token, just sampled
             more = self.decode_loop(loop_rows, tok[:, None], k - 1, plan.block_table)
         tok, lp = host(tok), host(lp)

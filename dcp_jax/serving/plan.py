@@ -48,14 +48,14 @@ class SchedulePlan:
     per slot: a verify step writes the KV of at most budget positions from decode_positions[s] on.
 
     Without speculation, the K - 1 decode steps after a ragged step also run the requests whose prompt
-    ends in it (`PrefillChunk.joins`): K is set when only those decode.
+    ends in it (`PrefillChunk.joins`; only when some request decodes: no loop runs for those alone).
     """
 
     step: int
     prefills: list[PrefillChunk]
     decode_requests: list[Request]
     decode_slots: list[int]
-    decode_steps: int  # K; 0 when nothing decodes (nor joins)
+    decode_steps: int  # K; 0 when nothing decodes
     decode_tokens: np.ndarray  # int32 [max_num_seqs]
     decode_positions: np.ndarray  # int32 [max_num_seqs]
     decode_mask: np.ndarray  # bool [max_num_seqs]

@@ -20,9 +20,10 @@ chunks, of running requests and then of waiting ones, oldest first.
 
 Pages are reserved before the device runs: a prefill chunk gets the blocks up to its end, a decoding
 request gets the blocks for all K steps. A request whose prompt ends in the iteration's ragged step joins
-the K - 1 decode steps after it (without speculation or a structured output, when it may produce K
-tokens and free pages hold them: it never preempts another), so it does not sit idle in the loop until
-the next iteration. When pages run out, the NEWEST running request is preempted:
+the K - 1 decode steps that run after it for the decoding requests (when there are any: a first token is
+never held back for a loop run for it alone), if it may produce K tokens, has no structured output and
+free pages hold them (it never preempts another); no joining under speculation. When pages run out, the
+NEWEST running request is preempted:
 its pages are freed and it goes back to the front of the waiting queue, to be recomputed later by
 prefilling prompt + the tokens it generated so far (the token sampled after that prefill is its next
 one). The oldest running request therefore always progresses, and `add_request` refuses requests
@@ -182,7 +183,7 @@ class Scheduler(PrefilledAdmission):
             k_steps = cfg.tokens_per_decode if decoding else 0
             budget_of = lambda r: min(k_steps, left(r))  # noqa: E731
         else:
-            k_steps = min([cfg.decode_steps] + [left(r) for r in decoding])
+            k_steps = min([cfg.decode_steps] + [left(r) for r in decoding]) if decoding else 0
             if any(r.sampling.structured is not None for r in decoding):
                 k_steps = min(k_steps, 1)  # a structured output's next mask needs the token before it
             budget_of = lambda r: k_steps  # noqa: E731
@@ -246,8 +247,9 @@ class Scheduler(PrefilledAdmission):
             prefills.append(self.chunk(r, target))
             budget -= target - start
 
-        # 3. requests whose prompt ends in this step join the decode loop after it (its K - 1 steps)
-        if not cfg.num_speculative_tokens and k_steps > 1:
+        # 3. requests whose prompt ends in this step join the decode loop that runs after it for the
+        #    decoding ones (its K - 1 steps)
+        if not cfg.num_speculative_tokens and k_steps > 1 and decodes:
             for i, c in enumerate(prefills):
                 r = c.request
                 if not c.is_last or r.sampling.structured is not None or left(r) < k_steps:
@@ -265,8 +267,7 @@ class Scheduler(PrefilledAdmission):
             budgets[r.slot] = budget_of(r)
         plan = SchedulePlan(
             step=self.step, prefills=prefills, decode_requests=decodes, decode_slots=[r.slot for r in decodes],
-            decode_steps=k_steps if decodes or any(c.joins for c in prefills) else 0,
-            decode_tokens=tokens, decode_positions=positions,
+            decode_steps=k_steps if decodes else 0, decode_tokens=tokens, decode_positions=positions,
             decode_mask=mask, block_table=self.kv.block_table.copy(), preempted=preempted, decode_budget=budgets)
         self.last_plan = plan
         return plan
