@@ -271,7 +271,8 @@ class ServingEngine:
         t0 = time.perf_counter()
         before = sum(len(r.output_token_ids) for r in plan.decode_requests)
         if self.speculative is None:
-            rows = [(slot, r, int(plan.decode_positions[slot])) for r, slot in zip(plan.decode_requests, plan.decode_slots)]
+            rows = [(slot, r, int(plan.decode_positions[slot]))
+                    for r, slot in zip(plan.decode_requests, plan.decode_slots)]
             out, out_lp, top = self.decode_loop(rows, plan.decode_tokens[:, None], plan.decode_steps, plan.block_table)
             counts, steps = None, plan.decode_steps
         else:
