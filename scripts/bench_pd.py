@@ -10,6 +10,9 @@ One interpreter, one random-weight float32 Llama checkpoint, 8 simulated CPU dev
             once): the excess is under one source page per source rank. 'max/device' is the most KV one
             decode device held for the handoff (its pulled pieces and any copies, measured from the
             arrays), against 'KV/device', the prompt's KV over the decode side's dcp x min(tp, kv heads).
+  lengths   one request for each block count up to the longest prompt that the handoff rows did not
+            see: the prefill side's gather programs compiled for them (`Stager.gather_sizes`: padded
+            block counts; one per block count before 1b38a1d), and that first pass's wall time.
   serving   the same N requests (mixed prompt lengths, greedy, ignore_eos) through the pair and
             through one instance on the decode side's mesh (`LLM`), side by side: TTFT p50/p99 (pair:
             until the request's KV is in the decode pool), TPOT (decode time per decode step: every
@@ -111,6 +114,18 @@ def main(argv=None) -> int:
         handoff.append(row)
         log(f"handoff {n}: {row['handoff_ms']:.1f} ms, {row['transfer_bytes']} B")
 
+    # --- new prompt lengths: the prefill side's gathers compiled on first use ---------------------------
+    stager, src = pair.prefill.stager, pair.prefill_llm.paged_layout()
+    seen = {src.blocks_for(n) for n in cfg["lengths"]}  # the handoff rows compiled these block counts already
+    new_lengths = [b * src.tokens_per_block - 1 for b in range(1, src.blocks_for(max_len - 2) + 1) if b not in seen]
+    before = len(stager.compiled)
+    t0 = time.perf_counter()
+    for n in new_lengths:
+        pair.generate([[int(t) for t in rng.integers(3, vocab, n)]], max_new_tokens=2, **kw)
+    first_use = dict(prompt_lengths=len(new_lengths), block_counts=len(new_lengths),  # one length per block count
+                     gathers_compiled=len(stager.compiled) - before, wall_s=time.perf_counter() - t0)
+    log(f"{len(new_lengths)} new lengths: {first_use['gathers_compiled']} gathers compiled")
+
     # --- the pair against one instance ---------------------------------------------------------------
     lens = bench_serving.log_uniform(rng, lo, hi, cfg["requests"])
     prompts = [[int(t) for t in rng.integers(3, vocab, n)] for n in lens]
@@ -133,7 +148,7 @@ def main(argv=None) -> int:
                   wall=runs[1]["wall_s"] / runs[0]["wall_s"])
     pm, dm = args.prefill, args.decode
     report = dict(model=cfg["model"], prefill=pm, decode=dict(dm, interleave=args.decode_interleave), page_size=ps,
-                  requests=cfg["requests"], output_tokens=out_n, handoff=handoff, serving=runs,
+                  requests=cfg["requests"], output_tokens=out_n, handoff=handoff, first_use=first_use, serving=runs,
                   ratios_pair_over_one=ratios, tokens_equal=same, jax=jax.__version__)
     if args.json:
         print(json.dumps(report))
@@ -147,6 +162,9 @@ def main(argv=None) -> int:
                   f"{r['handoff_ms']:>11.2f} {r['transfer_bytes']:>10} {r['prompt_kv_bytes']:>10} "
                   f"{r['excess_bytes']:>8} {r['one_page_per_rank_bytes']:>11} {r['max_device_bytes']:>10} "
                   f"{r['kv_per_device_bytes']:>10}")
+        f = first_use
+        print(f"\n{f['prompt_lengths']} new prompt lengths ({f['block_counts']} block counts), one request each: "
+              f"{f['gathers_compiled']} gather programs compiled on the prefill side, {f['wall_s']:.1f} s")
         print(f"\n{cfg['requests']} requests, prompts {lo}..{hi}, {out_n} output tokens each, all at once")
         print(f"{'run':<13} {'wall s':>7} {'ttft p50/p99 s':>15} {'tpot ms':>8} {'out tok/s':>10}")
         for r in runs:

@@ -57,7 +57,7 @@ from jax.sharding import SingleDeviceSharding
 from dcp_jax import mesh as mesh_lib
 from dcp_jax.disagg.handoff import PieceSpec, chunks, describe, head_ranges, piece_head_ranges, src_layout
 from dcp_jax.layout import PagedLayout, kv_head_sources, reshard_plan
-from dcp_jax.serving.config import step_sizes
+from dcp_jax.serving.config import padded_size, step_sizes
 
 
 class TransferError(RuntimeError):
@@ -78,10 +78,9 @@ class Stager:
     def gather_program(self, blocks: int, dst: PagedLayout):
         """(pools, block-table row [blocks], length) -> per destination rank r that owns any staged slot,
         per pool array, the tokens [N_src·B_r, L, K, D] (token-major, as the destination writes them):
-        source rank s's B_r rows are
-        its tokens of piece (s, r) in `piece_positions` order, then zero rows up to B_r (the largest
-        such piece); sharded like the pool (each rank gathers from its own pages), positions >= length
-        zeroed."""
+        source rank s's B_r rows are its tokens of piece (s, r) in `piece_positions` order, then zero rows
+        up to B_r (the largest such piece); sharded like the pool (each rank gathers from its own pages),
+        positions >= length zeroed. Returns (the compiled program, those ranks r in output order)."""
         key = (blocks, dst)
         if key not in self.compiled:
             eng = self.engine
@@ -123,7 +122,7 @@ class Stager:
             i32 = jax.ShapeDtypeStruct((blocks,), jnp.int32, sharding=eng.replicated)
             n = jax.ShapeDtypeStruct((), jnp.int32, sharding=eng.replicated)
             compiled = jax.jit(gather).lower(tree.unflatten(leaves), i32, n).compile()
-            self.compiled[key] = (compiled, [r for r, _ in tables], plan.piece_sizes())
+            self.compiled[key] = (compiled, [r for r, _ in tables])
         return self.compiled[key]
 
     def stage(self, table_row, length: int, dest: dict) -> tuple[list[jax.Array], list[PieceSpec]]:
@@ -138,9 +137,9 @@ class Stager:
         dst = src_layout(dest)
         wanted = sorted(set(head_ranges(dest)))  # distinct: replicated destination heads share one piece
         blocks = int(eng.layout.blocks_for(length))
-        padded = next(n for n in self.gather_sizes if n >= blocks)
+        padded = padded_size(self.gather_sizes, blocks)
         row = np.asarray(table_row[:padded], np.int32)  # blocks past the sequence's: read, then zeroed (>= length)
-        program, dst_ranks, _ = self.gather_program(padded, dst)
+        program, dst_ranks = self.gather_program(padded, dst)
         # piece (s, r) of the padded gather starts with this length's piece (positions ascend): send that
         sizes = reshard_plan(eng.layout, dst, blocks * eng.layout.tokens_per_block).piece_sizes()
         staged = program(eng.pools, row, np.int32(length))

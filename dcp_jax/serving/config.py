@@ -50,6 +50,11 @@ def step_sizes(budget: int, smallest: int = 16, fine_from: int = 128) -> tuple[i
     return tuple(q for q in out if q < budget) + (budget,)
 
 
+def padded_size(sizes, n: int) -> int:
+    """The smallest of `sizes` (ascending, as `step_sizes` makes them) that holds `n`."""
+    return next(size for size in sizes if size >= n)
+
+
 @dataclasses.dataclass(frozen=True)
 class ServingConfig:
     """Shapes that fix the compiled programs: pages per context rank (the null page included), page

@@ -229,7 +229,7 @@ class ServingEngine:
             more_top = top_on_host(requests, more[2], k - 1)
             self.timing["decode_s"] += time.perf_counter() - t1
             self.timing["decode_steps"] += k - 1
-        if joining and k > 1:  # (decode_s and decode_tokens count the decode loop alone)
+        if joining:  # (beside decode rows only, so k > 1 here; decode_s and decode_tokens count the loop alone)
             before = sum(len(c.request.output_token_ids) for c in joining)
             sched.update_joined(plan, out, out_lp, tops=more_top)
             self.timing["decode_tokens"] += sum(len(c.request.output_token_ids) for c in joining) - before

@@ -47,7 +47,7 @@ from dcp_jax.layout import PagedLayout
 from dcp_jax.model import CausalLM
 from dcp_jax.penalties import write_history
 from dcp_jax.sampling import MAX_TOP_LOGPROBS, bias_logits, sample_rows, score_tokens
-from dcp_jax.serving.config import ServingConfig
+from dcp_jax.serving.config import ServingConfig, padded_size
 from dcp_jax.serving.host_copy import HostCopier
 from dcp_jax.serving.inputs import RaggedInputs, StepInputs
 from dcp_jax.spec import verify as spec_verify
@@ -360,7 +360,7 @@ class ModelRunner:
 
     def step_size(self, tokens: int) -> int:
         """The smallest step size that holds `tokens` tokens."""
-        return next(n for n in self.config.step_sizes if n >= tokens)
+        return padded_size(self.config.step_sizes, tokens)
 
     def decode_program(self):
         """The compiled decode loop over every slot: (weights, caches, history, StepInputs [S, 1] (the
