@@ -147,7 +147,7 @@ def test_unknown_impl_and_bad_options():
     x = make_inputs(1, 1, 2, 2, 8, 8, 8)
     with pytest.raises(ValueError, match="unknown attention impl"):
         attention(**x, impl="cuda")
-    with pytest.raises(ValueError, match=r"takes kernel options \['block_k', 'block_k_masked'\], got \['num_splits'\]"):
+    with pytest.raises(ValueError, match=r"takes kernel options \['block_k', 'block_k_masked', 'pages_per_step'\], got \['num_splits'\]"):
         attention(**x, impl="reference", num_splits=2)
 
 
@@ -422,14 +422,15 @@ def test_kernel_masks_only_the_diagonal_of_a_prefill_chunk(monkeypatch):
 
 @pytest.mark.parametrize("in_pages", [False, True])
 def test_reference_masks_only_the_tail_and_walks_the_filled_part(monkeypatch, in_pages):
-    # The CPU path: decode at 300 of 1024 slots, blocks of 64 unmasked and 16 masked: 4 unmasked blocks
-    # (256 slots) and 3 masked ones (48 slots); nothing past slot 303 of the 1024 is read.
+    # The CPU path's block walk: decode at 300 of 1024 slots, blocks of 64 unmasked and 16 masked: 4
+    # unmasked blocks (256 slots) and 3 masked ones (48 slots); nothing past slot 303 of the 1024 is read.
+    # (A paged decode row walks pages by default: pages_per_step=0 asks for the block walk.)
     x = make_inputs(1, 1, 4, 2, 1024, 8, 8)
     x["kv_len"] = jnp.asarray([300], jnp.int32)
     x["q_pos"] = jnp.asarray([[299]], jnp.int32)
     call = paged(x, 16) if in_pages else dict(x)
     counter = BlockCounter(ref_kernel, monkeypatch)
-    o, lse = attend(call, impl="reference", block_k=64, block_k_masked=16)
+    o, lse = attend(call, impl="reference", block_k=64, block_k_masked=16, pages_per_step=0)
     check_against_oracle(o, lse, x, 1e-5)
     unmasked = sorted((s, n) for _, m, s, n in counter.seen if not m)
     masked = sorted((s, n) for _, m, s, n in counter.seen if m)
@@ -461,19 +462,20 @@ def test_reference_reads_nothing_for_queries_that_see_nothing(monkeypatch, in_pa
 
 def test_reference_walks_a_short_slice_page_by_page(monkeypatch):
     # A slice shorter than one unmasked block (a serving pool of short requests: 3 pages of 64) is walked
-    # a page at a time with the default block sizes, up to the last page some query sees: one whole-slice
-    # block would read all 192 slots of every tile of a ragged step whose prompts see a few dozen.
+    # a page at a time by the block walk with the default block sizes, up to the last page some query
+    # sees: one whole-slice block would read all 192 slots of every tile of a ragged step whose prompts
+    # see a few dozen. (Tiles of up to 8 tokens walk pages by default: pages_per_step=0 asks for blocks.)
     x = make_inputs(2, 4, 4, 2, 192, 8, 8)
     x["kv_len"] = jnp.asarray([20, 100], jnp.int32)
     x["q_pos"] = jnp.asarray([[16, 17, 18, 19], [96, 97, 98, 99]], jnp.int32)
     call = paged(x, 64)
     counter = BlockCounter(ref_kernel, monkeypatch)
-    o, lse = attend(call, impl="reference")
+    o, lse = attend(call, impl="reference", pages_per_step=0)
     check_against_oracle(o, lse, x, 1e-5)
     assert sorted((s, n) for _, _, s, n in counter.seen) == [(0, 64), (64, 64)]
     counter.seen.clear()
     call["kv_len"], call["q_pos"] = x["kv_len"].at[1].set(10), x["q_pos"].at[1].set(jnp.arange(6, 10))
-    jax.block_until_ready(attend(call, impl="reference"))  # both rows within the first page: one block
+    jax.block_until_ready(attend(call, impl="reference", pages_per_step=0))  # both within the first page: one block
     assert [(s, n) for _, _, s, n in counter.seen] == [(0, 64)]
     # a slice no block of at least half the masked size tiles (37 slots, blocks of 16): the last block overlaps
     x = make_inputs(2, 3, 4, 2, 37, 8, 8)
@@ -481,6 +483,33 @@ def test_reference_walks_a_short_slice_page_by_page(monkeypatch):
     o, lse = attend(x, impl="reference", block_k_masked=16)
     check_against_oracle(o, lse, x, 1e-5)
     assert {n for _, _, _, n in counter.seen} == {16}
+
+
+@pytest.mark.parametrize("t,runs,quant", [(1, None, None), (3, (1, 2, 8), None), (1, None, "int8")])
+def test_reference_walks_pages_of_decode_rows_each_up_to_its_own_length(monkeypatch, t, runs, quant):
+    # Paged rows of at most 8 query tokens (decode, verify, a ragged step's decode tiles) walk pages: each
+    # row reads its own pages up to the last slot it may see, not the furthest row's span, 4 pages a step
+    # (so steps mix rows and the last step ends past the last page); on a dcp shard's interleaved slots
+    # too. The result is the oracle's, and the block walk's (pages_per_step=0) to float32 rounding.
+    x = make_inputs(4, t, 4, 2, 320, 16, 16, runs=runs)
+    end = int(x["kv_pos"].at(319)) + 1
+    x["kv_len"] = jnp.asarray([end, 0, 37, 150], jnp.int32)
+    x["q_pos"] = jnp.asarray(np.maximum(np.asarray(x["kv_len"]), 1)[:, None] - t + np.arange(t), jnp.int32)
+    call = paged(x, 16)
+    if quant:
+        call = dict(call, k=kv_quant_lib.pack(call["k"], quant), v=kv_quant_lib.pack(call["v"], quant))
+    counter = BlockCounter(ref_kernel, monkeypatch)
+    o, lse = attend(call, impl="reference", pages_per_step=4, kv_quant=quant)
+    if quant is None:
+        check_against_oracle(o, lse, x, 1e-5)
+    visible = np.asarray(x["kv_pos"].count_upto(np.asarray(x["q_pos"]).max(axis=1)))  # slots each row sees
+    visible = np.minimum(visible, 320) * (np.asarray(x["kv_len"]) > 0)
+    want = sorted((16 * j, 16) for n in visible for j in range(-(-int(n) // 16)))
+    assert sorted((s, n) for _, _, s, n in counter.seen) == want
+    assert len(want) < 4 * 20  # not every row over the longest one's 20 pages
+    o_blocks, lse_blocks = attend(call, impl="reference", pages_per_step=0, kv_quant=quant)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_blocks), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_blocks), rtol=1e-5, atol=1e-5)
 
 
 # --- lowering for CUDA without a GPU (the lowering convention in docs/ARCHITECTURE.md) -------------------------------------------------

@@ -12,7 +12,7 @@ from pallas_kernels.attention.common import check_inputs, default_scale
 
 IMPLEMENTATIONS = ("reference", "pallas", "pallas_interpret")
 _OPTIONS = {
-    "reference": {"block_k", "block_k_masked"},
+    "reference": {"block_k", "block_k_masked", "pages_per_step"},
     "pallas": {"block_q", "block_k", "num_splits", "num_warps", "num_stages"},
 }
 

@@ -16,6 +16,13 @@ out, so any block size works. A slice that one `block_k` block would cover whole
 blocks of at most `block_k_masked` slots (tiling it exactly when blocks of at least half that size can),
 since one whole-slice block would make every query read all of it; only `block_k_masked >= S` gives the
 single dense block.
+
+Decode rows over a paged cache (T <= PAGE_WALK_TOKENS queries per row: the decode loop, a verify step, a
+ragged step's decode tiles) walk pages instead: the pages every row may see are laid end to end, row by
+row, and taken `pages_per_step` at a time, each page against its own row's queries, with a partial
+softmax per page merged into its row's running one. A step of rows of unequal lengths then reads what
+each row sees, not the longest row's span times the rows (the block walk reads every row up to the
+batch's furthest slot, and gathers a block of every row at once).
 """
 
 from __future__ import annotations
@@ -34,12 +41,16 @@ from pallas_kernels.attention.common import row_limits
 HIGHEST = lax.Precision.HIGHEST
 
 # Tests set this to a function f(masked, slots, start) to count the blocks a call visits (as
-# `triton.block_probe`); read at trace time, so a program traced while it is None carries nothing.
+# `triton.block_probe`; the page walk reports each page it reads as a masked block of one page); read at
+# trace time, so a program traced while it is None carries nothing.
 block_probe = None
+
+PAGE_WALK_TOKENS = 8  # query tokens per row up to which a paged call walks pages (decode and verify rows)
 
 
 def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 512, block_k_masked: int = 128,
-              v_dim: int | None = None, block_table=None, layer=None, kv_quant: str | None = None):
+              pages_per_step: int = 32, v_dim: int | None = None, block_table=None, layer=None,
+              kv_quant: str | None = None):
     """q [B,T,H,Dk], k [B,K,S,Dk], v [B,K,S,Dv] -> (o [B,T,H,Dv] in q.dtype, lse [B,T,H] float32).
 
     kv_pos: the slice's SlotPositions. GQA groups query heads per kv head; no repeated KV is materialised.
@@ -51,6 +62,8 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
     layers) and layer `layer` is read, block by block, without slicing it out first.
     kv_quant ("int8" / "fp8"): k and v hold packed 8-bit rows (`kv_quant.pack`, D + 4 stored features),
     dequantized block by block as they are read (no dequantized copy of the cache).
+    pages_per_step: pages one step of the page walk reads (paged calls of at most PAGE_WALK_TOKENS query
+    tokens per row; 0: the block walk, with block_k and block_k_masked, whatever T).
     """
     b, t, h, dk = q.shape
     lead = () if layer is None else (layer,)
@@ -66,6 +79,24 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
     g = h // kh
     rows = g * t
     out_dtype = q.dtype
+    # XLA:CPU has no bf16 x bf16 -> f32 dot; compute in float32 (a no-op for float32 inputs).
+    qg = (q.astype(jnp.float32) * scale).reshape(b, t, kh, g, dk)
+    qg = jnp.transpose(qg, (0, 2, 3, 1, 4)).reshape(b, kh, rows, dk)  # row r = (group r // T, query r % T)
+    limit = row_limits(q_pos, kv_len)  # [B, T]
+    # The loop carry starts as a zero that derives from every input, so that inside shard_map it varies
+    # over the same mesh axes as the blocks folded into it (a constant would not); nothing of the inputs
+    # is read beyond one element each. A block that sees nothing leaves the running state unchanged.
+    inputs = [jnp.asarray(x) for x in (qg, k, v, limit, block_table, layer, kv_pos.at(0)) if x is not None]
+    zero = jnp.where(False, sum(x[(0,) * x.ndim].astype(jnp.float32) for x in inputs), 0.0)
+    init = (
+        jnp.full((b, kh, rows), -jnp.inf, jnp.float32) + zero,
+        jnp.zeros((b, kh, rows), jnp.float32) + zero,
+        jnp.zeros((b, kh, rows, dv), jnp.float32) + zero,
+    )
+    if block_table is not None and t <= PAGE_WALK_TOKENS and pages_per_step > 0:
+        pages = functools.partial(_page, k, v, lead, widen, dv)
+        carry = _walk_pages(pages, qg, limit, kv_pos, block_table, unit, init, t, min(pages_per_step, b * s // unit))
+        return _finish(*carry, b, t, h, kh, g, dv, out_dtype)
     bs = min(max(block_k // unit, 1) * unit, s)
     # blocks that need the mask: few, often only partly visible, so smaller
     bm = min(max(block_k_masked // unit, 1) * unit, bs)
@@ -73,10 +104,6 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
         # walk it in masked blocks, tiling it when blocks of at least half the size can (no overlapping last one)
         tiling = max(n for n in range(unit, bm + 1, unit) if s % n == 0)
         bm = bs = tiling if 2 * tiling >= bm else bm
-    # XLA:CPU has no bf16 x bf16 -> f32 dot; compute in float32 (a no-op for float32 inputs).
-    qg = (q.astype(jnp.float32) * scale).reshape(b, t, kh, g, dk)
-    qg = jnp.transpose(qg, (0, 2, 3, 1, 4)).reshape(b, kh, rows, dk)  # row r = (group r // T, query r % T)
-    limit = row_limits(q_pos, kv_len)  # [B, T]
     # Blocks to visit: up to the last slot that the most advanced query may see; blocks wholly below the
     # first slot that some query may not see need no mask.
     visible = jnp.minimum(kv_pos.count_upto(jnp.max(limit)), s)
@@ -124,22 +151,16 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
         sc, vb = block(i * bs, bs, False)
         return update(carry, sc, vb, lambda m: m)  # every score is finite: so is the running max
 
-    # The loop carry starts as a zero that derives from every input, so that inside shard_map it varies
-    # over the same mesh axes as the blocks folded into it (a constant would not); nothing of the inputs
-    # is read beyond one element each. A block that sees nothing leaves the running state unchanged.
-    inputs = [jnp.asarray(x) for x in (qg, k, v, limit, block_table, layer, kv_pos.at(0)) if x is not None]
-    zero = jnp.where(False, sum(x[(0,) * x.ndim].astype(jnp.float32) for x in inputs), 0.0)
-    init = (
-        jnp.full((b, kh, rows), -jnp.inf, jnp.float32) + zero,
-        jnp.zeros((b, kh, rows), jnp.float32) + zero,
-        jnp.zeros((b, kh, rows, dv), jnp.float32) + zero,
-    )
     if bm < s:  # blocks up to the last visible slot only: a query block that sees nothing costs no block
         carry = lax.fori_loop(0, num_unmasked, unmasked_step, init)
         carry = lax.fori_loop(0, num_masked, masked_step, carry)
     else:  # one block, no loop: the single-block form stays reverse-differentiable
         carry = masked_step(0, init)
-    m, l, acc = carry
+    return _finish(*carry, b, t, h, kh, g, dv, out_dtype)
+
+
+def _finish(m, l, acc, b, t, h, kh, g, dv, out_dtype):
+    """The running softmax state [B, K, G·T(, Dv)] -> (o [B, T, H, Dv], lse [B, T, H])."""
     has = l > 0
     safe_l = jnp.where(has, l, 1.0)
     o = acc / safe_l[..., None]
@@ -147,3 +168,56 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
     o = jnp.transpose(o.reshape(b, kh, g, t, dv), (0, 3, 1, 2, 4)).reshape(b, t, h, dv)
     lse = jnp.transpose(lse.reshape(b, kh, g, t), (0, 3, 1, 2)).reshape(b, t, h)
     return o.astype(out_dtype), lse
+
+
+def _page(k, v, lead, widen, dv, ids):
+    """Pages `ids` [C] of the pools (of layer lead, if any), widened: (keys [C, K, page, Dk], values
+    [C, K, page, Dv])."""
+    kb = widen(k[(*lead, ids)])
+    return kb, (kb[..., :dv] if v is None else widen(v[(*lead, ids)]))
+
+
+def _walk_pages(pages, qg, limit, kv_pos, block_table, unit: int, init, t: int, c: int):
+    """The page walk (module docstring): each row's softmax state over the pages it may see.
+
+    qg [B, K, R, Dk] (row r = (group r // T, query r % T)), limit [B, T], pages of `unit` slots;
+    pages(ids [C]) -> (keys [C, K, unit, Dk], values [C, K, unit, Dv]); `c` pages per step. Row b's
+    pages are its first ceil(visible_b / unit) block-table entries, laid end to end after those of the
+    rows before it; a step reads c of them (past the last, the null page, masked out), each against its
+    own row's queries, and merges each row's pages into that row's running (max, sum, output)."""
+    b, kh, rows, _ = qg.shape
+    g = rows // t
+    nb = block_table.shape[1]
+    visible = jnp.minimum(kv_pos.count_upto(jnp.max(limit, axis=1)), nb * unit)  # [B] slots row b may see
+    count = (visible + unit - 1) // unit
+    ends = jnp.cumsum(count)
+    total = ends[-1]
+
+    def step(i, carry):
+        m, l, acc = carry
+        f = i * c + jnp.arange(c, dtype=jnp.int32)  # the pages of this step, in the rows' order
+        ok = f < total
+        row = jnp.minimum(jnp.sum(ends[None] <= f[:, None], axis=1, dtype=jnp.int32), b - 1)  # rows ending by f
+        j = jnp.where(ok, f - (ends - count)[row], 0)  # the page's index in its row
+        if block_probe is not None:
+            jax.debug.callback(lambda js, oks: [block_probe(True, unit, int(x) * unit) for x, o in zip(js, oks) if o],
+                               j, ok)
+        kb, vb = pages(jnp.where(ok, block_table[row, j], 0))
+        sc = jnp.einsum("ckrd,cksd->ckrs", qg[row], kb, precision=HIGHEST)  # [C, K, R, unit]
+        pos = kv_pos.at(j[:, None] * unit + jnp.arange(unit, dtype=jnp.int32))  # [C, unit]
+        mask = (pos[:, None, :] <= limit[row][:, :, None]) & ok[:, None, None]  # [C, T, unit]
+        sc = jnp.where(mask[:, None, None], sc.reshape(c, kh, g, t, unit), -jnp.inf).reshape(sc.shape)
+        # each row's max over its pages in this step, then one rescale per row; one-hot sums add its pages only
+        mine = row[:, None] == jnp.arange(b, dtype=jnp.int32)  # [C, B]
+        m_new = jnp.maximum(m, jnp.max(jnp.where(mine[:, :, None, None], jnp.max(sc, axis=-1)[:, None], -jnp.inf),
+                                       axis=0))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(sc - m_safe[row][..., None])  # masked slots: 0
+        alpha = jnp.exp(m - m_safe)
+        onehot = mine.astype(jnp.float32)
+        l = l * alpha + jnp.einsum("cb,ckr->bkr", onehot, jnp.sum(p, axis=-1), precision=HIGHEST)
+        pv = jnp.einsum("ckrs,cksd->ckrd", p, vb, precision=HIGHEST)
+        acc = acc * alpha[..., None] + jnp.einsum("cb,ckrd->bkrd", onehot, pv, precision=HIGHEST)
+        return m_new, l, acc
+
+    return lax.fori_loop(0, (total + c - 1) // c, step, init)
