@@ -27,12 +27,13 @@ import numpy as np
 from pallas_kernels.attention import reference
 from pallas_kernels.attention.common import SlotPositions
 
-# name: rows, length range (tokens); the model: 8 layers, 8 query / 4 kv heads of 64, pages of 64
+PAGE = 64  # slots per page
+# name: rows, length range (tokens); the model: 8 layers, 8 query / 4 kv heads of 64
 CASES = {"short": (32, (16, 160)), "mixed": (8, (32, 2176)), "equal": (32, (160, 160))}
 QUICK = {"short": (8, (8, 250)), "equal": (8, (200, 200))}
 
 
-def case(rows, lengths, layers, heads=8, kv_heads=4, dim=64, page=64, seed=0):
+def case(rows, lengths, layers, heads=8, kv_heads=4, dim=64, page=PAGE, seed=0):
     rng = np.random.default_rng(seed)
     lo, hi = lengths
     lens = np.exp(rng.uniform(np.log(lo), np.log(hi), rows)).astype(np.int32) if lo < hi else np.full(rows, lo)
@@ -86,7 +87,8 @@ def main(argv=None) -> int:
                     f(a).block_until_ready()
                     times[k].append(time.perf_counter() - t)
         ms = {k: 1e3 * float(np.median(v)) for k, v in times.items()}
-        read = f"{-(-pages['pages'] // args.pages_per_step) * args.pages_per_step} / {pages['blocks']}"
+        step = min(args.pages_per_step, slots // PAGE * rows)  # the walk's pages per step
+        read = f"{-(-pages['pages'] // step) * step} / {pages['blocks']}"
         print(f"{name:8} {rows:4} {f'{lengths[0]}..{lengths[1]}':>10} {read:>29} {ms['pages']:13.2f} "
               f"{ms['blocks']:14.2f} {ms['blocks'] / ms['pages']:5.2f}x")
     return 0
