@@ -201,9 +201,8 @@ class ServingEngine:
         joining = plan.joining  # (only beside decode rows, never under speculation)
         k = plan.decode_steps if with_decode else 0
         if k > 1:  # queued behind the step (nothing comes back to the host in between)
-            loop_rows = [(slot, r, int(plan.decode_positions[slot]) + 1)
-                         for r, slot in zip(plan.decode_requests, plan.decode_slots)]
-            loop_rows += [(c.slot, c.request, c.end) for c in joining]  # from their first token, just sampled
+            # the decoding rows from their next position; the joining ones from their first token, just sampled
+            loop_rows = plan.decode_rows(1) + [(c.slot, c.request, c.end) for c in joining]
             more = self.decode_loop(loop_rows, tok[:, None], k - 1, plan.block_table)
         tok, lp = host(tok), host(lp)
         requests = [r for _, r, *_ in rows]
@@ -271,9 +270,8 @@ class ServingEngine:
         t0 = time.perf_counter()
         before = sum(len(r.output_token_ids) for r in plan.decode_requests)
         if self.speculative is None:
-            rows = [(slot, r, int(plan.decode_positions[slot]))
-                    for r, slot in zip(plan.decode_requests, plan.decode_slots)]
-            out, out_lp, top = self.decode_loop(rows, plan.decode_tokens[:, None], plan.decode_steps, plan.block_table)
+            out, out_lp, top = self.decode_loop(plan.decode_rows(), plan.decode_tokens[:, None], plan.decode_steps,
+                                                plan.block_table)
             counts, steps = None, plan.decode_steps
         else:
             out, out_lp, counts, top = self.verify(plan)

@@ -74,6 +74,11 @@ class SchedulePlan:
     def is_empty(self) -> bool:
         return not self.prefills and not self.decode_slots
 
+    def decode_rows(self, advance: int = 0) -> list[tuple[int, Request, int]]:
+        """(slot, request, position + `advance`) of each decoding slot: the decode loop's rows."""
+        return [(slot, r, int(self.decode_positions[slot]) + advance)
+                for r, slot in zip(self.decode_requests, self.decode_slots)]
+
     @property
     def joining(self) -> list[PrefillChunk]:
         """The chunks whose requests decode in the loop after the ragged step (`PrefillChunk.joins`)."""

@@ -93,8 +93,14 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
         jnp.zeros((b, kh, rows), jnp.float32) + zero,
         jnp.zeros((b, kh, rows, dv), jnp.float32) + zero,
     )
+    def kv(read):  # (keys, values) of one block, widened, read by `read(pool)`; MLA's values are the keys'
+        kb = widen(read(k))
+        return kb, (kb[..., :dv] if v is None else widen(read(v)))
+
     if block_table is not None and t <= PAGE_WALK_TOKENS and pages_per_step > 0:
-        pages = functools.partial(_page, k, v, lead, widen, dv)
+        def pages(ids):  # pages ids [C]: keys and values [C, K, page, D]
+            return kv(lambda x: x[(*lead, ids)])
+
         carry = _walk_pages(pages, qg, limit, kv_pos, block_table, unit, init, t, min(pages_per_step, b * s // unit))
         return _finish(*carry, b, t, h, kh, g, dv, out_dtype)
     bs = min(max(block_k // unit, 1) * unit, s)
@@ -124,8 +130,7 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
     def block(start, n, masked):
         if block_probe is not None:
             jax.debug.callback(functools.partial(block_probe, masked, n), start)
-        kb = widen(read(k, start, n))
-        vb = kb[..., :dv] if v is None else widen(read(v, start, n))
+        kb, vb = kv(lambda x: read(x, start, n))
         return jnp.einsum("bkrd,bksd->bkrs", qg, kb, precision=HIGHEST), vb
 
     def update(carry, sc, vb, m_safe_fn):
@@ -168,13 +173,6 @@ def _finish(m, l, acc, b, t, h, kh, g, dv, out_dtype):
     o = jnp.transpose(o.reshape(b, kh, g, t, dv), (0, 3, 1, 2, 4)).reshape(b, t, h, dv)
     lse = jnp.transpose(lse.reshape(b, kh, g, t), (0, 3, 1, 2)).reshape(b, t, h)
     return o.astype(out_dtype), lse
-
-
-def _page(k, v, lead, widen, dv, ids):
-    """Pages `ids` [C] of the pools (of layer lead, if any), widened: (keys [C, K, page, Dk], values
-    [C, K, page, Dv])."""
-    kb = widen(k[(*lead, ids)])
-    return kb, (kb[..., :dv] if v is None else widen(v[(*lead, ids)]))
 
 
 def _walk_pages(pages, qg, limit, kv_pos, block_table, unit: int, init, t: int, c: int):
