@@ -1,6 +1,7 @@
 """Multi-process runs on jax.distributed: 2 processes x 4 simulated CPU devices talking through gloo on
 loopback give exactly the tokens of one process with 8 devices; lost peers end runs in bounded time."""
 
+import functools
 import json
 import os
 import signal
@@ -180,6 +181,31 @@ def mixed_requests():
     return prompts, [12, 8, 16, 10, 14, 6, 9, 13, 7, 11, 15, 10]
 
 
+MAX_NEW = 16  # the most any test here asks of one request: one solo run serves every test
+
+
+@functools.cache
+def solo_llm():
+    from dcp_jax import LLM
+
+    return LLM.load(FIX, tp=2, dcp=4, page_size=2, max_model_len=64)
+
+
+@functools.cache
+def solo_greedy(max_new_tokens: int) -> tuple:
+    """Each of `mixed_requests` alone on one process with 8 devices: its greedy tokens (once per worker)."""
+    llm = solo_llm()
+    return tuple(llm.generate([p], max_new_tokens=max_new_tokens, ignore_eos=True).tokens[0]
+                 for p in mixed_requests()[0])
+
+
+def solo_tokens(lengths) -> list:
+    """The first n of each request's greedy tokens (greedy decoding's first n tokens do not depend on how
+    many follow)."""
+    full = solo_greedy(max(MAX_NEW, *lengths))
+    return [list(t[:n]) for t, n in zip(full, lengths)]
+
+
 def test_a_server_on_two_processes_gives_one_process_tokens():
     # 2 processes x 4 simulated devices (tp=2 x dcp=4 over gloo), 12 concurrent requests of mixed lengths
     # through the openai client, a pool small enough to preempt, prefix caching and n-gram speculation:
@@ -188,12 +214,9 @@ def test_a_server_on_two_processes_gives_one_process_tokens():
 
     import httpx
 
-    from dcp_jax import LLM
-
     prompts, lengths = mixed_requests()
-    llm = LLM.load(FIX, tp=2, dcp=4, page_size=2, max_model_len=64)
-    solo = [llm.generate([p], max_new_tokens=n, ignore_eos=True).tokens[0] for p, n in zip(prompts, lengths)]
-    pair = Pair("--kv-cache-memory", llm.page_bytes() * 12, "--enable-prefix-caching", "--speculative", "ngram",
+    solo, page_bytes = solo_tokens(lengths), solo_llm().page_bytes()
+    pair = Pair("--kv-cache-memory", page_bytes * 12, "--enable-prefix-caching", "--speculative", "ngram",
                 "--num-speculative-tokens", 2)
     try:
         client = pair.client()
@@ -296,11 +319,8 @@ def spmd_pair(tmp_path, prompts, pages):
 
 
 def test_llm_generate_on_two_processes_gives_one_process_tokens(tmp_path):
-    from dcp_jax import LLM
-
     prompts, _ = mixed_requests()
-    llm = LLM.load(FIX, tp=2, dcp=4, page_size=2, max_model_len=64)
-    solo = [llm.generate([p], max_new_tokens=12, ignore_eos=True).tokens[0] for p in prompts]
+    solo = solo_tokens((12,) * len(prompts))
     procs, errs = spmd_pair(tmp_path, prompts, 14)
     assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for e in errs]
     outs = [json.loads((tmp_path / f"out{i}.json").read_text()) for i in (0, 1)]
@@ -333,12 +353,9 @@ def test_a_decode_instance_on_two_processes_pulls_each_process_its_share():
 
     import httpx
 
-    from dcp_jax import LLM
-
     prompts, lengths = mixed_requests()
-    llm = LLM.load(FIX, tp=2, dcp=4, page_size=2, max_model_len=64)
-    solo = [llm.generate([p], max_new_tokens=n, ignore_eos=True).tokens[0] for p, n in zip(prompts, lengths)]
-    cfg = llm.model.config
+    solo = solo_tokens(lengths)
+    cfg = solo_llm().model.config
     pport = free_port()
     prefill = subprocess.Popen([sys.executable, "-m", "dcp_jax.serve", "--role", "prefill", "--model", str(FIX),
                                 "--mesh", "tp=1,dcp=2", "--page-size", "4", "--max-model-len", "64", "--port", str(pport),
