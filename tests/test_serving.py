@@ -19,8 +19,8 @@ def load(name, tp, dcp, **kw):
     return LLM.load(FIXTURES / name, tp=tp, dcp=dcp, **kw)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "deepseek-v3"])
-@pytest.mark.parametrize("tp,dcp", MESHES)
+@pytest.mark.parametrize("name,tp,dcp", [("llama-gqa", *m) for m in MESHES]
+                         + [("deepseek-v3", 1, 3), ("deepseek-v3", 2, 4)])  # (MLA on two meshes)
 def test_matches_transformers_with_fewer_slots_than_requests(name, tp, dcp):
     # Two slots for three prompts: the third waits and is admitted when one finishes; pages of 2 slots
     # make every sequence span several blocks.
