@@ -1,7 +1,6 @@
 """Multi-process runs on jax.distributed: 2 processes x 4 simulated CPU devices talking through gloo on
 loopback give exactly the tokens of one process with 8 devices; lost peers end runs in bounded time."""
 
-import functools
 import json
 import os
 import signal
@@ -181,32 +180,22 @@ def mixed_requests():
     return prompts, [12, 8, 16, 10, 14, 6, 9, 13, 7, 11, 15, 10]
 
 
-MAX_NEW = 16  # the most any test here asks of one request: one solo run serves every test
-
-
-@functools.cache
-def solo_llm():
+@pytest.fixture(scope="module")
+def solo():
+    """One process with 8 devices: the LLM, and each of `mixed_requests` alone, its greedy tokens up to the
+    most any test here asks of it (a request of n tokens gets their first n)."""
     from dcp_jax import LLM
 
-    return LLM.load(FIX, tp=2, dcp=4, page_size=2, max_model_len=64)
+    prompts, lengths = mixed_requests()
+    llm = LLM.load(FIX, tp=2, dcp=4, page_size=2, max_model_len=64)
+    return llm, [llm.generate([p], max_new_tokens=max(lengths), ignore_eos=True).tokens[0] for p in prompts]
 
 
-@functools.cache
-def solo_greedy(max_new_tokens: int) -> tuple:
-    """Each of `mixed_requests` alone on one process with 8 devices: its greedy tokens (once per worker)."""
-    llm = solo_llm()
-    return tuple(llm.generate([p], max_new_tokens=max_new_tokens, ignore_eos=True).tokens[0]
-                 for p in mixed_requests()[0])
+def first(tokens, lengths) -> list:
+    return [t[:n] for t, n in zip(tokens, lengths, strict=True)]
 
 
-def solo_tokens(lengths) -> list:
-    """The first n of each request's greedy tokens (greedy decoding's first n tokens do not depend on how
-    many follow)."""
-    full = solo_greedy(max(MAX_NEW, *lengths))
-    return [list(t[:n]) for t, n in zip(full, lengths)]
-
-
-def test_a_server_on_two_processes_gives_one_process_tokens():
+def test_a_server_on_two_processes_gives_one_process_tokens(solo):
     # 2 processes x 4 simulated devices (tp=2 x dcp=4 over gloo), 12 concurrent requests of mixed lengths
     # through the openai client, a pool small enough to preempt, prefix caching and n-gram speculation:
     # every request's greedy tokens equal what one process with 8 devices gives it alone.
@@ -215,14 +204,14 @@ def test_a_server_on_two_processes_gives_one_process_tokens():
     import httpx
 
     prompts, lengths = mixed_requests()
-    solo, page_bytes = solo_tokens(lengths), solo_llm().page_bytes()
-    pair = Pair("--kv-cache-memory", page_bytes * 12, "--enable-prefix-caching", "--speculative", "ngram",
+    llm, greedy = solo
+    pair = Pair("--kv-cache-memory", llm.page_bytes() * 12, "--enable-prefix-caching", "--speculative", "ngram",
                 "--num-speculative-tokens", 2)
     try:
         client = pair.client()
         with cf.ThreadPoolExecutor(12) as pool:
             got = list(pool.map(lambda a: completion_ids(client, *a), zip(prompts, lengths)))
-        assert got == solo
+        assert got == first(greedy, lengths)
         metrics = httpx.get(pair.base + "/metrics", timeout=30).text
         value = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
                  if line.startswith("dcp_jax:") and " " in line}
@@ -318,13 +307,12 @@ def spmd_pair(tmp_path, prompts, pages):
                 p.wait()
 
 
-def test_llm_generate_on_two_processes_gives_one_process_tokens(tmp_path):
+def test_llm_generate_on_two_processes_gives_one_process_tokens(tmp_path, solo):
     prompts, _ = mixed_requests()
-    solo = solo_tokens((12,) * len(prompts))
     procs, errs = spmd_pair(tmp_path, prompts, 14)
     assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for e in errs]
     outs = [json.loads((tmp_path / f"out{i}.json").read_text()) for i in (0, 1)]
-    assert outs[0]["tokens"] == outs[1]["tokens"] == solo
+    assert outs[0]["tokens"] == outs[1]["tokens"] == first(solo[1], [12] * len(prompts))
     assert outs[0]["stats"]["preemptions"] > 0 and outs[0]["stats"]["prefix_hit_tokens"] > 0
     assert outs[0]["stats"]["spec_verify_steps"] > 0
 
@@ -344,7 +332,7 @@ def test_a_lost_leader_ends_the_follower_with_one_line():
 
 # --- a disaggregated pair whose decode instance is two processes --------------------------------------
 
-def test_a_decode_instance_on_two_processes_pulls_each_process_its_share():
+def test_a_decode_instance_on_two_processes_pulls_each_process_its_share(solo):
     # A prefill instance (one process, tp=1 x dcp=2, pages of 4) and a decode instance on two processes
     # (tp=2 x dcp=4, pages of 2: each process keeps one of the two kv heads over all four context ranks):
     # 12 concurrent requests through the openai client get the tokens one process with 8 devices gives
@@ -354,8 +342,8 @@ def test_a_decode_instance_on_two_processes_pulls_each_process_its_share():
     import httpx
 
     prompts, lengths = mixed_requests()
-    solo = solo_tokens(lengths)
-    cfg = solo_llm().model.config
+    llm, greedy = solo
+    cfg = llm.model.config
     pport = free_port()
     prefill = subprocess.Popen([sys.executable, "-m", "dcp_jax.serve", "--role", "prefill", "--model", str(FIX),
                                 "--mesh", "tp=1,dcp=2", "--page-size", "4", "--max-model-len", "64", "--port", str(pport),
@@ -369,7 +357,7 @@ def test_a_decode_instance_on_two_processes_pulls_each_process_its_share():
         client = pair.client()
         with cf.ThreadPoolExecutor(12) as pool:
             got = list(pool.map(lambda a: completion_ids(client, *a), zip(prompts, lengths)))
-        assert got == solo
+        assert got == first(greedy, lengths)
         stats = httpx.get(pair.base + "/disagg/stats", timeout=30).json()
         by_process = {int(p): b for p, b in stats["bytes_by_process"].items()}
         # each process keeps one kv head: half of every prompt's KV, plus at most the zero padding of the
