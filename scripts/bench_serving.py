@@ -30,6 +30,12 @@ Compilation and warm-up are excluded on every side: our programs are compiled ah
 warm-up run; transformers' manager serves a warm-up batch first; the dense engine's stats["compile_s"] is
 subtracted from each static batch.
 
+  floor     per workload, the least time any code could take here: the checkpoint's weight matmuls alone
+            (every linear layer and the LM head as one jitted chain, no attention, norms, sampling or host
+            work): the output tokens in the fewest decode steps (every slot full), each prompt token at a
+            full step's cost per row beyond a decode step's; a code's wall over it bounds what any other
+            code could gain over it (--no-floor skips it).
+
   capacity  the same per-device KV budget (bytes) on a dcp=1 mesh and a dcp=N mesh, each in its own
             interpreter: many long requests all at once with many slots; the peak number of requests
             decoding in the same step (each with its whole prompt in the cache) and kv_capacity_tokens;
@@ -386,6 +392,60 @@ def capacity_worker(spec: dict) -> dict:
                 requests=len(reqs), tokens=[list(r.output_token_ids) for r in reqs])
 
 
+LINEAR = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+          "mlp.up_proj", "mlp.down_proj")
+
+
+def floor_worker(spec: dict) -> dict:
+    """Per workload, the least time any code could serve it in on this host: the checkpoint's weight
+    matmuls alone (one jitted chain of every linear layer, and the LM head at `max_num_seqs` rows: no
+    attention, norm, sampling or host work), timed on one device at S = `max_num_seqs` rows (a decode
+    step of every slot) and at B = `max_num_batched_tokens` rows (a full step). The output tokens after
+    each first need at least D / S steps that decode (a request's next token needs a step of its own; a
+    step holds at most S such rows), none cheaper per row than a full decode step; each prompt token
+    adds at least a row's share of a full step beyond it, (t(B) - t(S)) / (B - S), whether it rides in a
+    decode step or runs in its own: floor_s = D / S * t(S) + P * (t(B) - t(S)) / (B - S)."""
+    import jax
+    import jax.numpy as jnp
+    from safetensors.numpy import load_file
+
+    out, chains = {}, {}
+    for name, w in spec["workloads"].items():
+        path = Path(w["checkpoint"])
+        if str(path) not in chains:
+            cfg = json.loads((path / "config.json").read_text())
+            t = {k: jnp.asarray(v) for k, v in load_file(str(path / "model.safetensors")).items()}
+            layers = [tuple(t[f"model.layers.{i}.{n}.weight"] for n in LINEAR) for i in range(cfg["num_hidden_layers"])]
+            chains[str(path)] = (cfg["hidden_size"], layers, t["lm_head.weight"])
+        e, layers, head = chains[str(path)]
+        s, b = w["max_num_seqs"], w["max_num_batched_tokens"]
+
+        @jax.jit
+        def chain(x, layers, head, s=s):
+            kv = []
+            for q, k, v, o, gate, up, down in layers:
+                kv += [x @ k.T, x @ v.T]
+                x = x + (x @ q.T) @ o.T
+                x = x + (jax.nn.silu(x @ gate.T) * (x @ up.T)) @ down.T
+            return x[:s] @ head.T, kv
+
+        def seconds(n):
+            x = jnp.full((n, e), 0.01, jnp.float32)
+            jax.block_until_ready(chain(x, layers, head))
+            times = []
+            for _ in range(7):
+                t0 = time.perf_counter()
+                jax.block_until_ready(chain(x, layers, head))
+                times.append(time.perf_counter() - t0)
+            return float(np.median(times))
+
+        decode_s, full_s = seconds(s), seconds(b)
+        row_s = (full_s - decode_s) / (b - s) if b > s else full_s / b
+        out[name] = dict(decode_step_s=decode_s, full_step_s=full_s, prompt_row_s=row_s,
+                         floor_s=w["decode_rows"] / s * decode_s + w["prompt_rows"] * row_s)
+    return out
+
+
 def run_worker(kind: str, spec: dict, python: str | None = None, package: Path | None = None) -> dict:
     """`kind`'s worker in a fresh interpreter (this script with --worker), which asks for exactly its
     mesh's devices before JAX starts. `python`: another interpreter (transformers'); `package`: a checkout
@@ -460,6 +520,11 @@ def table(report: dict) -> str:
         out.append(f"{name}: {w['requests']} requests, prompts {w['prompt'][0]}..{w['prompt'][1]} (total "
                    f"{w['prompt_tokens']}), outputs {w['output'][0]}..{w['output'][1]} (total {w['output_tokens']}); "
                    f"model {w['model']} ({w['params'] / 1e6:.1f}M parameters), {w['max_num_seqs']} slots")
+        if "floor" in w:
+            f = w["floor"]
+            out.append(f"  floor {f['floor_s']:.2f} s: the weight matmuls alone ({f['decode_step_s'] * 1e3:.1f} ms a "
+                       f"decode step of every slot, {f['prompt_row_s'] * 1e3:.3f} ms a prompt row); no code serves "
+                       f"this workload faster here, so none beats a code by more than its wall/floor")
     head = (f"{'workload':<8} {'code':<22} {'arrivals':<8} {'wall_s':>7} {'out_tok/s':>9} {'ttft p50/p99 s':>15} "
             f"{'tpot p50/p99 ms':>16} {'rows comp/useful':>20} {'ratio':>6} exact")
     out += ["", head, "-" * len(head)]
@@ -477,7 +542,7 @@ def table(report: dict) -> str:
         out += [f"  {r['workload']} {r['code']} {r['arrivals']}: {', '.join(f'{w:.2f}' for w in r['walls_s'])}"
                 for r in rows]
     for key, value in ratios.items():
-        if key.startswith("ours/") or key.endswith("tpot_p99/p50"):
+        if key.startswith("ours/") or key.endswith(("tpot_p99/p50", "wall/floor")):
             out.append(f"  {key}: {value:.2f}x")
     if not cap:
         return "\n".join(out)
@@ -672,13 +737,16 @@ def main(argv=None) -> int:
     p.add_argument("--transformers", default=None, metavar="PYTHON|auto",
                    help="also run the short and mixed workloads through transformers' continuous batching in "
                         "PYTHON, an interpreter with torch and transformers ('auto': this one)")
-    p.add_argument("--worker", choices=["serving", "capacity", "transformers"], help=argparse.SUPPRESS)
+    p.add_argument("--no-floor", action="store_true",
+                   help="skip the floor (each workload's weight matmuls alone, timed in one more interpreter)")
+    p.add_argument("--worker", choices=["serving", "capacity", "transformers", "floor"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error(f"--repeat must be >= 1, got {args.repeat}")
     if args.worker:
         spec = json.load(sys.stdin)
-        worker = dict(serving=serving_worker, capacity=capacity_worker, transformers=transformers_worker)[args.worker]
+        worker = dict(serving=serving_worker, capacity=capacity_worker, transformers=transformers_worker,
+                      floor=floor_worker)[args.worker]
         print(json.dumps(worker(spec)))
         return 0
 
@@ -717,7 +785,7 @@ def main(argv=None) -> int:
     tmp = tempfile.TemporaryDirectory(prefix="bench_serving.")
     root = args.checkpoint or Path(tmp.name)
     baseline = Worktree(args.baseline) if args.baseline else None
-    rows, ratios, info = [], {}, {}
+    rows, ratios, info, floor_spec = [], {}, {}, {}
     try:
         for name, w in workloads.items():
             checkpoint = ensure_checkpoint(root / w["model"], w["model"])
@@ -734,6 +802,10 @@ def main(argv=None) -> int:
             info[name] = dict(w, **info[name], prompt_tokens=sum(len(x["prompt"]) for x in work),
                               output_tokens=sum(x["max_tokens"] for x in work), params=param_count(cfg),
                               prompt_lengths=[len(x["prompt"]) for x in work])
+            floor_spec[name] = dict(checkpoint=str(checkpoint), max_num_seqs=spec["max_num_seqs"],
+                                    max_num_batched_tokens=spec["max_num_batched_tokens"],
+                                    decode_rows=needed - info[name]["prompt_tokens"],
+                                    prompt_rows=info[name]["prompt_tokens"])
             t0 = time.perf_counter()
             log(f"{name}: {len(work)} requests on tp={tp} dcp={dcp} ({checkpoint})")
             ours = run_worker("serving", dict(spec, code="ours"))
@@ -759,6 +831,13 @@ def main(argv=None) -> int:
             for (code, arrivals), r in by.items():
                 if arrivals == "poisson" and r["tpot_p50_s"]:
                     ratios[f"{name} {code} poisson tpot_p99/p50"] = r["tpot_p99_s"] / r["tpot_p50_s"]
+
+        if floor_spec and not args.no_floor:  # what the weight matmuls alone take, per workload
+            for name, f in run_worker("floor", dict(workloads=floor_spec)).items():
+                info[name]["floor"] = f
+                for r in rows:
+                    if r["workload"] == name and r["arrivals"] == "burst":
+                        ratios[f"{name} {r['code']} burst wall/floor"] = r["wall_s"] / f["floor_s"]
 
         capacity_rows, capacity = [], {}
         if not args.no_capacity:

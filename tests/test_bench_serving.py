@@ -45,6 +45,15 @@ def test_bench_serving_quick_json():
     assert rows[("mixed", "poisson")]["rate_rps"] > 0
 
     ratios = report["ratios"]
+    # the floor: each workload's weight matmuls alone, a decode step per slot-full of output tokens after
+    # each first and a full step's cost per row beyond a decode step's for each prompt token
+    for name, w in report["workloads"].items():
+        f, s, b = w["floor"], w["max_num_seqs"], report["max_num_batched_tokens"]
+        assert f["decode_step_s"] > 0 and f["full_step_s"] > 0, name
+        assert f["prompt_row_s"] == (f["full_step_s"] - f["decode_step_s"]) / (b - s), name
+        want = (w["output_tokens"] - w["requests"]) / s * f["decode_step_s"] + w["prompt_tokens"] * f["prompt_row_s"]
+        assert abs(f["floor_s"] - want) <= 1e-9 * want, name
+        assert ratios[f"{name} ours burst wall/floor"] == rows[(name, "burst")]["wall_s"] / f["floor_s"]
     for key in ("capacity_ratio", "kv_capacity_ratio"):
         assert ratios[key] > 0, key
     one, many = report["capacity_rows"]
@@ -65,7 +74,8 @@ def test_bench_serving_baseline_runs_another_revision():
     # HEAD here, so the two codes give the same tokens and the worktree is removed afterwards. --repeat 2:
     # each code times the workload twice and reports the run of median wall (of two, the slower).
     before = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True).stdout
-    report = bench("--workloads", "short", "--requests", "6", "--no-capacity", "--baseline", "HEAD", "--repeat", "2")
+    report = bench("--workloads", "short", "--requests", "6", "--no-capacity", "--no-floor", "--baseline", "HEAD",
+                   "--repeat", "2")
     codes = [r["code"] for r in report["rows"]]
     assert codes == ["ours", "baseline HEAD"] and report["exact_tokens"] is True
     for r in report["rows"]:
