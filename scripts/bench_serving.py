@@ -12,7 +12,8 @@ exactly its max_tokens; prompt and output lengths log-uniform in their ranges):
           static batches (each padded to its longest prompt and run for its longest output)
 
 Each workload runs in a fresh interpreter per code under test, on one mesh (S slots, the same token
-budget, page size and K):
+budget, page size and K); the interpreters stay up and the codes take turns run by run (`--repeat` rounds),
+so every round times each code on the same host state:
   ours          this checkout: one ragged step per iteration (decode tokens and prefill chunks of many
                 requests under one budget, padded to a step size), the K-step decode loop when nothing
                 prefills
@@ -261,8 +262,10 @@ def static_run(engine, workload: list[dict], batch: int, prefill_chunk: int) -> 
                 rows_computed=computed)
 
 
-def serving_worker(spec: dict) -> dict:
-    """One workload on one code under test: the burst, then (if asked) Poisson arrivals and static batches."""
+def serving_worker(spec: dict):
+    """One workload on one code under test: load, compile and warm up, then (a generator) one run per
+    command sent to it: "burst" (all at once), "poisson" (`rate` req/s), "static" (the dense engine's static
+    batches). Yields a description of itself first."""
     s = spec["max_num_seqs"]
     workload = spec["workload"]
     max_model_len = spec.get("max_model_len") or max(len(w["prompt"]) + w["max_tokens"] for w in workload)
@@ -289,29 +292,25 @@ def serving_worker(spec: dict) -> dict:
     run_requests(server, warm, arrivals=[0, 0.01, 0.02, 0.03])
     log(f"  {spec['code']}: {len(jax.devices())} devices, compile {compile_s:.1f} s, pool "
         f"{server.scheduler.stats()['pages_total']} pages ({Path(dcp_jax.__file__).parent})")
-    runs, repeat = {}, spec.get("repeat", 1)
-    t = time.perf_counter()
-    runs["burst"] = median_run([continuous_run(server, workload) for _ in range(repeat)])
-    log(f"  {spec['code']}, all at once: {walls(runs['burst'])} s ({time.perf_counter() - t:.0f} s)")
-    rate = None
-    if spec["poisson"]:
-        rate = spec["rate"] or spec["load"] * len(workload) / runs["burst"]["wall_s"]
-        arrivals = poisson_arrivals(len(workload), rate, spec["seed"] + 1)
-        runs["poisson"] = median_run([continuous_run(server, workload, arrivals) for _ in range(repeat)])
-        runs["poisson"]["rate_rps"] = rate
-        log(f"  {spec['code']}, Poisson {rate:.2f} req/s: {walls(runs['poisson'])} s")
-    if spec["static"]:
-        dense = Engine(llm.model, llm.mesh, interleave=llm.interleave, impl=llm.impl)  # the static baseline
-        runs["static"] = static_run(dense, workload, s, spec["prefill_chunk"])
-        log(f"  static: {runs['static']['wall_s']:.2f} s")
-    return dict(devices=len(jax.devices()), compile_s=compile_s, max_model_len=max_model_len, runs=runs, rate=rate,
-                package=str(Path(dcp_jax.__file__).parent))
+    command = yield dict(devices=len(jax.devices()), compile_s=compile_s, max_model_len=max_model_len,
+                         package=str(Path(dcp_jax.__file__).parent))
+    while True:
+        if command["run"] == "burst":
+            run = continuous_run(server, workload)
+        elif command["run"] == "poisson":
+            run = continuous_run(server, workload, poisson_arrivals(len(workload), command["rate"], spec["seed"] + 1))
+            run["rate_rps"] = command["rate"]
+        else:  # the dense engine's static batches (the engine before continuous batching)
+            dense = Engine(llm.model, llm.mesh, interleave=llm.interleave, impl=llm.impl)
+            run = static_run(dense, workload, s, spec["prefill_chunk"])
+        command = yield run
 
 
-def transformers_worker(spec: dict) -> dict:
+def transformers_worker(spec: dict):
     """The workload through transformers' continuous batching (`init_continuous_batching`, the manager
     `generate_batch` runs): every request added at once with its own max_new_tokens, greedy, no EOS;
-    a warm-up batch first (not timed). Needs torch and transformers, not JAX."""
+    a warm-up batch first (not timed), then (a generator, as `serving_worker`) one "burst" run per command.
+    Needs torch and transformers, not JAX."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
@@ -343,14 +342,15 @@ def transformers_worker(spec: dict) -> dict:
             manager.stop(block=True)
         return out, wall
 
-    repeats = []
     with torch.inference_mode():
         serve([dict(w, id=f"warm{i}") for i, w in enumerate(workload[:min(8, len(workload))])])
-        for _ in range(spec.get("repeat", 1)):
+        command = yield dict(torch=torch.__version__, transformers=transformers.__version__)
+        while True:
+            if command["run"] != "burst":
+                raise SystemExit(f"error: the transformers worker runs bursts only, not {command['run']!r}")
             tokens, wall = serve(workload)
             per = [dict(id=w["id"], output_tokens=len(tokens[w["id"]]), tokens=tokens[w["id"]]) for w in workload]
-            repeats.append(dict(wall_s=wall, requests=per, output_tokens=sum(p["output_tokens"] for p in per)))
-    return dict(runs=dict(burst=median_run(repeats)), torch=torch.__version__, transformers=transformers.__version__)
+            command = yield dict(wall_s=wall, requests=per, output_tokens=sum(p["output_tokens"] for p in per))
 
 
 def capacity_worker(spec: dict) -> dict:
@@ -462,6 +462,42 @@ def run_worker(kind: str, spec: dict, python: str | None = None, package: Path |
     return json.loads(lines[-1])
 
 
+class Session:
+    """A serving or transformers worker in a fresh interpreter (as `run_worker`) that stays up: it loads,
+    compiles and warms up once, then runs the workload once per `run(...)`, so the codes under test can take
+    turns run by run (this host drifts by more than the effects measured: codes timed one after the other
+    compare two hosts)."""
+
+    def __init__(self, kind: str, spec: dict, python: str | None = None, package: Path | None = None):
+        env = dict(os.environ)
+        if package is not None:
+            env["PYTHONPATH"] = os.pathsep.join([str(package)] + [p for p in [env.get("PYTHONPATH")] if p])
+        self.what = f"the {kind} worker ({spec.get('code', '')} tp={spec.get('tp')} dcp={spec.get('dcp')})"
+        self.proc = subprocess.Popen([python or sys.executable, str(Path(__file__).resolve()), "--worker", kind],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.info = self.ask(spec)
+
+    def ask(self, message: dict) -> dict:
+        self.proc.stdin.write(json.dumps(message) + "\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        self.proc.wait()
+        raise SystemExit(f"error: {self.what} failed (exit {self.proc.returncode}); its error is printed above")
+
+    def run(self, run: str, **kw) -> dict:
+        return self.ask(dict(run=run, **kw))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
 class Worktree:
     """A temporary `git worktree` of revision `rev` of this repository (removed on exit)."""
 
@@ -483,6 +519,40 @@ class Worktree:
         subprocess.run(["git", "-C", str(self.repo), "worktree", "remove", "--force", str(self.path)],
                        capture_output=True)
         self.tmp.cleanup()
+
+
+def serving_runs(spec: dict, codes, workload: dict, args) -> dict:
+    """Every code's runs of one workload, {code: {arrivals: run}} (ours' also "compile_s"): a `Session` per
+    code (`codes`: (name, worker kind, Session keywords)), taking turns run by run for `--repeat` rounds of
+    the burst, then of Poisson arrivals (the serving codes, at one rate: `--rate`, else `--load` times ours'
+    burst request rate), then ours' static batches; each the run of median wall (`median_run`)."""
+    sessions, runs = {}, {}
+    try:
+        for code, kind, kw in codes:
+            sessions[code] = Session(kind, dict(spec, code=code), **kw)
+
+        def rounds(names, run, **kw):
+            got = {code: [] for code in names}
+            for _ in range(args.repeat):
+                for code in names:
+                    got[code].append(sessions[code].run(run, **kw))
+            for code in names:
+                runs.setdefault(code, {})[run] = median_run(got[code])
+                label = f"Poisson {kw['rate']:.2f} req/s" if run == "poisson" else "all at once"
+                log(f"  {code}, {label}: {walls(runs[code][run])} s")
+
+        rounds(list(sessions), "burst")
+        if workload["poisson"]:
+            rate = args.rate or args.load * len(spec["workload"]) / runs["ours"]["burst"]["wall_s"]
+            rounds([code for code, kind, _ in codes if kind == "serving"], "poisson", rate=rate)
+        if workload["static"]:
+            runs["ours"]["static"] = sessions["ours"].run("static")
+            log(f"  static: {runs['ours']['static']['wall_s']:.2f} s")
+        runs["ours"]["compile_s"] = sessions["ours"].info["compile_s"]
+    finally:
+        for session in sessions.values():
+            session.close()
+    return runs
 
 
 # --- the report ------------------------------------------------------------------------------------
@@ -743,11 +813,16 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error(f"--repeat must be >= 1, got {args.repeat}")
+    if args.worker in ("serving", "transformers"):  # a Session: the spec, then one command per line
+        worker = dict(serving=serving_worker, transformers=transformers_worker)[args.worker]
+        gen = worker(json.loads(sys.stdin.readline()))
+        print(json.dumps(next(gen)), flush=True)
+        for line in sys.stdin:
+            print(json.dumps(gen.send(json.loads(line))), flush=True)
+        return 0
     if args.worker:
         spec = json.load(sys.stdin)
-        worker = dict(serving=serving_worker, capacity=capacity_worker, transformers=transformers_worker,
-                      floor=floor_worker)[args.worker]
-        print(json.dumps(worker(spec)))
+        print(json.dumps(dict(capacity=capacity_worker, floor=floor_worker)[args.worker](spec)))
         return 0
 
     command = shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(
@@ -792,9 +867,8 @@ def main(argv=None) -> int:
             cfg = json.loads((checkpoint / "config.json").read_text())
             work = make_workload(w["requests"], w["prompt"], w["output"], cfg["vocab_size"], args.seed)
             spec = dict(checkpoint=str(checkpoint), tp=tp, dcp=dcp, workload=work, kv_cache_memory=args.kv_cache_memory,
-                        rate=args.rate, load=args.load, seed=args.seed, prefix_caching=args.prefix_caching,
-                        repeat=args.repeat,
-                        poisson=w["poisson"], static=w["static"], max_model_len=size["max_model_len"], **sizes_kw)
+                        seed=args.seed, prefix_caching=args.prefix_caching, max_model_len=size["max_model_len"],
+                        **sizes_kw)
             if args.max_num_seqs is None and "max_num_seqs" in w:  # the workload's own slots
                 spec["max_num_seqs"] = w["max_num_seqs"]
             info[name] = dict(max_num_seqs=spec["max_num_seqs"])
@@ -808,20 +882,16 @@ def main(argv=None) -> int:
                                     prompt_rows=info[name]["prompt_tokens"])
             t0 = time.perf_counter()
             log(f"{name}: {len(work)} requests on tp={tp} dcp={dcp} ({checkpoint})")
-            ours = run_worker("serving", dict(spec, code="ours"))
-            info[name]["compile_s"] = ours["compile_s"]
-            ref = ours["runs"]["burst"]
-            results = [("ours", ours)]
-            if baseline is not None:  # the same arrivals (ours' Poisson rate); the static run is ours already
-                results.append((f"baseline {args.baseline}", run_worker(
-                    "serving", dict(spec, code=f"baseline {args.baseline}", rate=ours["rate"], static=False),
-                    package=baseline.path)))
+            codes = [("ours", "serving", {})]
+            if baseline is not None:
+                codes.append((f"baseline {args.baseline}", "serving", dict(package=baseline.path)))
             if transformers_python and name != "long":
-                results.append(("transformers", run_worker("transformers", dict(spec, code="transformers"),
-                                                            python=transformers_python)))
-            for code, res in results:
-                for arrivals, run in res["runs"].items():
-                    rows.append(serving_row(name, code, arrivals, run, ref, needed))
+                codes.append(("transformers", "transformers", dict(python=transformers_python)))
+            runs = serving_runs(spec, codes, w, args)
+            info[name]["compile_s"] = runs["ours"].pop("compile_s")
+            for code, by_arrivals in runs.items():
+                for arrivals, run in by_arrivals.items():
+                    rows.append(serving_row(name, code, arrivals, run, runs["ours"]["burst"], needed))
             log(f"{name} done ({time.perf_counter() - t0:.0f} s)")
             by = {(r["code"], r["arrivals"]): r for r in rows if r["workload"] == name}
             for (code, arrivals), r in by.items():
