@@ -446,15 +446,20 @@ def floor_worker(spec: dict) -> dict:
     return out
 
 
-def run_worker(kind: str, spec: dict, python: str | None = None, package: Path | None = None) -> dict:
-    """`kind`'s worker in a fresh interpreter (this script with --worker), which asks for exactly its
-    mesh's devices before JAX starts. `python`: another interpreter (transformers'); `package`: a checkout
-    whose dcp_jax the worker imports instead of this one (--baseline)."""
+def worker_process(kind: str, python: str | None = None, package: Path | None = None) -> tuple[list[str], dict]:
+    """The command line and environment of `kind`'s worker: this script with --worker in a fresh interpreter,
+    which asks for exactly its mesh's devices before JAX starts. `python`: another interpreter
+    (transformers'); `package`: a checkout whose dcp_jax the worker imports instead of this one (--baseline)."""
     env = dict(os.environ)
     if package is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(package)] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([python or sys.executable, str(Path(__file__).resolve()), "--worker", kind],
-                          input=json.dumps(spec), stdout=subprocess.PIPE, text=True, env=env)
+    return [python or sys.executable, str(Path(__file__).resolve()), "--worker", kind], env
+
+
+def run_worker(kind: str, spec: dict) -> dict:
+    """`kind`'s one-shot worker (capacity, floor): the spec in, one JSON object out."""
+    argv, env = worker_process(kind)
+    proc = subprocess.run(argv, input=json.dumps(spec), stdout=subprocess.PIPE, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode or not lines:
         raise SystemExit(f"error: the {kind} run ({spec.get('code', '')} tp={spec.get('tp')} dcp={spec.get('dcp')}) "
@@ -463,18 +468,15 @@ def run_worker(kind: str, spec: dict, python: str | None = None, package: Path |
 
 
 class Session:
-    """A serving or transformers worker in a fresh interpreter (as `run_worker`) that stays up: it loads,
+    """A serving or transformers worker (`worker_process`) that stays up: it loads,
     compiles and warms up once, then runs the workload once per `run(...)`, so the codes under test can take
     turns run by run (this host drifts by more than the effects measured: codes timed one after the other
     compare two hosts)."""
 
     def __init__(self, kind: str, spec: dict, python: str | None = None, package: Path | None = None):
-        env = dict(os.environ)
-        if package is not None:
-            env["PYTHONPATH"] = os.pathsep.join([str(package)] + [p for p in [env.get("PYTHONPATH")] if p])
+        argv, env = worker_process(kind, python, package)
         self.what = f"the {kind} worker ({spec.get('code', '')} tp={spec.get('tp')} dcp={spec.get('dcp')})"
-        self.proc = subprocess.Popen([python or sys.executable, str(Path(__file__).resolve()), "--worker", kind],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.info = self.ask(spec)
 
     def ask(self, message: dict) -> dict:
