@@ -153,6 +153,7 @@ def median_run(repeats: list[dict]) -> dict:
             raise SystemExit("error: a repeated run's greedy tokens differ from its first run's")
     pick = dict(sorted(repeats, key=lambda run: run["wall_s"])[len(repeats) // 2])
     pick["walls_s"] = [run["wall_s"] for run in repeats]
+    pick["starts_s"] = [run.get("started_s") for run in repeats]  # when each began (epoch seconds)
     return pick
 
 
@@ -295,6 +296,7 @@ def serving_worker(spec: dict):
     command = yield dict(devices=len(jax.devices()), compile_s=compile_s, max_model_len=max_model_len,
                          package=str(Path(dcp_jax.__file__).parent))
     while True:
+        started = time.time()  # (the epoch: comparable across the workers)
         if command["run"] == "burst":
             run = continuous_run(server, workload)
         elif command["run"] == "poisson":
@@ -303,7 +305,7 @@ def serving_worker(spec: dict):
         else:  # the dense engine's static batches (the engine before continuous batching)
             dense = Engine(llm.model, llm.mesh, interleave=llm.interleave, impl=llm.impl)
             run = static_run(dense, workload, s, spec["prefill_chunk"])
-        command = yield run
+        command = yield dict(run, started_s=started)
 
 
 def transformers_worker(spec: dict):
@@ -348,9 +350,11 @@ def transformers_worker(spec: dict):
         while True:
             if command["run"] != "burst":
                 raise SystemExit(f"error: the transformers worker runs bursts only, not {command['run']!r}")
+            started = time.time()
             tokens, wall = serve(workload)
             per = [dict(id=w["id"], output_tokens=len(tokens[w["id"]]), tokens=tokens[w["id"]]) for w in workload]
-            command = yield dict(wall_s=wall, requests=per, output_tokens=sum(p["output_tokens"] for p in per))
+            command = yield dict(wall_s=wall, requests=per, output_tokens=sum(p["output_tokens"] for p in per),
+                                 started_s=started)
 
 
 def capacity_worker(spec: dict) -> dict:
@@ -566,7 +570,7 @@ def serving_row(workload: str, code: str, arrivals: str, run: dict, reference: d
     ttft, tpot = [p.get("ttft_s") for p in per], [p.get("tpot_s") for p in per]
     row = dict(
         workload=workload, code=code, arrivals=arrivals, requests=len(per), output_tokens=run["output_tokens"],
-        wall_s=run["wall_s"], walls_s=run.get("walls_s", [run["wall_s"]]),
+        wall_s=run["wall_s"], walls_s=run.get("walls_s", [run["wall_s"]]), starts_s=run.get("starts_s"),
         output_tokens_per_s=run["output_tokens"] / run["wall_s"],
         ttft_p50_s=pct(ttft, 50), ttft_p99_s=pct(ttft, 99), tpot_p50_s=pct(tpot, 50), tpot_p99_s=pct(tpot, 99),
         pages_used_max=run.get("pages_used_max"), pages_total=run.get("pages_total"),

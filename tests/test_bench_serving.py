@@ -72,7 +72,8 @@ def test_bench_serving_quick_json():
 def test_bench_serving_baseline_runs_another_revision():
     # --baseline REV: the same workload on revision REV's package (a temporary git worktree on PYTHONPATH);
     # HEAD here, so the two codes give the same tokens and the worktree is removed afterwards. --repeat 2:
-    # each code times the workload twice and reports the run of median wall (of two, the slower).
+    # each code times the workload twice and reports the run of median wall (of two, the slower); the two
+    # codes' workers take turns, run by run.
     before = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True).stdout
     report = bench("--workloads", "short", "--requests", "6", "--no-capacity", "--no-floor", "--baseline", "HEAD",
                    "--repeat", "2")
@@ -80,6 +81,8 @@ def test_bench_serving_baseline_runs_another_revision():
     assert codes == ["ours", "baseline HEAD"] and report["exact_tokens"] is True
     for r in report["rows"]:
         assert len(r["walls_s"]) == 2 and r["wall_s"] == max(r["walls_s"]), r["walls_s"]
+    (a1, a2), (b1, b2) = (r["starts_s"] for r in report["rows"])
+    assert a1 < b1 < a2 < b2
     assert "ours/baseline HEAD short burst output tok/s" in report["ratios"]
     after = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True).stdout
     assert after == before
