@@ -396,10 +396,6 @@ def capacity_worker(spec: dict) -> dict:
                 requests=len(reqs), tokens=[list(r.output_token_ids) for r in reqs])
 
 
-LINEAR = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-          "mlp.up_proj", "mlp.down_proj")
-
-
 def floor_worker(spec: dict) -> dict:
     """Per workload, the least time any code could serve it in on this host: the checkpoint's weight
     matmuls alone (one jitted chain of every linear layer, and the LM head at `max_num_seqs` rows: no
@@ -419,7 +415,8 @@ def floor_worker(spec: dict) -> dict:
         if str(path) not in chains:
             cfg = json.loads((path / "config.json").read_text())
             t = {k: jnp.asarray(v) for k, v in load_file(str(path / "model.safetensors")).items()}
-            layers = [tuple(t[f"model.layers.{i}.{n}.weight"] for n in LINEAR) for i in range(cfg["num_hidden_layers"])]
+            names = random_llama.linear_shapes(cfg)  # q, k, v, o, gate, up, down
+            layers = [tuple(t[f"model.layers.{i}.{n}.weight"] for n in names) for i in range(cfg["num_hidden_layers"])]
             chains[str(path)] = (cfg["hidden_size"], layers, t["lm_head.weight"])
         e, layers, head = chains[str(path)]
         s, b = w["max_num_seqs"], w["max_num_batched_tokens"]
@@ -466,8 +463,8 @@ def run_worker(kind: str, spec: dict) -> dict:
     proc = subprocess.run(argv, input=json.dumps(spec), stdout=subprocess.PIPE, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode or not lines:
-        raise SystemExit(f"error: the {kind} run ({spec.get('code', '')} tp={spec.get('tp')} dcp={spec.get('dcp')}) "
-                         f"failed (exit {proc.returncode}); its error is printed above")
+        mesh = f" (tp={spec['tp']} dcp={spec['dcp']})" if "tp" in spec else ""
+        raise SystemExit(f"error: the {kind} worker{mesh} failed (exit {proc.returncode}); its error is printed above")
     return json.loads(lines[-1])
 
 
@@ -978,10 +975,9 @@ def main(argv=None) -> int:
 
 def param_count(cfg: dict) -> int:
     """Parameters of a random_llama checkpoint from its config."""
-    e, i, v, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
-    d = cfg["head_dim"]
-    h, k = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    return 2 * v * e + layers * (2 * h * e + 2 * k * e + 3 * i * e + 2 * e) + e
+    e, v = cfg["hidden_size"], cfg["vocab_size"]
+    linear = sum(o * i for o, i in random_llama.linear_shapes(cfg).values())
+    return 2 * v * e + cfg["num_hidden_layers"] * (linear + 2 * e) + e
 
 
 if __name__ == "__main__":

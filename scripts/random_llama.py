@@ -11,12 +11,18 @@ from pathlib import Path
 import numpy as np
 
 
+def linear_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+    """Each layer's linear weights: name under `model.layers.{i}.` -> shape [out, in]."""
+    e, i, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    h, k = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    return {"self_attn.q_proj": (h, e), "self_attn.k_proj": (k, e), "self_attn.v_proj": (k, e),
+            "self_attn.o_proj": (e, h), "mlp.gate_proj": (i, e), "mlp.up_proj": (i, e), "mlp.down_proj": (e, i)}
+
+
 def hf_tensors(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
     """Hugging Face Llama weights, [out, in]: normal * 0.02, norms = 1."""
     rng = np.random.default_rng(seed)
-    e, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    d = cfg["head_dim"]
-    h, k = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    e, v = cfg["hidden_size"], cfg["vocab_size"]
 
     def w(*shape):
         return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
@@ -24,11 +30,8 @@ def hf_tensors(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
     out = {"model.embed_tokens.weight": w(v, e)}
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}"
+        out.update({f"{p}.{name}.weight": w(*shape) for name, shape in linear_shapes(cfg).items()})
         out.update({
-            f"{p}.self_attn.q_proj.weight": w(h, e), f"{p}.self_attn.k_proj.weight": w(k, e),
-            f"{p}.self_attn.v_proj.weight": w(k, e), f"{p}.self_attn.o_proj.weight": w(e, h),
-            f"{p}.mlp.gate_proj.weight": w(i, e), f"{p}.mlp.up_proj.weight": w(i, e),
-            f"{p}.mlp.down_proj.weight": w(e, i),
             f"{p}.input_layernorm.weight": np.ones(e, np.float32),
             f"{p}.post_attention_layernorm.weight": np.ones(e, np.float32),
         })
