@@ -54,7 +54,7 @@ def make_app(model_dir=None, *, served_model_name: str | None = None, max_pendin
     Raises UserError/ValueError on bad sizes or checkpoints."""
     from dcp_jax.serving.async_engine import AsyncEngine
 
-    llm, path, embedded = load_llm(model_dir, **llm_kw)
+    llm, path, embedded = load_llm(model_dir, **serve_kw(llm_kw, lockstep_timeout))
     llm.engine.runner.compile_all()  # before the port opens: the first request pays no compile time
     if lockstep_timeout is not None:
         join_lockstep(llm, lockstep_timeout)
@@ -63,18 +63,25 @@ def make_app(model_dir=None, *, served_model_name: str | None = None, max_pendin
                       **app_kw), llm
 
 
+def serve_kw(llm_kw: dict, lockstep_timeout: float | None) -> dict:
+    """`load_llm`'s keywords for a server role: on several processes (`lockstep_timeout`), an engine
+    whose lockstep has process 0 lead and the others follow (`LLM(lockstep="serve")`)."""
+    if lockstep_timeout is None:
+        return llm_kw
+    return dict(llm_kw, lockstep="serve", dist_timeout=lockstep_timeout)
+
+
 def join_lockstep(llm, timeout_s: float):
-    """Several processes: wait until every process has compiled (a barrier of the distributed runtime),
-    then give `llm`'s engine its side of the lockstep (process 0 leads). Raises LockstepError when a
+    """Several processes: wait until every process has compiled (a barrier of the distributed runtime);
+    returns the lockstep `llm`'s engine was built with (process 0 leads). Raises LockstepError when a
     peer does not arrive within ten times `timeout_s` (compiling takes about as long everywhere)."""
-    from dcp_jax.serving.lockstep import Lockstep, LockstepError, RuntimeStore
+    from dcp_jax.serving.lockstep import LockstepError, RuntimeStore
 
     try:
         RuntimeStore().client.wait_at_barrier("dcp_jax/ready", int(10 * timeout_s * 1000))
     except Exception as e:  # noqa: BLE001 - the runtime's own error type
         raise LockstepError(f"the processes did not all get ready to serve within {10 * timeout_s:g} s "
                             f"({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]})") from e
-    llm.engine.lockstep = Lockstep.of_runtime(timeout_s)
     return llm.engine.lockstep
 
 
@@ -84,7 +91,7 @@ def follow(model_dir=None, *, timeout_s: float, **llm_kw) -> int:
     from dcp_jax.serving.lockstep import LockstepError
 
     try:
-        llm, _, _ = load_llm(model_dir, **llm_kw)
+        llm, _, _ = load_llm(model_dir, **serve_kw(llm_kw, timeout_s))
         llm.engine.runner.compile_all()
         lockstep = join_lockstep(llm, timeout_s)
         with llm.engine.lock:

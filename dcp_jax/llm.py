@@ -38,7 +38,8 @@ from dcp_jax.serving.config import (DEFAULT_PAGE_SIZE, KV_CACHE_DTYPES, ServingC
 from dcp_jax.serving.engine import ServingEngine, run_requests
 from dcp_jax.serving.lockstep import Lockstep
 from dcp_jax.serving.request import Request
-from dcp_jax.serving.runner import draft_layout, gpu_budget, page_bytes_per_device
+from dcp_jax.serving.programs import draft_layout
+from dcp_jax.serving.runner import gpu_budget, page_bytes_per_device
 from dcp_jax.spec.proposers import SpeculativeConfig, check_draft
 
 CPU_KV_BUDGET = 256 * 2**20  # bytes of KV for the whole pool on CPU when no budget is given
@@ -68,7 +69,10 @@ class LLM:
     requests decoding at once; `prefill_chunk`: prompt tokens per prefill program call; `speculative`: a
     `SpeculativeConfig` (n-gram lookup or a draft model) or None; `num_pages`: the pool's pages per
     context rank (the null page included), overriding the memory budget (as vLLM's
-    `num_gpu_blocks_override`: for tests and benchmarks of a given pool).
+    `num_gpu_blocks_override`: for tests and benchmarks of a given pool). `lockstep` (several
+    processes): "spmd", every process makes the same calls (this API); "serve", process 0 takes the
+    requests and the others follow its steps (a server: `dcp_jax.launch`); or a `Lockstep` of one's
+    own for this LLM's engine (e.g. over a `LocalStore`, in tests).
     """
 
     def __init__(self, model: CausalLM, mesh: Mesh, tokenizer=None, *, interleave: int | str = 1,
@@ -78,9 +82,12 @@ class LLM:
                  decode_steps: int = 8, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, speculative: SpeculativeConfig | None = None,
                  num_pages: int | None = None, kv_host_memory: int | str | None = None, kv_cache_dtype: str = "auto",
-                 dist_timeout: float = mesh_lib.DIST_TIMEOUT_S):
+                 dist_timeout: float = mesh_lib.DIST_TIMEOUT_S, lockstep: str | Lockstep = "spmd"):
         self.model, self.mesh, self.tokenizer, self.source = model, mesh, tokenizer, source
         self.dist_timeout, self.engines_built = dist_timeout, 0
+        if not isinstance(lockstep, Lockstep) and lockstep not in ("spmd", "serve"):
+            raise UserError(f"lockstep must be 'spmd' or 'serve', got {lockstep!r}")
+        self.lockstep = lockstep
         self.impl, self.interleave, self.speculative = impl, interleave, speculative
         _positive_int("max_num_seqs", max_num_seqs)
         _positive_int("decode_steps", decode_steps)
@@ -241,13 +248,19 @@ class LLM:
     def build_engine(self, config: ServingConfig) -> ServingEngine:
         """A `ServingEngine` for this model and mesh with `config`'s sizes. The LLM's own is `self.engine`;
         another (e.g. a benchmark's pool of other sizes) has its own pool and programs."""
-        engine = ServingEngine(self.model, self.mesh, config, interleave=self.paged_layout().interleave,
-                               impl=self.impl, detokenize=None if self.tokenizer is None else self.decode,
-                               speculative=self.speculative, tokenizer=self.tokenizer)
         self.engines_built += 1
-        if jax.process_count() > 1:  # every process makes the same calls; their plans are checked against process 0's
-            engine.lockstep = Lockstep.of_runtime(self.dist_timeout, spmd=True, name=f"llm{self.engines_built}")
-        return engine
+        lockstep = None
+        if isinstance(self.lockstep, Lockstep):
+            lockstep = self.lockstep if self.engines_built == 1 else None
+        elif jax.process_count() > 1:
+            # a server: process 0 leads and the others follow its commands (`launch.follow`); else every
+            # process makes the same calls and their plans are checked against process 0's
+            serve = self.lockstep == "serve" and self.engines_built == 1
+            lockstep = Lockstep.of_runtime(self.dist_timeout, **(
+                {} if serve else dict(spmd=True, name=f"llm{self.engines_built}")))
+        return ServingEngine(self.model, self.mesh, config, interleave=self.paged_layout().interleave,
+                             impl=self.impl, detokenize=None if self.tokenizer is None else self.decode,
+                             speculative=self.speculative, tokenizer=self.tokenizer, lockstep=lockstep)
 
     def engine_with(self, **sizes) -> ServingEngine:
         """A new `ServingEngine` whose `ServingConfig` is this LLM's with `sizes` replaced (num_pages,
@@ -378,12 +391,10 @@ class LLM:
         total = sum(r.num_prompt_tokens for r in requests)
         progress = dict(done=0, step=0, emitted=[0] * len(requests))
 
-        def on_prefill(n):
-            progress["done"] += n
-            if on_chunk is not None:
-                on_chunk(min(progress["done"], total), total)
-
         def on_step(plan):
+            if plan.prefills and on_chunk is not None:
+                progress["done"] += plan.num_prefill_tokens
+                on_chunk(min(progress["done"], total), total)
             if on_token is None:
                 return
             new = [r.output_token_ids[e:] for r, e in zip(requests, progress["emitted"])]
@@ -393,7 +404,7 @@ class LLM:
             progress["emitted"] = [len(r.output_token_ids) for r in requests]
 
         timing0, sched0 = dict(server.timing), server.stats()
-        result = run_requests(server, requests, on_step=on_step, on_prefill=on_prefill)
+        result = run_requests(server, requests, on_step=on_step)
         timing = {k: server.timing[k] - timing0[k] for k in timing0}
         now = server.stats()
         delta = {k: now[k] - sched0[k] for k in ("prefix_query_tokens", "prefix_hit_tokens", "evictions",

@@ -3,6 +3,9 @@ a list of choices, a Lark grammar), compiled with llguidance, and the packed tok
 programs take.
 
     structured_spec  a request's `structured=` (LLM.generate) as SamplingParams' (kind, text) pair
+    StructuredOutputs  one engine's: its `Grammars`, made when the first such request comes; handed to
+                     the scheduler (a request's `problem` when it enters, `advance` after it emits) and
+                     to the runner (`fill` a step's masks)
     Grammars         one per engine (its tokenizer, its vocabulary): checks and compiles a spec (cached),
                      makes each request's matcher, and fills the bitmask [rows, T, ⌈V/32⌉] int32 of a
                      step (bit v of a row: token v may come next), several rows at once
@@ -148,6 +151,34 @@ class Grammars:
             self.llg.numpy.fill_next_token_bitmask_par(self.executor, plain, flat)
         if drafted:
             self.llg.numpy.fill_next_token_bitmask_par_with_draft_tokens(self.executor, drafted, flat)
+
+
+class StructuredOutputs:
+    """One engine's structured outputs over its tokenizer (None: every such request is refused) and
+    vocabulary; the grammars (llguidance) are made when the first structured request comes."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+        self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
+        self.grammars: Grammars | None = None
+
+    def problem(self, request) -> str | None:
+        """Why `request`'s structured output cannot run (one line), or None."""
+        if self.tokenizer is None:
+            return "structured outputs need the model's tokenizer (tokenizer.json)"
+        try:
+            if self.grammars is None:
+                self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return self.grammars.problem(request)
+        except ValueError as e:  # UserError included: one line
+            return str(e)
+
+    def fill(self, mask: np.ndarray, rows) -> None:
+        """Fill a step's mask rows of constrained requests (`Grammars.fill`)."""
+        self.grammars.fill(mask, rows)
+
+    def advance(self, request) -> str | None:
+        """Feed `request`'s matcher what it emitted; the error, if its grammar refused a token."""
+        return self.grammars.advance(request)
 
 
 def mask_logits(logits, constrained, mask):

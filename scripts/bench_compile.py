@@ -45,7 +45,7 @@ def measure(width: str, layers: int, tp: int, dcp: int, repeats: int) -> dict:
     for _ in range(repeats):
         runner = LLM(CausalLM(cfg, abstract, mesh), mesh, page_size=64, max_model_len=4096, prefill_chunk=256,
                      num_pages=65).engine.runner
-        for name, build in (("decode", runner.decode_program), ("prefill", lambda: runner.ragged_program(256))):
+        for name, build in (("decode", runner.programs.decode_program), ("prefill", lambda: runner.programs.ragged_program(256))):
             t = time.perf_counter()
             prog = build()
             best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)

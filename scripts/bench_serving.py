@@ -196,10 +196,8 @@ def continuous_run(server, workload: list[dict], arrivals=None) -> dict:
     work = dict(prefill_calls=0, loop_steps=0)
     chunk, slots = server.config.prefill_chunk, server.config.max_num_seqs
 
-    def on_prefill(n):
-        work["prefill_calls"] += 1
-
     def on_step(plan):
+        work["prefill_calls"] += len(plan.prefills)
         t = time.perf_counter()
         for r in reqs:
             if r.finish_reason is not None and r.request_id not in finished:
@@ -209,7 +207,7 @@ def continuous_run(server, workload: list[dict], arrivals=None) -> dict:
         if not ragged:  # the engine before the ragged step: a decode loop of every slot for K steps
             work["loop_steps"] += plan.decode_steps
 
-    result = run_requests(server, reqs, arrivals=arrivals, on_step=on_step, on_prefill=on_prefill)
+    result = run_requests(server, reqs, arrivals=arrivals, on_step=on_step)
     per = []
     for r in reqs:
         if r.error is not None:
@@ -385,7 +383,7 @@ def capacity_worker(spec: dict) -> dict:
     errors = [r.error for r in reqs if r.error is not None]
     if errors:
         raise SystemExit(f"error: capacity run tp={spec['tp']} dcp={spec['dcp']}: {errors[0]}")
-    page_bytes = page_bytes_per_device(llm.model, llm.mesh, spec["page_size"], server.runner.dtype,
+    page_bytes = page_bytes_per_device(llm.model, llm.mesh, spec["page_size"], server.runner.programs.dtype,
                                        None if kv == "auto" else kv)
     return dict(tp=spec["tp"], dcp=spec["dcp"], kv_cache_dtype=kv, devices=len(jax.devices()),
                 budget_bytes=spec["kv_cache_memory"],

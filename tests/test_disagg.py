@@ -455,23 +455,21 @@ def test_a_spanning_decode_instance_admits_together_and_fails_together():
 
     from dcp_jax import LLM
     from dcp_jax.disagg.roles import DecodeInstance, LocalPrefill
-    from dcp_jax.disagg.spanning import Follower, Span, report_key
+    from dcp_jax.disagg.spanning import Span, report_key
     from dcp_jax.disagg.transfer import TransferError, TransferPort
     from dcp_jax.serving.lockstep import LocalStore, Lockstep
     from dcp_jax.serving.request import Request
 
     kw = dict(tp=1, dcp=2, page_size=2, max_model_len=64)
-    pair = DisaggregatedLLM.load(FIXTURES / "llama-gqa", prefill=dict(tp=1, dcp=1, page_size=2), decode=kw,
-                                 timeout_s=5.0)
-    other = LLM.load(FIXTURES / "llama-gqa", devices=jax.devices()[3:5], **kw)
+    store = LocalStore()  # the engines' lockstep sides, given at construction: the instances lead / follow
+    pair = DisaggregatedLLM.load(FIXTURES / "llama-gqa", prefill=dict(tp=1, dcp=1, page_size=2),
+                                 decode=dict(kw, lockstep=Lockstep(store, 0, num_processes=2)), timeout_s=5.0)
+    other = LLM.load(FIXTURES / "llama-gqa", devices=jax.devices()[3:5], lockstep=Lockstep(store, 1, num_processes=2), **kw)
     lead = pair.decode_instance
     follow = DecodeInstance(other.engine, LocalPrefill(pair.prefill), TransferPort(other.mesh.devices.flat[0]),
                             timeout_s=5.0)
     follow.receiver.process = 1  # (in one process every device is process 0's: this side keeps no piece)
-    store = LocalStore()
-    lead.engine.lockstep, other.engine.lockstep = Lockstep(store, 0), Lockstep(store, 1)
-    lead.span = Span(lead, lead.engine.lockstep, 2)
-    Follower(follow, other.engine.lockstep)  # (its handlers, on the follower's lockstep)
+    assert isinstance(lead.span, Span) and follow.span is None
 
     def handoff(prompt, fail: bool):
         r = Request(f"r{len(prompt)}", prompt, max_tokens=3, ignore_eos=True)

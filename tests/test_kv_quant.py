@@ -96,7 +96,7 @@ def test_pool_bytes_and_no_dequantized_copy(name, tp, dcp):
     q8 = LLM.load(FIXTURES / name, kv_cache_dtype="int8", **kw).engine
     d = q8.runner.model.config.head_dim
     assert f32.kv_bytes()["kv_bytes_per_device"] * (d + 4) == q8.kv_bytes()["kv_bytes_per_device"] * 4 * d
-    prog = q8.runner.decode_program()
+    prog = q8.runner.programs.decode_program()
     pool = q8.runner.pools[0][0]
     shard = pool.sharding.shard_shape(pool.shape)
     assert prog.memory_analysis().alias_size_in_bytes >= sum(

@@ -12,6 +12,7 @@ from dcp_jax.sampling import SamplingParams
 from dcp_jax.errors import UserError
 from dcp_jax.layout import PagedLayout
 from dcp_jax.serving import NULL_PAGE, Request, RequestState, Scheduler, SchedulerConfig
+from dcp_jax.serving.plan import Sampled, StepOutput
 
 VOCAB = 50
 
@@ -47,41 +48,42 @@ class FakeDevice:
         return seq.tolist()
 
     def run(self, plan):
-        if plan.prefills:  # chunk by chunk, as ServingEngine.step runs them
+        """The plan's StepOutput (as ModelRunner.execute makes it), applied in one `update`."""
+        n = self.sched.config.max_num_seqs
+        out = StepOutput()
+        if plan.prefills:  # chunk by chunk, as the ragged step runs them
+            first = np.full((n, 1), -1, np.int32)
             for c in plan.prefills:
                 if not c.request.is_finished:  # cancelled in flight: a real device would still write
                     for pos, tok in zip(range(c.start, c.end), c.token_ids):  # into its freed pages
                         self.write(c.request, plan.block_table[c.slot], pos, tok)
-            sampled = []
             for c in plan.prefills:
                 if c.is_last and not c.request.is_finished:
-                    seq = self.read(plan.block_table[c.slot], c.end)
-                    sampled.append(self.sample(c.request, seq))
-                else:
-                    sampled.append(None)
-            self.sched.update_prefill(plan, sampled, [-0.5] * len(sampled))
+                    first[c.slot, 0] = self.sample(c.request, self.read(plan.block_table[c.slot], c.end))
+            out.first = Sampled(first, np.full((n, 1), -0.5))
             if plan.joining:  # the decode loop after the ragged step: K - 1 steps from each first token
-                n, k = self.sched.config.max_num_seqs, plan.decode_steps - 1
-                out = np.full((n, k), -1, np.int32)
-                for c, tok in zip(plan.prefills, sampled):
-                    if not c.joins or c.request.is_finished:  # stopped at its first token: the device
-                        continue  # would still write its rows; nothing reads them
-                    row = plan.block_table[c.slot]
-                    for step in range(k):
+                k = plan.decode_steps - 1
+                loop = np.full((n, k), -1, np.int32)
+                for c in plan.joining:
+                    if c.request.is_finished:
+                        continue
+                    row, tok = plan.block_table[c.slot], first[c.slot, 0]
+                    for step in range(k):  # (every row runs all K - 1 steps, even past a stop)
                         self.write(c.request, row, c.end + step, tok)
-                        tok = out[c.slot, step] = self.sample(c.request, self.read(row, c.end + step + 1))
-                self.sched.update_joined(plan, out, -out / 100.0)
+                        tok = loop[c.slot, step] = self.sample(c.request, self.read(row, c.end + step + 1))
+                out.joined = Sampled(loop, -loop / 100.0)
         if plan.decode_slots:
-            n, k = self.sched.config.max_num_seqs, plan.decode_steps
-            out = np.full((n, k), -1, np.int32)
+            k = plan.decode_steps
+            loop = np.full((n, k), -1, np.int32)
             for r, s in zip(plan.decode_requests, plan.decode_slots):
                 row, tok, pos = plan.block_table[s], plan.decode_tokens[s], plan.decode_positions[s]
                 if r.is_finished:  # cancelled in flight (see above)
                     continue
                 for step in range(k):  # every slot runs all K steps, even past a stop
                     self.write(r, row, pos + step, tok)
-                    tok = out[s, step] = self.sample(r, self.read(row, pos + step + 1))
-            self.sched.update_decode(plan, out, -out / 100.0)
+                    tok = loop[s, step] = self.sample(r, self.read(row, pos + step + 1))
+            out.decode = Sampled(loop, -loop / 100.0)
+        self.sched.update(plan, out)
 
 
 def reference(req: Request, max_model_len: int, eos=()) -> list[int]:
@@ -399,28 +401,29 @@ def test_bad_config_and_protocol():
     with pytest.raises(RuntimeError, match="apply the previous plan"):
         sched.schedule()
     assert not plan.joining and plan.decode_steps == 0  # nothing decodes: no loop runs after the step
-    sched.update_prefill(plan, [3])
-    with pytest.raises(RuntimeError, match="already applied"):
-        sched.update_prefill(plan, [3])
+    with pytest.raises(ValueError, match="first tokens have shape None"):
+        sched.update(plan, StepOutput())  # (refused before anything changed: the right one applies next)
+    sched.update(plan, StepOutput(first=Sampled(np.full((8, 1), 3), np.zeros((8, 1)))))
+    with pytest.raises(RuntimeError, match="applied already"):
+        sched.update(plan, StepOutput(first=Sampled(np.full((8, 1), 3), np.zeros((8, 1)))))
     sched.add_request(req(1, 4))
     plan = sched.schedule()  # r0 decodes, so a loop runs after the step: r1's prompt ends in it and joins
     (chunk,) = plan.joining
     k = plan.decode_steps - 1
-    with pytest.raises(RuntimeError, match="update_prefill"):
-        sched.update_joined(plan, np.zeros((8, k)))
-    sched.update_prefill(plan, [3])
-    with pytest.raises(RuntimeError, match="apply the previous plan"):
-        sched.schedule()  # the loop's tokens are not applied yet
+    first = Sampled(np.full((8, 1), 3), np.zeros((8, 1)))
+    bad = StepOutput(first=first, joined=Sampled(np.zeros((8, k + 1)), np.zeros((8, k + 1))),
+                     decode=Sampled(np.full((8, k + 1), 4), np.zeros((8, k + 1))))
     with pytest.raises(ValueError, match="joined tokens have shape"):
-        sched.update_joined(plan, np.zeros((8, k + 1)))
-    sched.update_joined(plan, np.full((8, k), 5))
-    with pytest.raises(RuntimeError, match="already applied"):
-        sched.update_joined(plan, np.full((8, k), 5))
+        sched.update(plan, bad)
+    with pytest.raises(RuntimeError, match="apply the previous plan"):
+        sched.schedule()  # the step's tokens are not applied yet
+    out = StepOutput(first=first, joined=Sampled(np.full((8, k), 5), np.zeros((8, k))),
+                     decode=Sampled(np.full((8, k + 1), 4), np.zeros((8, k + 1))))
+    sched.update(plan, out)
     assert chunk.request.output_token_ids == [3] + [5] * k
-    sched.update_decode(plan, np.full((8, k + 1), 4))
     sched.schedule()
     with pytest.raises(RuntimeError, match="not the latest"):
-        sched.update_decode(plan, np.zeros((8, 1)))
+        sched.update(plan, out)
 
 
 def test_stats():
@@ -476,7 +479,7 @@ def test_random_workload_never_leaks(geom, pages, seqs, k, budget, specs, cancel
 def test_sampling_params_are_per_request():
     """Each request's sampling parameters and seed reach the device in its slot's row; a seed the device
     cannot hold (uint32) is refused with the request alone."""
-    from dcp_jax.serving.engine import SamplingRows
+    from dcp_jax.sampling import SamplingRows
 
     sched = make()
     a = sched.add_request(req(0, 3, sampling=SamplingParams(0.7, top_k=5), seed=11))

@@ -188,7 +188,7 @@ def test_pool_bytes_per_device_and_aliasing(name, tp, dcp):
     split = tp * dcp if cfg.mla else min(tp, cfg.num_kv_heads) * dcp
     kv = server.kv_bytes()
     assert kv["kv_bytes_total"] == logical and kv["kv_bytes_per_device"] * split == logical
-    prog = server.runner.decode_program()
+    prog = server.runner.programs.decode_program()
     shard_bytes = sum(np.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(pool))
     assert prog.memory_analysis().alias_size_in_bytes >= shard_bytes
     leaf = jax.tree.leaves(pool)[0]
@@ -218,7 +218,7 @@ def test_program_size_does_not_grow_with_depth():
         llm = LLM(CausalLM(cfg, random_source(cfg, mesh), mesh), mesh, page_size=4)
         runner = llm.engine_with(max_model_len=64, prefill_chunk=8, num_pages=9).runner
         sizes[layers] = [sum(1 for line in prog.as_text().splitlines() if " = " in line)
-                         for prog in (runner.decode_program(), runner.ragged_program(16))]
+                         for prog in (runner.programs.decode_program(), runner.programs.ragged_program(16))]
     assert sizes[4] == sizes[32], sizes
 
 
@@ -275,7 +275,7 @@ def test_one_stack_per_layer_gives_the_same_tokens_without_weight_slices():
     assert out.tokens == exp["greedy"]
     q = llm.model.stacks[0].block.self_attn.q_proj[...]
     shard = "f32[" + ",".join(map(str, q.sharding.shard_shape(q.shape)[1:])) + "]"
-    hlo = llm.engine_with(max_model_len=64, prefill_chunk=8, num_pages=9).runner.decode_program().as_text()
+    hlo = llm.engine_with(max_model_len=64, prefill_chunk=8, num_pages=9).runner.programs.decode_program().as_text()
     assert not [line for line in hlo.splitlines() if re.search(r"slice\S* = " + re.escape(shard), line)]
 
 

@@ -154,8 +154,10 @@ def plant(server, positions_of, value):
             for leaf in jax.tree.leaves(pools):
                 leaf[:, row, :, int(lay.page_slot_of(t))] = value
     runner = server.runner
-    target = jax.tree.map(lambda x, old: jax.device_put(x, old.sharding), pools, runner.pools)
-    runner.caches = dataclasses.replace(runner.caches, target=target)
+    target = jax.tree.leaves(jax.tree.map(lambda x, old: jax.device_put(x, old.sharding), pools, runner.pools))
+    # (through the runner's own writer: its pools are assigned nowhere else)
+    runner.write_pool_shards(lambda dev, shards: tuple(
+        next(sh.data for sh in leaf.addressable_shards if sh.device == dev) for leaf in target))
 
 
 def test_rejected_drafts_never_leak_into_attention():

@@ -28,7 +28,7 @@ from dcp_jax.outputs import Generation, generation, request_stats
 
 SIDE_KEYS = ("tp", "dcp", "interleave", "page_size", "max_num_seqs", "kv_cache_memory", "decode_steps",
              "max_num_batched_tokens", "enable_prefix_caching", "impl", "scan_layers", "max_model_len",
-             "prefill_chunk", "kv_cache_dtype")
+             "prefill_chunk", "kv_cache_dtype", "lockstep")
 
 
 def _side(name: str, kw: dict | None) -> dict:
@@ -93,7 +93,7 @@ class DisaggregatedLLM:
         eng, sched = dec.engine, dec.engine.scheduler
         tc = time.perf_counter()
         pre.engine.runner.compile_all(decode=False)
-        eng.runner.decode_program()
+        eng.runner.step_program()
         eng.runner.allocate()
         compile_s = time.perf_counter() - tc
 

@@ -36,6 +36,7 @@ import time
 
 from dcp_jax.disagg.handoff import (Offer, check_pairing, describe, head_ranges, new_uuid, placement, process_groups,
                                    src_layout)
+from dcp_jax.disagg.spanning import Follower, Span
 from dcp_jax.disagg.transfer import Receiver, Stager, TransferError, TransferPort
 from dcp_jax.errors import UserError
 from dcp_jax.sampling import SamplingParams
@@ -63,7 +64,7 @@ class PrefillInstance:
         self.stats = dict(requests=0, prompt_tokens=0, prefill_s=0.0, stage_s=0.0, offered_bytes=0)
 
     def info(self) -> dict:
-        return describe(self.engine.runner, "prefill", self.port.address)
+        return describe(self.engine.runner.programs, "prefill", self.port.address)
 
     def prefill(self, items: list[dict], on_result=None) -> list[dict]:
         """Prefill every item (request_item's fields) in one batch; per item, an Offer's JSON or
@@ -71,67 +72,31 @@ class PrefillInstance:
         like this instance's if none); an unusable placement refuses that item. `on_result(i, result)`
         is called for item i as soon as its result is known (before the batch ends)."""
         with self.lock:
-            eng, sched = self.engine, self.engine.scheduler
+            eng = self.engine
             eng.runner.allocate()
-            reqs, results, dests = [], {}, {}  # reqs: (request_id, Request or the reason it was refused)
-            own = self.info()
+            reqs, dests, results = [], {}, {}  # reqs: (request_id, Request or the reason it was refused)
+            report = (lambda i, result: None) if on_result is None else on_result
             for it in items:
-                try:
-                    dest = placement(it.get("decode") or own)  # none named: cut for a side laid out as this one
-                    src_layout(dest)
-                    if max(hi for _, hi in head_ranges(dest)) > eng.runner.model.config.num_kv_heads:
-                        raise ValueError("more kv heads than the model's")
-                except (KeyError, TypeError, ValueError) as e:
-                    reqs.append((it["request_id"], f"the request names no usable decode placement: {e!r}"))
-                    if on_result is not None:
-                        on_result(len(reqs) - 1, dict(request_id=it["request_id"], error=reqs[-1][1]))
-                    continue
-                try:  # one malformed item is refused alone: it shares the batch with other callers' items
-                    sampling = SamplingParams(**it.get("sampling", {}))
-                    banned = [int(t) for t in it.get("banned_ids", ())]  # min_tokens: not the first token
-                    r = Request(f"p{new_uuid()}", [int(t) for t in it["prompt_token_ids"]], sampling=sampling,
-                                seed=int(it.get("seed", 0)), max_tokens=1, ignore_eos=True, stop_token_ids=banned,
-                                min_tokens=1 if banned else 0)
-                except (TypeError, ValueError) as e:  # UserError included
-                    reqs.append((it["request_id"], f"the request is malformed: {e}"))
-                    if on_result is not None:
-                        on_result(len(reqs) - 1, dict(request_id=it["request_id"], error=reqs[-1][1]))
-                    continue
-                reqs.append((it["request_id"], r))
-                dests[r.request_id] = dest
-                sched.add_request(r)  # one that can never run is finished at once, its error answered below
+                got = self.admit(it, self.info())
+                reqs.append((it["request_id"], got[0] if isinstance(got, tuple) else got))
+                if isinstance(got, str):
+                    report(len(reqs) - 1, dict(request_id=it["request_id"], error=got))
+                else:
+                    dests[got[0].request_id] = got[1]
             t0 = time.perf_counter()
             index = {r.request_id: i for i, (_, r) in enumerate(reqs) if not isinstance(r, str)}
-            while sched.has_unfinished():
-                plan = eng.step()
+
+            def offer_finished(plan):  # before the next step: the gather reads the pool as it is now
                 for c in plan.prefills:
                     r = c.request
-                    if not c.is_last or not r.output_token_ids:
-                        continue
-                    ts, i = time.perf_counter(), index[r.request_id]
-                    try:  # (the gather reads the pool, donates nothing: a failure here is this item's alone)
-                        arrays, specs = self.stager.stage(plan.block_table[c.slot], c.end,  # before the next step
-                                                          dests[r.request_id])
-                        parts = []  # one offer per decode process (each pulls only its own devices' pieces)
-                        for process, idx in sorted(process_groups(specs, dests[r.request_id]).items()):
-                            parts.append((process, new_uuid(), idx))
-                            self.port.offer(parts[-1][1], [arrays[j] for j in idx])
-                    except Exception as e:  # noqa: BLE001 - this item fails, the batch goes on
-                        results[r.request_id] = dict(request_id=reqs[i][0], error=f"staging its KV failed: "
-                                                     f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
-                    else:
-                        top = r.output_top_logprobs[0] if r.output_top_logprobs else []
-                        results[r.request_id] = Offer(reqs[i][0], parts, c.end, r.output_token_ids[0],
-                                                      r.output_logprobs[0], specs, time.perf_counter() - t0,
-                                                      top).to_json()
-                        self.stats["offered_bytes"] += sum(specs[j].nbytes for _, _, idx in parts for j in idx)
-                        self.stats["requests"] += 1
-                        self.stats["prompt_tokens"] += c.end
-                    self.stats["stage_s"] += time.perf_counter() - ts
-                    if on_result is not None:
-                        on_result(i, results[r.request_id])
-                sched.pop_finished()
-            sched.pop_finished()
+                    if c.is_last and r.output_token_ids:
+                        i = index[r.request_id]
+                        results[r.request_id] = self.offer(c, plan, dests[r.request_id], reqs[i][0], t0)
+                        report(i, results[r.request_id])
+                eng.scheduler.pop_finished()
+
+            eng.run_until_idle(on_step=offer_finished)
+            eng.scheduler.pop_finished()
             self.stats["prefill_s"] += time.perf_counter() - t0
             out = []
             for i, (rid, r) in enumerate(reqs):
@@ -141,9 +106,53 @@ class PrefillInstance:
                     out.append(results[r.request_id])
                 else:  # its prefill failed (a failed step) or it was refused
                     out.append(dict(request_id=rid, error=r.error or f"the prefill ended with {r.finish_reason}"))
-                    if on_result is not None:
-                        on_result(i, out[-1])
+                    report(i, out[-1])
             return out
+
+    def admit(self, it: dict, own: dict):
+        """One item into the engine: (Request, its decode placement), or why it was refused. One
+        malformed item is refused alone: it shares the batch with other callers' items."""
+        eng = self.engine
+        try:
+            dest = placement(it.get("decode") or own)  # none named: cut for a side laid out as this one
+            src_layout(dest)
+            if max(hi for _, hi in head_ranges(dest)) > eng.runner.model.config.num_kv_heads:
+                raise ValueError("more kv heads than the model's")
+        except (KeyError, TypeError, ValueError) as e:
+            return f"the request names no usable decode placement: {e!r}"
+        try:
+            sampling = SamplingParams(**it.get("sampling", {}))
+            banned = [int(t) for t in it.get("banned_ids", ())]  # min_tokens: not the first token
+            r = Request(f"p{new_uuid()}", [int(t) for t in it["prompt_token_ids"]], sampling=sampling,
+                        seed=int(it.get("seed", 0)), max_tokens=1, ignore_eos=True, stop_token_ids=banned,
+                        min_tokens=1 if banned else 0)
+        except (TypeError, ValueError) as e:  # UserError included
+            return f"the request is malformed: {e}"
+        eng.scheduler.add_request(r)  # one that can never run is finished at once, its error answered
+        return r, dest
+
+    def offer(self, c, plan, dest: dict, request_id: str, t0: float) -> dict:
+        """Stage a prefilled request's KV (chunk `c` of `plan` was its last) for `dest` and offer it on
+        the transfer server: the Offer's JSON, or {"request_id", "error"} when staging failed."""
+        r, ts = c.request, time.perf_counter()
+        try:  # (the gather reads the pool, donates nothing: a failure here is this item's alone)
+            arrays, specs = self.stager.stage(plan.block_table[c.slot], c.end, dest)
+            parts = []  # one offer per decode process (each pulls only its own devices' pieces)
+            for process, idx in sorted(process_groups(specs, dest).items()):
+                parts.append((process, new_uuid(), idx))
+                self.port.offer(parts[-1][1], [arrays[j] for j in idx])
+        except Exception as e:  # noqa: BLE001 - this item fails, the batch goes on
+            result = dict(request_id=request_id, error=f"staging its KV failed: "
+                          f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+        else:
+            top = r.output_top_logprobs[0] if r.output_top_logprobs else []
+            result = Offer(request_id, parts, c.end, r.output_token_ids[0], r.output_logprobs[0], specs,
+                           time.perf_counter() - t0, top).to_json()
+            self.stats["offered_bytes"] += sum(specs[j].nbytes for _, _, idx in parts for j in idx)
+            self.stats["requests"] += 1
+            self.stats["prompt_tokens"] += c.end
+        self.stats["stage_s"] += time.perf_counter() - ts
+        return result
 
     def release(self, uuid: int, pulled: bool) -> bool:
         """The decode side is done with `uuid`: pulled, or gave up (then the offer is drained here)."""
@@ -184,15 +193,23 @@ class DecodeInstance:
 
     def __init__(self, engine, prefill, port: TransferPort, *, timeout_s: float = 60.0):
         self.engine, self.prefill, self.port, self.timeout_s = engine, prefill, port, timeout_s
+        lockstep = engine.lockstep  # several processes, a server: process 0 leads the others' writes
         self.source = prefill.handshake()
         check_pairing(self.source, self.info())
         self.receiver = Receiver(engine.runner, self.source)
         self.placement = placement(dict(self.info(), processes=self.receiver.processes()))
         self.stats = dict(transfer_bytes=0, transfer_s=0.0, write_s=0.0, transfers=0, failed=0)
-        self.span = None  # several processes, on process 0: the other processes' side (`disagg.spanning`)
+        # several processes, on process 0: the other processes' side (`disagg.spanning`); on the others,
+        # the handlers of process 0's commands
+        self.span = None
+        if lockstep is not None and not lockstep.spmd:
+            if lockstep.leader:
+                self.span = Span(self, lockstep, lockstep.num_processes)
+            else:
+                Follower(self, lockstep)
 
     def info(self) -> dict:
-        return describe(self.engine.runner, "decode", self.port.address)
+        return describe(self.engine.runner.programs, "decode", self.port.address)
 
     def warm(self) -> int:
         """Compile what decoding runs and allocate the pool, then every write program a prompt this

@@ -22,7 +22,7 @@ import time
 
 from dcp_jax.disagg.roles import DecodeInstance, PrefillInstance
 from dcp_jax.disagg.transfer import TransferError, TransferPort
-from dcp_jax.launch import load_llm, openai_app, serve_forever
+from dcp_jax.launch import join_lockstep, load_llm, openai_app, serve_forever, serve_kw
 from dcp_jax.serving.async_engine import AsyncEngine
 
 
@@ -309,23 +309,14 @@ def decode_instance(model_dir, *, prefill_at: str, timeout_s: float, host: str =
     """Load, pair with the prefill instance at `prefill_at` (UserError if that fails) and compile: (LLM,
     model path, embedded, DecodeInstance). Several processes (`lockstep_timeout`): join the others; on
     process 0 the instance leads them (`spanning.Span`), on the others it follows (`spanning.Follower`)."""
-    import jax
-
-    llm, path, embedded = load_llm(model_dir, **llm_kw)
-    engine = llm.engine
+    llm, path, embedded = load_llm(model_dir, **serve_kw(llm_kw, lockstep_timeout))
     port = TransferPort(llm.mesh.local_devices[0], host=host, advertise=advertise)  # this process's own
-    decode = DecodeInstance(engine, HttpPrefill(prefill_at, timeout_s, queue_timeout_s, api_key), port,
+    # (several processes: process 0's instance leads the others', which follow: `spanning`)
+    decode = DecodeInstance(llm.engine, HttpPrefill(prefill_at, timeout_s, queue_timeout_s, api_key), port,
                             timeout_s=timeout_s)
     decode.warm()  # before the port opens: no request compiles a program in the engine thread
     if lockstep_timeout is not None:
-        from dcp_jax.disagg.spanning import Follower, Span
-        from dcp_jax.launch import join_lockstep
-
-        lockstep = join_lockstep(llm, lockstep_timeout)
-        if lockstep.leader:
-            decode.span = Span(decode, lockstep, jax.process_count())
-        else:
-            Follower(decode, lockstep)  # (its commands' handlers, on the lockstep)
+        join_lockstep(llm, lockstep_timeout)
     return llm, path, embedded, decode
 
 

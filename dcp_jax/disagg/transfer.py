@@ -71,9 +71,14 @@ class Stager:
     (powers of two and 1.5 times them: O(log) programs, each reading at most a third more blocks)."""
 
     def __init__(self, runner):
-        self.engine = runner  # a ModelRunner: its pools, layout and mesh
-        self.compiled: dict = {}
-        self.gather_sizes = step_sizes(runner.max_blocks_per_seq, smallest=1, fine_from=4)
+        self.engine = runner.programs  # a ModelRunner's programs: its pools' shapes, layout, mesh, cache
+        self.runner = runner
+        self.gather_sizes = step_sizes(self.engine.max_blocks_per_seq, smallest=1, fine_from=4)
+
+    @property
+    def compiled(self) -> dict:
+        """The gathers compiled (in the runner's program cache), by (blocks, destination placement)."""
+        return self.engine.cache.kind("transfer_gather")
 
     def gather_program(self, blocks: int, dst: PagedLayout):
         """(pools, block-table row [blocks], length) -> per destination rank r that owns any staged slot,
@@ -81,49 +86,49 @@ class Stager:
         source rank s's B_r rows are its tokens of piece (s, r) in `piece_positions` order, then zero rows
         up to B_r (the largest such piece); sharded like the pool (each rank gathers from its own pages),
         positions >= length zeroed. Returns (the compiled program, those ranks r in output order)."""
-        key = (blocks, dst)
-        if key not in self.compiled:
-            eng = self.engine
-            lay, model = eng.layout, eng.model
-            spec = mesh_lib.kv_pool_spec(model.head_axes, model.context_axes, stacked=True)
-            out_spec = mesh_lib.kv_tokens_spec(model.head_axes, model.context_axes)
-            ctx_axes = model.context_axes
-            leaves, tree = jax.tree.flatten(eng.pool_spec().target)
-            plan = reshard_plan(lay, dst, blocks * lay.tokens_per_block)
-            positions, end = plan.piece_positions(), plan.staged_tokens
-            tables = []  # (dst rank, [N_src, B] positions, padded with `end`: never < length)
-            for r in range(dst.num_shards):
-                width = max(len(positions[s][r]) for s in range(lay.num_shards))
-                if width:
-                    table = np.full((lay.num_shards, width), end, np.int32)
-                    for s in range(lay.num_shards):
-                        table[s, :len(positions[s][r])] = positions[s][r]
-                    tables.append((r, table))
+        return self.engine.cache.get(("transfer_gather", blocks, dst), lambda: self.build(blocks, dst))
 
-            def body(*args):
-                pools, row, length = args[:-2], args[-2], args[-1]
-                rank = lax.axis_index(ctx_axes) if ctx_axes else 0
-                out = []
-                for _, table in tables:
-                    pos = jnp.asarray(table)[rank]  # this source rank's tokens of its piece for that rank
-                    page = lay.page_of(row, pos)  # (every slot of the staged blocks: within the row)
-                    keep = (pos < length)[:, None, None, None]
-                    for p in pools:
-                        vals = p[:, page, :, lay.page_slot_of(pos)]  # [B, L, K, D]
-                        out.append(jnp.where(keep, vals, jnp.zeros((), p.dtype)))
-                return tuple(out)
+    def build(self, blocks: int, dst: PagedLayout):
+        eng = self.engine
+        lay, model = eng.layout, eng.model
+        spec = mesh_lib.kv_pool_spec(model.head_axes, model.context_axes, stacked=True)
+        out_spec = mesh_lib.kv_tokens_spec(model.head_axes, model.context_axes)
+        ctx_axes = model.context_axes
+        leaves, tree = jax.tree.flatten(eng.pool_spec().target)
+        plan = reshard_plan(lay, dst, blocks * lay.tokens_per_block)
+        positions, end = plan.piece_positions(), plan.staged_tokens
+        tables = []  # (dst rank, [N_src, B] positions, padded with `end`: never < length)
+        for r in range(dst.num_shards):
+            width = max(len(positions[s][r]) for s in range(lay.num_shards))
+            if width:
+                table = np.full((lay.num_shards, width), end, np.int32)
+                for s in range(lay.num_shards):
+                    table[s, :len(positions[s][r])] = positions[s][r]
+                tables.append((r, table))
 
-            def gather(pools, row, length):
-                flat = jax.tree.leaves(pools)
-                return jax.shard_map(body, mesh=eng.mesh, in_specs=(*(spec,) * len(flat), mesh_lib.lengths_spec(),
-                                                                    mesh_lib.lengths_spec()),
-                                     out_specs=(out_spec,) * (len(flat) * len(tables)))(*flat, row, length)
+        def body(*args):
+            pools, row, length = args[:-2], args[-2], args[-1]
+            rank = lax.axis_index(ctx_axes) if ctx_axes else 0
+            out = []
+            for _, table in tables:
+                pos = jnp.asarray(table)[rank]  # this source rank's tokens of its piece for that rank
+                page = lay.page_of(row, pos)  # (every slot of the staged blocks: within the row)
+                keep = (pos < length)[:, None, None, None]
+                for p in pools:
+                    vals = p[:, page, :, lay.page_slot_of(pos)]  # [B, L, K, D]
+                    out.append(jnp.where(keep, vals, jnp.zeros((), p.dtype)))
+            return tuple(out)
 
-            i32 = jax.ShapeDtypeStruct((blocks,), jnp.int32, sharding=eng.replicated)
-            n = jax.ShapeDtypeStruct((), jnp.int32, sharding=eng.replicated)
-            compiled = jax.jit(gather).lower(tree.unflatten(leaves), i32, n).compile()
-            self.compiled[key] = (compiled, [r for r, _ in tables])
-        return self.compiled[key]
+        def gather(pools, row, length):
+            flat = jax.tree.leaves(pools)
+            return jax.shard_map(body, mesh=eng.mesh, in_specs=(*(spec,) * len(flat), mesh_lib.lengths_spec(),
+                                                                mesh_lib.lengths_spec()),
+                                 out_specs=(out_spec,) * (len(flat) * len(tables)))(*flat, row, length)
+
+        i32 = jax.ShapeDtypeStruct((blocks,), jnp.int32, sharding=eng.replicated)
+        n = jax.ShapeDtypeStruct((), jnp.int32, sharding=eng.replicated)
+        compiled = jax.jit(gather).lower(tree.unflatten(leaves), i32, n).compile()
+        return compiled, [r for r, _ in tables]
 
     def stage(self, table_row, length: int, dest: dict) -> tuple[list[jax.Array], list[PieceSpec]]:
         """The pieces holding the first `length` tokens of the sequence whose block-table row is
@@ -142,7 +147,7 @@ class Stager:
         program, dst_ranks = self.gather_program(padded, dst)
         # piece (s, r) of the padded gather starts with this length's piece (positions ascend): send that
         sizes = reshard_plan(eng.layout, dst, blocks * eng.layout.tokens_per_block).piece_sizes()
-        staged = program(eng.pools, row, np.int32(length))
+        staged = program(self.runner.pools, row, np.int32(length))
         heads_of = kv_head_sources(model.kv_heads, model.kv_replication)
         flat = jax.tree.leaves(eng.pool_spec().target)
         groups = [(s, k) for s, stack in enumerate(eng.pool_spec().target) for k in range(len(stack))]
@@ -189,15 +194,15 @@ class Receiver:
     no prompt length compiles anything while requests decode."""
 
     def __init__(self, runner, source: dict):
-        self.engine, self.source = runner, source  # a ModelRunner: its pools, layout and mesh
+        self.runner, self.source = runner, source  # a ModelRunner: it writes its own pools
+        self.engine = runner.programs  # its pools' shapes, layout, mesh and program cache
         self.src = src_layout(source)
-        self.compiled: dict = {}
         self.dispatches = 0  # write programs run (one per device and chunk of its pieces)
         model = runner.model
         pages = runner.config.num_pages
         heads_of = kv_head_sources(model.kv_heads, model.kv_replication)
         shape = jax.tree.leaves(runner.pool_spec().target)[0].shape
-        where = runner.pool_sharding.devices_indices_map(shape)
+        where = runner.programs.pool_sharding.devices_indices_map(shape)
         self.devices = []  # (device, context rank, the model heads of its stored heads), in mesh order
         for dev in runner.mesh.devices.flat:
             idx = where[dev]
@@ -207,6 +212,11 @@ class Receiver:
         # its own devices keep
         self.process = jax.process_index()
         self.local = runner.mesh.local_devices
+
+    @property
+    def compiled(self) -> dict:
+        """The write programs compiled (in the runner's program cache), by (device id, meta)."""
+        return self.engine.cache.kind("transfer_write")
 
     def keepers(self, rank: int, lo: int, hi: int) -> list:
         """The devices of context rank `rank` holding all of the model's kv heads [lo, hi)."""
@@ -263,44 +273,45 @@ class Receiver:
         """(this device's pool shards, its pieces, page [T] and slot [T] per piece) -> pool shards: piece
         i = meta[i] (pool array, head0, shape) written into every stored head of this device that holds
         one of its heads, token j at (page[j], slot[j]) of this device's pages; pages out of range dropped."""
-        key = (device.id, meta)
-        if key not in self.compiled:
-            eng = self.engine
-            leaves = jax.tree.leaves(eng.pool_spec().target)
-            sharding = SingleDeviceSharding(device)
-            mine = next(m for d, _, m in self.devices if d == device)
+        return self.engine.cache.get(("transfer_write", device.id, meta),
+                                     lambda: self.build(device, meta, index_len))
 
-            def put(pool, x, pg, j, sl):
-                """pool[:, pg[t], j:j+h, sl[t]] = x[t] for x [T, L, h, D], straight from the piece (token-major
-                as XLA scatters: no transposed or per-head copy of it); tokens whose page is out of range
-                are dropped."""
-                idx = jnp.stack([pg, jnp.full_like(pg, j), sl], axis=1)  # [T, 3]: page, first head, slot
-                dims = lax.ScatterDimensionNumbers(update_window_dims=(1, 2, 3), inserted_window_dims=(1, 3),
-                                                   scatter_dims_to_operand_dims=(1, 2, 3))
-                return lax.scatter(pool, idx, x.astype(pool.dtype), dims, indices_are_sorted=False,
-                                   unique_indices=False, mode=lax.GatherScatterMode.FILL_OR_DROP)
+    def build(self, device, meta: tuple, index_len: tuple):
+        eng = self.engine
+        leaves = jax.tree.leaves(eng.pool_spec().target)
+        sharding = SingleDeviceSharding(device)
+        mine = next(m for d, _, m in self.devices if d == device)
 
-            def write(pools, pieces, page, slot):
-                pools = list(pools)
-                for (g, head0, shape), x, pg, sl in zip(meta, pieces, page, slot):
-                    h = shape[2]
-                    js = [j for j, m in enumerate(mine.tolist()) if head0 <= m < head0 + h]
-                    if len(js) == h and mine[js[0]:js[0] + h].tolist() == list(range(head0, head0 + h)):
-                        pools[g] = put(pools[g], x, pg, js[0], sl)  # the piece's heads, stored once, in order
-                    else:
-                        for j in js:  # a head this device stores several times
-                            m = int(mine[j]) - head0
-                            pools[g] = put(pools[g], x[:, :, m:m + 1], pg, j, sl)  # (rare: a copy of one head)
-                return tuple(pools)
+        def put(pool, x, pg, j, sl):
+            """pool[:, pg[t], j:j+h, sl[t]] = x[t] for x [T, L, h, D], straight from the piece (token-major
+            as XLA scatters: no transposed or per-head copy of it); tokens whose page is out of range
+            are dropped."""
+            idx = jnp.stack([pg, jnp.full_like(pg, j), sl], axis=1)  # [T, 3]: page, first head, slot
+            dims = lax.ScatterDimensionNumbers(update_window_dims=(1, 2, 3), inserted_window_dims=(1, 3),
+                                               scatter_dims_to_operand_dims=(1, 2, 3))
+            return lax.scatter(pool, idx, x.astype(pool.dtype), dims, indices_are_sorted=False,
+                               unique_indices=False, mode=lax.GatherScatterMode.FILL_OR_DROP)
 
-            pool_args = tuple(jax.ShapeDtypeStruct(eng.pool_sharding.shard_shape(leaf.shape), leaf.dtype,
-                                                   sharding=sharding) for leaf in leaves)
-            kv_dtype = leaves[0].dtype  # (8-bit pages: the pieces are the stored rows, scales included)
-            piece_args = tuple(jax.ShapeDtypeStruct(shape, kv_dtype, sharding=sharding) for _, _, shape in meta)
-            idx = tuple(jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding) for n in index_len)
-            jitted = jax.jit(write, donate_argnums=(0,))
-            self.compiled[key] = jitted.lower(pool_args, piece_args, idx, idx).compile()
-        return self.compiled[key]
+        def write(pools, pieces, page, slot):
+            pools = list(pools)
+            for (g, head0, shape), x, pg, sl in zip(meta, pieces, page, slot):
+                h = shape[2]
+                js = [j for j, m in enumerate(mine.tolist()) if head0 <= m < head0 + h]
+                if len(js) == h and mine[js[0]:js[0] + h].tolist() == list(range(head0, head0 + h)):
+                    pools[g] = put(pools[g], x, pg, js[0], sl)  # the piece's heads, stored once, in order
+                else:
+                    for j in js:  # a head this device stores several times
+                        m = int(mine[j]) - head0
+                        pools[g] = put(pools[g], x[:, :, m:m + 1], pg, j, sl)  # (rare: a copy of one head)
+            return tuple(pools)
+
+        pool_args = tuple(jax.ShapeDtypeStruct(eng.pool_sharding.shard_shape(leaf.shape), leaf.dtype,
+                                               sharding=sharding) for leaf in leaves)
+        kv_dtype = leaves[0].dtype  # (8-bit pages: the pieces are the stored rows, scales included)
+        piece_args = tuple(jax.ShapeDtypeStruct(shape, kv_dtype, sharding=sharding) for _, _, shape in meta)
+        idx = tuple(jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding) for n in index_len)
+        jitted = jax.jit(write, donate_argnums=(0,))
+        return jitted.lower(pool_args, piece_args, idx, idx).compile()
 
     def write(self, pieces: list[jax.Array], specs: list[PieceSpec], length: int, table_row) -> dict[int, int]:
         """Write the pulled pieces' first `length` tokens into the request's pages (block-table row).
@@ -347,7 +358,7 @@ class Receiver:
                 self.dispatches += 1
             return shards
 
-        eng.write_pool_shards(write)
+        self.runner.write_pool_shards(write)
         return placed
 
 

@@ -1,18 +1,21 @@
-"""The serving engine: one iteration = schedule (host) -> run (the runner's programs) -> update (host).
+"""The engine core: one iteration = schedule (host) -> execute (device) -> update (host).
 
-    plan = scheduler.schedule()       which chunks prefill, which slots decode K steps, pages reserved
-    runner programs                   one ragged step (every decoding slot's first token and the prompt
-                                      chunks in one flat batch), then the decode loop for the other K - 1
-                                      (the prompts that ended in the step decoding too); with nothing to
-                                      prefill, the decode loop alone (or a verify step)
-    scheduler.update_*(plan, ...)     tokens appended, stop rules applied, finished requests collected
+    plan   = scheduler.schedule()         which chunks prefill, which slots decode K steps, pages reserved
+    output = runner.execute(plan)         the step's programs (`ModelRunner`: it alone owns the pools,
+                                          the token history and every compiled program)
+    scheduler.update(plan, output)        one call with the whole step's result: tokens appended, stop
+                                          rules applied, finished requests collected
 
-`ServingEngine` joins a `Scheduler` (dcp_jax.serving.scheduler: policy, plain Python) and a
-`ModelRunner` (dcp_jax.serving.runner: the pools and the compiled programs). A step that raises fails
-the requests of that step alone (finish_reason "error", retryable) and the engine goes on; when the
-failure left the pools donated and deleted, the pools are rebuilt, the prefix cache is dropped with
-them, and the other running requests are preempted (recomputed from their tokens, so their outputs do
-not change).
+`ServingEngine.step` is what every driver calls: `LLM.generate` (`run_requests`), the server's engine
+thread (`AsyncEngine`), a follower of several processes (`Lockstep.follow`), both disaggregated roles.
+The collaborators are made or handed in here, at construction: the structured outputs (to the
+scheduler and the runner), the host tier's copy queue (the KV manager's, to the runner), the lockstep
+(several processes).
+
+A step that raises fails the requests of that step alone (finish_reason "error", retryable) and the
+engine goes on; when the failure left the pools donated and deleted, the pools are rebuilt, the prefix
+cache is dropped with them, and the other running requests are preempted (recomputed from their
+tokens, so their outputs do not change).
 
 Speculative decoding (`dcp_jax.spec`) rolls a rejected draft back by the sequence's length alone: the
 host advances a request by the tokens it accepted, and every rank-local length and mask is recomputed
@@ -31,53 +34,53 @@ import time
 
 import numpy as np
 
-from dcp_jax.mesh import host
-from dcp_jax.sampling import SamplingRows
+from dcp_jax import mesh as mesh_lib
+from dcp_jax.layout import PagedLayout
 from dcp_jax.serving.config import ServingConfig
 from dcp_jax.serving.host_copy import host_bytes
-from dcp_jax.serving.request import Request
-from dcp_jax.serving.inputs import RaggedInputs, StepInputs
 from dcp_jax.serving.lockstep import Lockstep, LockstepError
+from dcp_jax.serving.plan import StepOutput
+from dcp_jax.serving.request import Request
 from dcp_jax.serving.runner import ModelRunner
 from dcp_jax.serving.scheduler import SchedulePlan, Scheduler
-from dcp_jax.spec.proposers import NgramProposer, SpeculativeConfig
+from dcp_jax.spec.proposers import SpeculativeConfig
+from dcp_jax.structured import StructuredOutputs
+
+TIMING = ("prefill_s", "prefill_tokens", "decode_s", "decode_tokens", "decode_steps", "ragged_steps",
+          "rows_computed", "rows_useful")
 
 
 class ServingEngine:
     """A `CausalLM` on a ("tp","dcp") mesh serving requests from a paged, sequence-sharded KV pool."""
 
-    def __init__(self, model, mesh, config: ServingConfig, *, interleave: int = 1, impl: str | None = None,
-                 combine: str = "auto", detokenize=None, speculative: SpeculativeConfig | None = None,
-                 tokenizer=None):
-        self.config = config
-        self.runner = ModelRunner(model, mesh, config, interleave=interleave, impl=impl, combine=combine,
-                                  speculative=speculative)
-        self.layout, self.speculative = self.runner.layout, speculative
-        self.proposer = (NgramProposer(speculative.num_tokens, speculative.min_n, speculative.max_n)
-                         if speculative is not None and speculative.method == "ngram" else None)
-        self.scheduler = Scheduler(config.scheduler_config(
-            self.layout, eos_token_ids=model.config.eos_token_ids, vocab_size=model.config.vocab_size,
-            num_speculative_tokens=0 if speculative is None else speculative.num_tokens), detokenize=detokenize)
-        # verify steps (row by row): drafts proposed, drafts accepted, steps; the tokens they made
+    def __init__(self, model, mesh, config: ServingConfig, *, interleave: int = 1,
+                 impl: str | None = None, combine: str = "auto", detokenize=None,
+                 speculative: SpeculativeConfig | None = None, tokenizer=None,
+                 lockstep: Lockstep | None = None):
+        self.config, self.speculative = config, speculative
+        shards = mesh_lib.axis_size(mesh, model.context_axes)
+        self.layout = PagedLayout(shards, interleave, config.page_size)
+        self.structured = StructuredOutputs(tokenizer, model.config.vocab_size, model.config.eos_token_ids)
+        k = 0 if speculative is None else speculative.num_tokens
+        sched_config = config.scheduler_config(self.layout, eos_token_ids=model.config.eos_token_ids,
+                                               vocab_size=model.config.vocab_size,
+                                               num_speculative_tokens=k)
+        self.scheduler = Scheduler(sched_config, detokenize=detokenize, structured=self.structured)
+        kv = self.scheduler.kv
+        self.runner = ModelRunner(model, mesh, config, self.layout, impl=impl, combine=combine,
+                                  speculative=speculative, structured=self.structured,
+                                  host_copies=kv.take_copies if kv.host is not None else None)
+        self.lockstep = lockstep  # several processes: this one's side (leader or follower)
+        # verify steps (row by row): drafts proposed, steps; drafts accepted by their position in the
+        # draft (vLLM's spec_decode_num_accepted_tokens_per_pos; their sum is spec_accepted_tokens)
         self.spec_counts = dict(spec_drafted_tokens=0, spec_verify_steps=0)
-        # drafts accepted by their position in the draft (vLLM's spec_decode_num_accepted_tokens_per_pos;
-        # their sum is spec_accepted_tokens)
-        self.spec_accepted_per_pos = np.zeros(0 if speculative is None else speculative.num_tokens, np.int64)
-        # time in the device programs (results on the host) and the tokens they produced for requests
+        self.spec_accepted_per_pos = np.zeros(k, np.int64)
+        # time in the device programs (results on the host) and the tokens they produced for requests;
         # rows_computed / rows_useful: tokens the ragged steps ran (padded to a step size) / needed
-        self.timing = dict(prefill_s=0.0, prefill_tokens=0, decode_s=0.0, decode_tokens=0, decode_steps=0,
-                           ragged_steps=0, rows_computed=0, rows_useful=0)
+        self.timing = dict.fromkeys(TIMING, 0)
         self.num_failed_steps = self.num_pool_resets = 0
-        # the host tier's copies (dcp_jax.kv.host): run before every step and every transfer's write
-        self.copier = self.runner.copier
-        if self.scheduler.kv.host is not None:
-            self.runner.before_pool_write = self.copy_kv
-        # structured outputs (dcp_jax.structured): the grammars, made when the first such request comes
-        self.tokenizer, self.grammars = tokenizer, None
-        self.scheduler.structured = self.structured_problem
         # held by whoever drives the engine (an AsyncEngine's thread, an LLM.generate call): one at a time
         self.lock = threading.Lock()
-        self.lockstep: Lockstep | None = None  # several processes: this one's side (leader or follower)
 
     # --- requests in and out (what a leader records for its followers) -------------------------------
     def add_request(self, request: Request) -> Request:
@@ -91,8 +94,8 @@ class ServingEngine:
         return request
 
     def abort(self, request: Request | str, error: str | None = None) -> None:
-        """Finish a request now (finish_reason "abort"), e.g. its client went away: a Request wherever it
-        is (also one held outside the scheduler), or the id of one in the scheduler."""
+        """Finish a request now (finish_reason "abort"), e.g. its client went away: a Request wherever
+        it is (also one held outside the scheduler), or the id of one in the scheduler."""
         rid = request if isinstance(request, str) else request.request_id
         if self.lockstep is not None:
             self.lockstep.record("abort", rid, error)
@@ -101,35 +104,62 @@ class ServingEngine:
             self.scheduler.abort(r, error)
 
     # --- one iteration -----------------------------------------------------------------------------
-    def step(self, on_prefill=None) -> SchedulePlan:
-        """Schedule, run the plan's prefill chunks and decode steps, and apply the results. A failure
-        while running fails the plan's requests (see `recover`) instead of raising."""
+    def step(self) -> SchedulePlan:
+        """Schedule, execute and update: one iteration. A failure while executing fails the plan's
+        requests (see `recover`) instead of raising; returns the plan."""
         plan = self.scheduler.schedule()
         if self.lockstep is not None:
             self.lockstep.agree(plan)  # the leader publishes it; a follower checks it is the leader's
         try:
-            self.run(plan, on_prefill)
+            output = self.runner.execute(plan)
         except Exception as e:  # noqa: BLE001 - any failure of a step is that step's requests' failure
             self.recover(plan, e)
             if self.lockstep is not None:  # its collectives ran on every process: none can go on alone
+                first = (str(e).strip().splitlines() or [""])[0][:300]
                 raise LockstepError(f"step {plan.step} failed on process {self.lockstep.process_id} "
-                                    f"({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]})") from e
+                                    f"({type(e).__name__}: {first})") from e
+            return plan
+        self.update(plan, output)
         return plan
 
+    def update(self, plan: SchedulePlan, output: StepOutput) -> None:
+        """Hand the step's result to the scheduler and count it (timing, speculation)."""
+        lengths = lambda rs: [len(r.output_token_ids) for r in rs]  # noqa: E731
+        joining = [c.request for c in plan.joining]
+        decoding0, joining0 = lengths(plan.decode_requests), lengths(joining)
+        self.scheduler.update(plan, output)
+        for key, value in output.timing.items():
+            self.timing[key] += value
+        self.timing["prefill_tokens"] += plan.num_prefill_tokens
+        # the decode loop's tokens: a ragged step's first token of each row is prefill's
+        first = 1 if plan.prefills and self.speculative is None else 0
+        self.timing["decode_tokens"] += sum(
+            max(n - n0 - first, 0) for n, n0 in zip(lengths(plan.decode_requests), decoding0))
+        self.timing["decode_tokens"] += sum(max(n - n0 - 1, 0) for n, n0 in zip(lengths(joining), joining0))
+        if output.accepted_per_pos is not None:
+            self.spec_counts["spec_drafted_tokens"] += output.drafted
+            self.spec_counts["spec_verify_steps"] += len(plan.decode_slots)
+            self.spec_accepted_per_pos += output.accepted_per_pos
+
+    def run_until_idle(self, on_step=None) -> None:
+        """Step until no request is unfinished; `on_step(plan)` after each step, before the next."""
+        while self.scheduler.has_unfinished():
+            plan = self.step()
+            if on_step is not None:
+                on_step(plan)
+
     def recover(self, plan: SchedulePlan, error: BaseException) -> None:
-        """After `plan` failed with `error`: fail its unfinished requests (retryable: the server's fault);
-        if the pools were lost (donated to the failed program), rebuild them, drop the prefix cache with
-        them and preempt every other running request (its KV went with the pool; it is recomputed)."""
-        sched, message = self.scheduler, f"the step failed on the server ({type(error).__name__}: {error})"
+        """After `plan` failed with `error`: fail its unfinished requests (retryable: the server's
+        fault); if the pools were lost (donated to the failed program), rebuild them, drop the prefix
+        cache with them and preempt every other running request (its KV went with the pool; it is
+        recomputed)."""
         self.num_failed_steps += 1
-        plan.prefill_applied = plan.decode_applied = plan.joined_applied = True
-        for r in [c.request for c in plan.prefills] + list(plan.decode_requests):
-            sched.fail(r, message, retryable=True)
-        if not self.recover_pools() and sched.kv.host is not None:
+        self.scheduler.fail_plan(plan, f"the step failed on the server ({type(error).__name__}: {error})")
+        if not self.recover_pools() and self.scheduler.kv.host is not None:
             # a copy back may not have run, yet its blocks are registered: forget the device's cached
             # blocks (the host tier keeps what was copied out)
             self.forget_copies()
-            sched.reset_prefix_cache(host=False)
+            self.scheduler.reset_prefix_cache(host=False)
 
     def recover_pools(self) -> bool:
         """If a failure left the pools donated and deleted: preempt every running request (its KV went
@@ -147,277 +177,55 @@ class ServingEngine:
         self.num_pool_resets += 1
         return True
 
-    def run(self, plan: SchedulePlan, on_prefill=None) -> None:
-        """Run a plan and apply its results: one ragged step over its prefill chunks and (without
-        speculation) its decode rows' first tokens, their other K - 1 in the decode loop after it; with
-        nothing to prefill, the K-step decode loop alone; with speculation, the verify step after the
-        ragged step's prefills. The host tier's copies of the plan run first (`copy_kv`)."""
-        self.copy_kv()
-        if plan.prefills:
-            self.ragged_iteration(plan, on_prefill)
-        if plan.decode_slots and not plan.decode_applied:
-            self.decode_iteration(plan)
-        self.copier.finish()  # the host arrays of this iteration's offloads (their copies overlapped the step)
-
     def forget_copies(self) -> None:
         """After a failure: drop the host tier's copies that did not run and its blocks never filled."""
         self.scheduler.kv.take_copies()
-        self.copier.pending.clear()
+        self.runner.drop_copies()
         self.scheduler.kv.host.drop_unfilled()
 
-    def copy_kv(self) -> None:
-        """Dispatch the host tier's pending copies: evicted blocks to the host, then host hits back into
-        their fresh pages, ahead of any program that writes those pages."""
-        offloads, restores = self.scheduler.kv.take_copies()
-        if offloads:
-            self.copier.offload([b for b, _ in offloads], [p for _, p in offloads])
-        if restores:
-            self.copier.restore([b for b, _ in restores], [p for _, p in restores])
-
-    def ragged_iteration(self, plan: SchedulePlan, on_prefill=None) -> None:
-        """One ragged step: the plan's prefill chunks and, unless a verify step follows (speculation),
-        its decode rows' first tokens, in one program call padded to a step size; then the decode rows'
-        other K - 1 tokens in the decode loop, started on the device from the tokens just sampled, with
-        the requests whose prompt ended in the step (`plan.joining`) decoding beside them."""
-        t0 = time.perf_counter()
-        sched, runner = self.scheduler, self.runner
-        with_decode = self.speculative is None and bool(plan.decode_slots)
-        rows = []
-        if with_decode:
-            rows += [(slot, r, int(plan.decode_positions[slot]), [int(plan.decode_tokens[slot])])
-                     for r, slot in zip(plan.decode_requests, plan.decode_slots)]
-        rows += [(c.slot, c.request, c.start, c.token_ids) for c in plan.prefills]
-        num_tokens = sum(len(ids) for *_, ids in rows)
-        n = runner.step_size(num_tokens)
-        sampled = [(slot, r, []) for slot, r, *_ in rows[:len(rows) - len(plan.prefills)]]  # decode rows
-        sampled += [(c.slot, c.request, []) for c in plan.prefills if c.is_last]  # and first tokens
-        inputs = RaggedInputs.build(rows, n, self.config.max_num_seqs, plan.block_table, self.config.ragged_tile,
-                                    self.token_mask(sampled, 1), sched.config.eos_token_ids)
-        self.fill_history(rows)
-        program, caches = runner.ragged_program(n), runner.allocate()
-        # the pools are donated: if this raises after donating them, `recover` sees them deleted
-        caches, runner.history, tok, lp, top, scores = program(runner.weights, caches, runner.history, inputs)
-        runner.caches = caches
-        joining = plan.joining  # (only beside decode rows, never under speculation)
-        k = plan.decode_steps if with_decode else 0
-        if k > 1:  # queued behind the step (nothing comes back to the host in between)
-            # the decoding rows from their next position; the joining ones from their first token, just sampled
-            loop_rows = plan.decode_rows(1) + [(c.slot, c.request, c.end) for c in joining]
-            more = self.decode_loop(loop_rows, tok[:, None], k - 1, plan.block_table)
-        tok, lp = host(tok), host(lp)
-        requests = [r for _, r, *_ in rows]
-        if any(c.request.scores_prompt for c in plan.prefills):
-            self.record_prompt_scores(rows, scores)
-        top = top_on_host(requests, top)
-        self.timing["ragged_steps"] += 1
-        self.timing["rows_computed"] += n
-        self.timing["rows_useful"] += num_tokens
-        if on_prefill is not None:
-            for c in plan.prefills:
-                on_prefill(len(c.token_ids))
-        dt = time.perf_counter() - t0
-        self.timing["prefill_s"] += dt
-        self.timing["prefill_tokens"] += plan.num_prefill_tokens
-        sched.update_prefill(plan, [int(tok[c.slot]) if c.is_last else None for c in plan.prefills],
-                             [float(lp[c.slot]) if c.is_last else None for c in plan.prefills],
-                             None if top is None else [(top[0][c.slot], top[1][c.slot]) for c in plan.prefills])
-        self.advance_matchers(c.request for c in plan.prefills)
-        if k > 1:
-            t1 = time.perf_counter()
-            out, out_lp = (host(x)[:, :k - 1] for x in more[:2])
-            more_top = top_on_host(requests, more[2], k - 1)
-            self.timing["decode_s"] += time.perf_counter() - t1
-            self.timing["decode_steps"] += k - 1
-        if joining:  # (beside decode rows only, so k > 1 here; decode_s and decode_tokens count the loop alone)
-            before = sum(len(c.request.output_token_ids) for c in joining)
-            sched.update_joined(plan, out, out_lp, tops=more_top)
-            self.timing["decode_tokens"] += sum(len(c.request.output_token_ids) for c in joining) - before
-        if with_decode:  # (the step's first tokens are prefill's time)
-            tokens, logprobs = tok[:, None], lp[:, None]
-            tops = None if top is None else tuple(x[:, None] for x in top)
-            if k > 1:
-                tokens, logprobs = np.concatenate([tokens, out], axis=1), np.concatenate([logprobs, out_lp], axis=1)
-                if tops is not None:
-                    tops = tuple(np.concatenate([a, b], axis=1) for a, b in zip(tops, more_top))
-            before = sum(len(r.output_token_ids) for r in plan.decode_requests)
-            sched.update_decode(plan, tokens, logprobs, tops=tops)
-            self.advance_matchers(plan.decode_requests)
-            gained = sum(len(r.output_token_ids) for r in plan.decode_requests) - before
-            self.timing["decode_tokens"] += max(gained - len(plan.decode_slots), 0)  # the loop's share
-
-    def decode_loop(self, rows, tokens, steps: int, block_table):
-        """Dispatch the decode loop for `steps` steps over `rows` ((slot, request, position) each: the
-        slot's first input is its row of `tokens` [S, 1] (host or device), at that position) through
-        `block_table`; returns its (tokens, logprobs) [S, K] and top logprobs (ids, log-probabilities)
-        [S, K, 20] on the device."""
-        s, runner = self.config.max_num_seqs, self.runner
-        requests, positions, live = [None] * s, np.zeros(s, np.int32), np.zeros(s, bool)
-        for slot, r, position in rows:
-            requests[slot], positions[slot], live[slot] = r, position, True
-        self.fill_history(rows)
-        mask = self.token_mask([(slot, r, []) for slot, r, _ in rows], 1)
-        inputs = StepInputs(tokens, positions[:, None], live[:, None], np.zeros(s, np.int32), block_table,
-                            SamplingRows.of(requests, self.scheduler.config.eos_token_ids), mask)
-        caches, runner.history, out, out_lp, top = runner.step_program()(
-            runner.weights, runner.allocate(), runner.history, inputs, np.int32(steps))
-        runner.caches = caches
-        return out, out_lp, top
-
-    def decode_iteration(self, plan: SchedulePlan) -> None:
-        """Run and apply a plan's decode iteration: up to K steps of the decode loop, or, with
-        speculation, one verify step of each slot's last token and its drafts (from the host proposer,
-        or drafted on the device by the draft model)."""
-        t0 = time.perf_counter()
-        before = sum(len(r.output_token_ids) for r in plan.decode_requests)
-        if self.speculative is None:
-            out, out_lp, top = self.decode_loop(plan.decode_rows(), plan.decode_tokens[:, None], plan.decode_steps,
-                                                plan.block_table)
-            counts, steps = None, plan.decode_steps
-        else:
-            out, out_lp, counts, top = self.verify(plan)
-            steps = 1
-        k = plan.decode_steps
-        out, out_lp = host(out)[:, :k], host(out_lp)[:, :k]
-        tops = top_on_host(plan.decode_requests, top, k)
-        self.timing["decode_s"] += time.perf_counter() - t0
-        self.timing["decode_steps"] += steps
-        self.scheduler.update_decode(plan, out, out_lp, counts, tops=tops)
-        self.advance_matchers(plan.decode_requests)
-        self.timing["decode_tokens"] += sum(len(r.output_token_ids) for r in plan.decode_requests) - before
-
-    def verify(self, plan: SchedulePlan):
-        """One speculative verify step over the plan's decode slots: (tokens, logprobs) [S, k+1] on the
-        device, the count of each slot's tokens (host), and the top logprobs [S, k+1, 20] (device)."""
-        s, runner = self.config.max_num_seqs, self.runner
-        width = self.speculative.num_tokens + 1
-        tokens, valid = np.zeros((s, width), np.int32), np.zeros((s, width), bool)
-        tokens[:, 0], valid[:, 0] = plan.decode_tokens, plan.decode_mask
-        rows, draft_model, mask_rows = [None] * s, runner.draft is not None, []
-        for r, slot in zip(plan.decode_requests, plan.decode_slots):
-            rows[slot] = r
-            most = int(plan.decode_budget[slot]) - 1  # a verify step emits at most drafts + 1 tokens
-            drafts = []
-            if self.proposer is not None:
-                drafts = self.proposer.propose(r, most)
-                tokens[slot, 1:1 + len(drafts)] = drafts
-                valid[slot, 1:1 + len(drafts)] = True
-            elif draft_model and r.sampling.structured is None:  # (drafted on the device: no mask for them)
-                valid[slot, 1:1 + most] = True
-            mask_rows.append((slot, r, [int(t) for t in drafts]))  # (token_mask keeps the constrained)
-        positions = plan.decode_positions[:, None] + np.arange(width, dtype=np.int32)[None]
-        kv_len = np.where(plan.decode_mask, plan.decode_positions + valid.sum(axis=1), 0).astype(np.int32)
-        inputs = StepInputs(tokens, positions, valid, kv_len, plan.block_table,
-                            SamplingRows.of(rows, self.scheduler.config.eos_token_ids),
-                            self.token_mask(mask_rows, width))
-        self.fill_history([(slot, r, int(plan.decode_positions[slot]))
-                           for r, slot in zip(plan.decode_requests, plan.decode_slots)])
-        caches, runner.history, out, counts, out_lp, top = runner.step_program()(
-            runner.weights, runner.allocate(), runner.history, inputs)
-        runner.caches = caches
-        counts = host(counts)
-        self.spec_counts["spec_drafted_tokens"] += int(valid[plan.decode_slots, 1:].sum())
-        self.spec_counts["spec_verify_steps"] += len(plan.decode_slots)
-        accepted = counts[plan.decode_slots] - 1
-        self.spec_accepted_per_pos += (np.arange(width - 1)[None] < accepted[:, None]).sum(axis=0)
-        return out, out_lp, counts, top
-
-    # --- structured outputs --------------------------------------------------------------------------
-    def structured_problem(self, request) -> str | None:
-        """Why `request`'s structured output cannot run (the scheduler asks when it enters), or None."""
-        if self.tokenizer is None:
-            return "structured outputs need the model's tokenizer (tokenizer.json)"
-        try:
-            if self.grammars is None:
-                from dcp_jax.structured import Grammars
-
-                cfg = self.scheduler.config
-                self.grammars = Grammars(self.tokenizer, self.runner.model.config.vocab_size, cfg.eos_token_ids)
-            return self.grammars.problem(request)
-        except ValueError as e:  # UserError included: one line
-            return str(e)
-
-    def token_mask(self, rows, tokens: int):
-        """The step's token mask [S, tokens, W]: each constrained row of `rows` ((slot, request, drafts)
-        each) filled from its matcher, every other row all-allowed; with none constrained, the
-        all-allowed mask kept on the device (nothing sent)."""
-        rows = [row for row in rows if row[1].sampling.structured is not None]
-        if not rows:
-            return self.runner.open_mask(tokens)
-        mask = np.full((self.config.max_num_seqs, tokens, self.runner.mask_words), -1, np.int32)
-        self.grammars.fill(mask, rows)
-        return mask
-
-    def advance_matchers(self, requests) -> None:
-        """Feed each structured request's matcher the tokens it just emitted; a token its grammar
-        refused (never sampled under its mask: a bug) fails the request."""
-        for r in requests:
-            if r.matcher is not None and (error := self.grammars.advance(r)) and not r.is_finished:
-                self.scheduler.fail(r, f"the structured output left its grammar: {error}")
-
-    @staticmethod
-    def record_prompt_scores(rows, scores) -> None:
-        """Give each row whose request scores its prompt the scores of its tokens (rows end to end in
-        the flat batch, as `RaggedInputs.build` laid them)."""
-        lps, ranks, ids, top = (host(x) for x in scores)
-        at = 0
-        for _, r, start, tokens in rows:
-            m = len(tokens)
-            if r.scores_prompt:
-                r.record_prompt_scores(start, lps[at:at + m], ranks[at:at + m], ids[at:at + m], top[at:at + m])
-            at += m
-
-    def fill_history(self, rows) -> None:
-        """Before a program: for each (slot, request, first position, ...) row whose request's sampling
-        reads its earlier tokens (penalties, bad words), the tokens before the row's first position into
-        the slot's history row (those already in the cache: no program wrote them there)."""
-        for slot, r, start, *_ in rows:
-            if r.sampling.needs_history:
-                self.runner.fill_history(slot, r, start)
-
+    # --- introspection ------------------------------------------------------------------------------
     def stats(self) -> dict:
         """The scheduler's stats, plus speculation's when it is on: drafted and accepted tokens, verify
         steps (one per sequence per step) and the mean acceptance length (tokens a sequence gains per
         step: 1 + accepted / steps)."""
-        out = dict(self.scheduler.stats(), failed_steps=self.num_failed_steps, pool_resets=self.num_pool_resets)
+        out = dict(self.scheduler.stats(), failed_steps=self.num_failed_steps,
+                   pool_resets=self.num_pool_resets)
         if self.scheduler.kv.host is not None:
-            out.update(self.copier.counts, host_bytes=host_bytes(self.scheduler.kv.host.blocks.values()))
+            out.update(self.runner.copier.counts,
+                       host_bytes=host_bytes(self.scheduler.kv.host.blocks.values()))
         if self.speculative is not None:
-            c = dict(self.spec_counts, spec_accepted_tokens=int(self.spec_accepted_per_pos.sum()))
-            steps = c["spec_verify_steps"]
-            out.update(c, speculative=self.speculative.method, num_speculative_tokens=self.speculative.num_tokens,
-                       spec_accepted_per_pos=[int(x) for x in self.spec_accepted_per_pos],
-                       spec_acceptance_rate=c["spec_accepted_tokens"] / max(c["spec_drafted_tokens"], 1),
-                       mean_acceptance_length=1 + c["spec_accepted_tokens"] / steps if steps else 0.0)
+            out.update(self.spec_stats())
         return out
+
+    def spec_stats(self) -> dict:
+        accepted = int(self.spec_accepted_per_pos.sum())
+        c = dict(self.spec_counts, spec_accepted_tokens=accepted)
+        steps, drafted = c["spec_verify_steps"], c["spec_drafted_tokens"]
+        return dict(c, speculative=self.speculative.method,
+                    num_speculative_tokens=self.speculative.num_tokens,
+                    spec_accepted_per_pos=[int(x) for x in self.spec_accepted_per_pos],
+                    spec_acceptance_rate=accepted / max(drafted, 1),
+                    mean_acceptance_length=1 + accepted / steps if steps else 0.0)
 
     def kv_bytes(self) -> dict:
         """KV bytes one device holds and the pool's logical bytes (`ModelRunner.kv_bytes`)."""
         return self.runner.kv_bytes()
 
     def reset_prefix_cache(self) -> int:
-        """Drop every cached prefix block no request holds, on the device and in the host tier; returns
-        how many."""
+        """Drop every cached prefix block no request holds, on the device and in the host tier;
+        returns how many."""
         if self.lockstep is not None:
             self.lockstep.record("reset_prefix_cache")
-        self.copy_kv()  # (copies already scheduled run first: nothing half-dropped)
-        self.copier.finish()
+        self.runner.copy_pending()  # (copies already scheduled run first: nothing half-dropped)
+        self.runner.finish_copies()
         return self.scheduler.reset_prefix_cache()
 
 
-def top_on_host(requests, top, steps: int | None = None):
-    """A step's top logprobs (ids, log-probabilities) on the host, the first `steps` columns, when any
-    of `requests` asked for them; else None (the arrays stay on the device)."""
-    if not any(r.sampling.top_logprobs for r in requests):
-        return None
-    return tuple(host(x) if steps is None else host(x)[:, :steps] for x in top)
-
-
-def run_requests(engine: ServingEngine, requests: list[Request], arrivals=None, on_step=None,
-                 on_prefill=None) -> dict:
-    """Serve `requests` to completion through `engine` (continuous batching). `arrivals` (seconds after
-    the start, one per request; default all at once) lets requests join mid-flight. Each request's
-    output is on the request; returns the wall time, each request's time to first token
-    (`first_token_s`, by id) and the scheduler's stats (pages, capacity, preemptions)."""
+def run_requests(engine: ServingEngine, requests: list[Request], arrivals=None, on_step=None) -> dict:
+    """Serve `requests` to completion through `engine` (continuous batching). `arrivals` (seconds
+    after the start, one per request; default all at once) lets requests join mid-flight;
+    `on_step(plan)` after each step. Each request's output is on the request; returns the wall time,
+    each request's time to first token (`first_token_s`, by id) and the engine's stats."""
     sched = engine.scheduler
     order = sorted(range(len(requests)), key=lambda i: 0.0 if arrivals is None else arrivals[i])
     pending = [requests[i] for i in order]
@@ -436,7 +244,7 @@ def run_requests(engine: ServingEngine, requests: list[Request], arrivals=None, 
             if pending:
                 time.sleep(max(0.0, min(due[0] - now, 0.05)))
             continue
-        plan = engine.step(on_prefill=on_prefill)
+        plan = engine.step()
         t = time.perf_counter()
         for c in plan.prefills:  # a request's first token comes from its last prefill chunk
             r = c.request

@@ -36,47 +36,46 @@ def _place(index: tuple, n: int) -> tuple:
 
 
 class HostCopier:
-    """The offload and restore programs of one `ModelRunner`'s pools, and what they moved."""
+    """The offload and restore programs of one runner's pools (`StepPrograms`: their abstract values,
+    mesh and program cache), and what they moved. The runner owns the pools: each copy takes them, and
+    a restore returns the new ones."""
 
-    def __init__(self, runner):
-        self.runner = runner
+    def __init__(self, programs):
+        self.programs = programs
         self.pending: list[tuple[list[HostBlock], list]] = []  # offloads whose host arrays are not taken yet
         self.counts = dict(host_bytes_to_host=0, host_bytes_to_device=0, host_copy_s=0.0)
 
     def batch_specs(self, n: int):
         """Abstract pools and the abstract batch of n pages of each pool array ([L, ranks·n, K, page, D],
         the pool's own sharding)."""
-        caches = self.runner.pool_spec()
-        pages = self.runner.config.num_pages
+        caches = self.programs.pool_spec()
+        pages = self.programs.config.num_pages
         return caches, jax.tree.map(lambda s: jax.ShapeDtypeStruct(
             (s.shape[0], s.shape[1] // pages * n, *s.shape[2:]), s.dtype, sharding=s.sharding), caches)
 
     def program(self, kind: str, n: int):
         """The compiled gather ("offload": (pools, pages [n]) -> batch) or write ("restore": (pools,
         pages [n], batch) -> pools, donated) of n pages in every pool array, rank by rank."""
-        runner = self.runner
-        key = ("host_" + kind, n)
-        if key not in runner.compiled:
-            t = time.perf_counter()
-            caches, batch = self.batch_specs(n)
-            specs = jax.tree.map(lambda s: s.sharding.spec, caches)
-            pages = jax.ShapeDtypeStruct((n,), np.int32, sharding=runner.replicated)
-            replicated = jax.sharding.PartitionSpec()
-            if kind == "offload":
-                body = jax.shard_map(lambda pools, idx: jax.tree.map(lambda x: x[:, idx], pools),
-                                     mesh=runner.mesh, in_specs=(specs, replicated), out_specs=specs)
-                # the gathered pages land in host memory (pinned_host, where the devices have it): XLA
-                # copies them out as part of the program, without a second dispatch
-                jitted = jax.jit(body, out_shardings=jax.tree.map(lambda s: self.host_sharding(s.sharding), batch))
-                runner.compiled[key] = jitted.lower(caches, pages).compile()
-            else:
-                body = jax.shard_map(
-                    lambda pools, idx, vals: jax.tree.map(lambda x, v: x.at[:, idx].set(v), pools, vals),
-                    mesh=runner.mesh, in_specs=(specs, replicated, specs), out_specs=specs)
-                jitted = jax.jit(body, donate_argnums=(0,), out_shardings=runner.shardings)
-                runner.compiled[key] = jitted.lower(caches, pages, batch).compile()
-            runner.compile_s += time.perf_counter() - t
-        return runner.compiled[key]
+        return self.programs.cache.get(("host_" + kind, n), lambda: self.build(kind, n))
+
+    def build(self, kind: str, n: int):
+        progs = self.programs
+        caches, batch = self.batch_specs(n)
+        specs = jax.tree.map(lambda s: s.sharding.spec, caches)
+        pages = jax.ShapeDtypeStruct((n,), np.int32, sharding=progs.replicated)
+        replicated = jax.sharding.PartitionSpec()
+        if kind == "offload":
+            body = jax.shard_map(lambda pools, idx: jax.tree.map(lambda x: x[:, idx], pools),
+                                 mesh=progs.mesh, in_specs=(specs, replicated), out_specs=specs)
+            # the gathered pages land in host memory (pinned_host, where the devices have it): XLA
+            # copies them out as part of the program, without a second dispatch
+            out = jax.tree.map(lambda s: self.host_sharding(s.sharding), batch)
+            return jax.jit(body, out_shardings=out).lower(caches, pages).compile()
+        body = jax.shard_map(
+            lambda pools, idx, vals: jax.tree.map(lambda x, v: x.at[:, idx].set(v), pools, vals),
+            mesh=progs.mesh, in_specs=(specs, replicated, specs), out_specs=specs)
+        jitted = jax.jit(body, donate_argnums=(0,), out_shardings=progs.shardings)
+        return jitted.lower(caches, pages, batch).compile()
 
     @staticmethod
     def host_sharding(sharding):
@@ -95,6 +94,10 @@ class HostCopier:
                 break
             n *= 2
 
+    def drop(self) -> None:
+        """After a failure: forget the offloads not taken yet (their blocks stay unfilled)."""
+        self.pending.clear()
+
     @staticmethod
     def padded(pages) -> np.ndarray:
         """Page indices padded with the null page to a power of two."""
@@ -102,15 +105,15 @@ class HostCopier:
         out[:len(pages)] = pages
         return out
 
-    def offload(self, blocks: list[HostBlock], pages) -> None:
-        """Dispatch the gather of `pages` (the blocks' device pages, in order) and start its copies to
-        the host; the blocks' payloads are filled by `finish`."""
+    def offload(self, caches, blocks: list[HostBlock], pages) -> None:
+        """Dispatch the gather of `pages` (the blocks' device pages, in order) from `caches` and start
+        its copies to the host; the blocks' payloads are filled by `finish`."""
         if not blocks:
             return
         idx = self.padded(pages)
         program = self.program("offload", len(idx))
         t = time.perf_counter()
-        out = program(self.runner.allocate(), idx)
+        out = program(caches, idx)
         leaves = jax.tree.leaves(out)
         for leaf in leaves:
             for sh in leaf.addressable_shards:
@@ -140,10 +143,11 @@ class HostCopier:
         self.pending.clear()
         self.counts["host_copy_s"] += time.perf_counter() - t
 
-    def restore(self, blocks: list[HostBlock], pages) -> None:
-        """Write the blocks' host payloads into `pages` of every pool array (each device its own share)."""
+    def restore(self, caches, blocks: list[HostBlock], pages):
+        """Write the blocks' host payloads into `pages` of every pool array of `caches` (donated; each
+        device its own share); returns the new pools."""
         if not blocks:
-            return
+            return caches
         self.finish()  # a block evicted and hit in the same iteration: its payload first
         idx = self.padded(pages)
         n = len(idx)
@@ -164,9 +168,9 @@ class HostCopier:
 
         specs, tree = jax.tree.flatten(batch)
         values = jax.tree.unflatten(tree, [assemble(i, s) for i, s in enumerate(specs)])
-        runner = self.runner
-        runner.caches = program(runner.allocate(), idx, values)
+        caches = program(caches, idx, values)
         self.counts["host_copy_s"] += time.perf_counter() - t
+        return caches
 
 
 def host_bytes(blocks) -> int:

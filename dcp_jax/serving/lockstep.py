@@ -149,8 +149,10 @@ class Message:
 class Lockstep:
     """One process's side of the protocol (module docstring). `process_id` 0 leads."""
 
-    def __init__(self, store, process_id: int, timeout_s: float = 60.0, *, spmd: bool = False, name: str = "serve"):
+    def __init__(self, store, process_id: int, timeout_s: float = 60.0, *, spmd: bool = False, name: str = "serve",
+                 num_processes: int = 2):
         self.store, self.process_id, self.timeout_s = store, process_id, float(timeout_s)
+        self.num_processes = num_processes  # the processes in step (the leader's and the followers')
         self.leader, self.spmd, self.key = process_id == 0, spmd, f"{KEY}/{name}"
         self.seq = 0
         self.journal: list = []  # leader: commands applied since the last message
@@ -164,7 +166,7 @@ class Lockstep:
     def of_runtime(cls, timeout_s: float = 60.0, **kw) -> "Lockstep":
         import jax
 
-        return cls(RuntimeStore(), jax.process_index(), timeout_s, **kw)
+        return cls(RuntimeStore(), jax.process_index(), timeout_s, num_processes=jax.process_count(), **kw)
 
     # --- the leader --------------------------------------------------------------------------------
     def record(self, kind: str, *args) -> None:

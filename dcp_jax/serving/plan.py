@@ -1,6 +1,6 @@
-"""What one engine iteration runs: the scheduler's plan (`SchedulePlan`) and its prefill chunks.
-
-Plain data made by `dcp_jax.serving.scheduler.Scheduler.schedule` and applied by its `update_*`.
+"""One engine iteration as data: what it runs (`SchedulePlan` and its prefill chunks, made by
+`Scheduler.schedule`) and what the device produced for it (`StepOutput`, made by `ModelRunner.execute`
+and applied by `Scheduler.update` in one call).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from dcp_jax.serving.request import Request
 class PrefillChunk:
     """Tokens [start, start + len(token_ids)) of `request` (prompt + output so far), to write into the
     cache through block-table row `slot`. When `is_last`, the device samples one token after the chunk's
-    last row (the request's next token) and hands it to `update_prefill`. When also `joins`, the request
-    decodes in the decode loop that follows the ragged step: its decode_steps - 1 tokens after that one,
-    from position `end` (their pages are reserved), handed to `Scheduler.update_joined`."""
+    last row (the request's next token: `StepOutput.first`). When also `joins`, the request decodes in
+    the decode loop that follows the ragged step: its decode_steps - 1 tokens after that one, from
+    position `end` (their pages are reserved: `StepOutput.joined`)."""
 
     request: Request
     slot: int
@@ -62,9 +62,7 @@ class SchedulePlan:
     block_table: np.ndarray  # int32 [max_num_seqs, max_blocks_per_seq]
     decode_budget: np.ndarray  # int32 [max_num_seqs]; 0 for slots that do not decode
     preempted: list[str]
-    prefill_applied: bool = False
-    decode_applied: bool = False
-    joined_applied: bool = False
+    applied: bool = False  # its results were applied (`Scheduler.update`) or its requests failed
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -84,7 +82,53 @@ class SchedulePlan:
         """The chunks whose requests decode in the loop after the ragged step (`PrefillChunk.joins`)."""
         return [c for c in self.prefills if c.joins]
 
-    @property
-    def applied(self) -> bool:
-        return ((self.prefill_applied or not self.prefills) and (self.decode_applied or not self.decode_slots)
-                and (self.joined_applied or not self.joining))
+
+@dataclasses.dataclass(frozen=True)
+class Sampled:
+    """Tokens a program sampled, on the host, rows by slot: tokens int32 and logprobs float32 [S, n];
+    `tops`: the top logprobs (ids, logprobs) [S, n, 20] when a request of the step asked, else None;
+    `counts` [S]: a verify step's tokens per slot (1 <= count <= its budget), else None (n each)."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    tops: tuple | None = None
+    counts: np.ndarray | None = None
+
+    def then(self, more: "Sampled") -> "Sampled":
+        """These columns followed by `more`'s (a ragged step's first token, then the decode loop's)."""
+        cat = lambda a, b: np.concatenate([a, b], axis=1)  # noqa: E731
+        tops = None if self.tops is None else tuple(cat(a, b) for a, b in zip(self.tops, more.tops))
+        return Sampled(cat(self.tokens, more.tokens), cat(self.logprobs, more.logprobs), tops)
+
+    def top(self, slot: int, i: int):
+        """Column i's top logprobs of row `slot` (ids, logprobs), or None."""
+        return None if self.tops is None else (self.tops[0][slot, i], self.tops[1][slot, i])
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What the device produced for one plan, on the host (`ModelRunner.execute`), for
+    `Scheduler.update`:
+
+    first    the ragged step's sampled token after each row's last one, [S, 1] (a prefill chunk that
+             `is_last`: its request's next token; a decode row: its first token of the iteration)
+    decode   the plan's decode rows' tokens [S, K]: the ragged step's first then the loop's K - 1, the
+             decode loop's K, or a verify step's k + 1 with `counts`
+    joined   the loop's K - 1 tokens [S, K - 1] of the requests that joined it (`plan.joining`)
+    prompt_scores  (request, start, logprobs, ranks, top ids, top logprobs) per row whose request
+             scores its prompt (prompt logprobs)
+    timing   the step's device counters (prefill_s, decode_s, decode_steps, ragged_steps,
+             rows_computed, rows_useful)
+    drafted / accepted_per_pos   a verify step's drafts proposed, and accepted by position
+    """
+
+    first: Sampled | None = None
+    decode: Sampled | None = None
+    joined: Sampled | None = None
+    prompt_scores: list = dataclasses.field(default_factory=list)
+    timing: dict = dataclasses.field(default_factory=dict)
+    drafted: int = 0
+    accepted_per_pos: np.ndarray | None = None
+
+    def count(self, key: str, value) -> None:
+        self.timing[key] = self.timing.get(key, 0) + value

@@ -5,9 +5,8 @@ vLLM-v1 style, plain Python over integers and NumPy (testable without devices). 
     plan = scheduler.schedule()          # chunks to prefill, slots to decode K steps, the block table
     ... the device runs plan.prefills and each decode slot's first token in one ragged step, then the
         other K - 1 decode steps (with no prefills: the K decode steps alone) ...
-    scheduler.update_prefill(plan, sampled)           # if plan.prefills
-    scheduler.update_joined(plan, tokens, logprobs)   # if plan.joining; tokens [max_num_seqs, K - 1]
-    scheduler.update_decode(plan, tokens, logprobs)   # if plan.decode_slots; tokens [max_num_seqs, K]
+    scheduler.update(plan, output)       # the whole step's result at once (`StepOutput`): first
+                                         # tokens, the loop's tokens [max_num_seqs, K], stop rules
 
 Device programs have fixed shapes (`max_num_seqs` slots × `max_blocks_per_seq` blocks), so a running
 request owns a slot (a row of the replicated block table) and whole logical blocks of
@@ -49,25 +48,27 @@ import numpy as np
 from dcp_jax.errors import UserError
 from dcp_jax.kv.manager import NULL_PAGE, KVCacheManager
 from dcp_jax.serving.config import SchedulerConfig
-from dcp_jax.serving.plan import PrefillChunk, SchedulePlan
-from dcp_jax.serving.prefilled import PrefilledAdmission
+from dcp_jax.serving.plan import PrefillChunk, Sampled, SchedulePlan, StepOutput
 from dcp_jax.serving.request import Request, RequestState
 
 __all__ = ["NULL_PAGE", "PrefillChunk", "SchedulePlan", "Scheduler", "SchedulerConfig"]
 
 
-class Scheduler(PrefilledAdmission):
-    """FCFS continuous batching with chunked prefill, K-step decode and recompute preemption (and the
-    admission of requests prefilled elsewhere: `PrefilledAdmission`).
+class Scheduler:
+    """FCFS continuous batching with chunked prefill, K-step decode and recompute preemption, and the
+    admission of requests prefilled elsewhere (`reserve_prefilled`, `admit_prefilled`).
 
     `detokenize(ids) -> str` (None without a tokenizer) is needed for stop strings and fills
-    `Request.text`. Finished requests (including refused and cancelled ones) are collected until
-    `pop_finished()`.
+    `Request.text`. `structured`: the engine's structured outputs (`dcp_jax.structured.
+    StructuredOutputs`: `problem(request)` when one enters, `advance(request)` after it emits), None
+    without a tokenizer (such requests are refused). Finished requests (including refused and cancelled
+    ones) are collected until `pop_finished()`.
     """
 
     def __init__(self, config: SchedulerConfig, *, detokenize: Callable[[Sequence[int]], str] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, structured=None):
         self.config, self.detokenize, self.clock = config, detokenize, clock
+        self.structured = structured
         self.layout = config.layout
         self.kv = KVCacheManager(config.layout, config.num_pages, config.max_num_seqs, config.max_blocks_per_seq,
                                  config.enable_prefix_caching, config.host_blocks)
@@ -80,9 +81,6 @@ class Scheduler(PrefilledAdmission):
         self.num_preemptions = 0
         self.last_plan: SchedulePlan | None = None
         self.step = 0
-        # structured outputs: why a request's grammar cannot run, or None (the engine sets it: it has
-        # the tokenizer); None here: such requests are refused
-        self.structured: Callable[[Request], str | None] | None = None
 
     # --- requests in and out -------------------------------------------------------------------------
     def add_request(self, request: Request) -> Request:
@@ -111,12 +109,12 @@ class Scheduler(PrefilledAdmission):
 
     def validate(self, request: Request) -> str | None:
         """Why `request` can never run (one line, with the fix), or None (`Request.problem`; a structured
-        output's grammar: `structured(request)`, the engine's check)."""
+        output's grammar: `structured.problem(request)`)."""
         problem = request.problem(self.config, self.kv.num_usable, can_detokenize=self.detokenize is not None)
         if problem is None and request.sampling.structured is not None:
             if self.structured is None:
                 return "structured outputs need the model's tokenizer (tokenizer.json)"
-            problem = self.structured(request)
+            problem = self.structured.problem(request)
         return problem
 
     def cancel(self, request_id: str) -> bool:
@@ -168,35 +166,47 @@ class Scheduler(PrefilledAdmission):
     def schedule(self) -> SchedulePlan:
         """Choose this iteration's work; reserve its pages (preempting the newest if needed)."""
         if self.last_plan is not None and not self.last_plan.applied:
-            raise RuntimeError("apply the previous plan's results (update_prefill / update_decode) "
-                               "before scheduling again")
-        cfg, lay = self.config, self.layout
+            raise RuntimeError("apply the previous plan's results (update) before scheduling again")
         self.step += 1
         decoding = [r for r in self.running if r.state is RequestState.DECODING]
-        # K: no decoding request may pass its max_tokens or the model length within the K steps (its
-        # pages and block-table columns are sized for that). Preemptions below only remove requests,
-        # so K stays valid for those that remain. A verify step (speculation) has K = k + 1 columns and
-        # budgets each request by its own tokens left instead.
+        k_steps, budget_of, budget = self.decode_budget(decoding)
+        prefills: list[PrefillChunk] = []
+        decodes: list[Request] = []
+        preempted: list[str] = []
+        budget = self.schedule_running(budget_of, budget, prefills, decodes, preempted)
+        if not preempted:  # (after a preemption the pool is short already)
+            self.admit_waiting(budget, prefills)
+        if not self.config.num_speculative_tokens and k_steps > 1 and decodes:
+            self.join_loop(k_steps, prefills)
+        self.last_plan = self.make_plan(prefills, decodes, k_steps, budget_of, preempted)
+        return self.last_plan
+
+    def decode_budget(self, decoding: list[Request]):
+        """(K, each decoding request's tokens this iteration, the prefill token budget left).
+
+        No decoding request may pass its max_tokens or the model length within the K steps (its pages
+        and block-table columns are sized for that); preemptions only remove requests, so K stays valid
+        for those that remain. A verify step (speculation) has K = k + 1 columns and budgets each
+        request by its own tokens left instead."""
+        cfg = self.config
         left = lambda r: r.tokens_left(cfg.max_model_len)  # noqa: E731
         budget = cfg.max_num_batched_tokens
         if cfg.num_speculative_tokens:
             k_steps = cfg.tokens_per_decode if decoding else 0
-            budget_of = lambda r: min(k_steps, left(r))  # noqa: E731
-        else:
-            k_steps = min([cfg.decode_steps] + [left(r) for r in decoding]) if decoding else 0
-            if any(r.sampling.structured is not None for r in decoding):
-                k_steps = min(k_steps, 1)  # a structured output's next mask needs the token before it
-            budget_of = lambda r: k_steps  # noqa: E731
-            # an iteration that prefills runs each decoding request's first token in the ragged step,
-            # beside the chunks: one token of the budget each (its other K - 1 follow in the decode loop)
-            budget -= len(decoding)
-        prefills: list[PrefillChunk] = []
-        decodes: list[Request] = []
-        preempted: list[str] = []
+            return k_steps, lambda r: min(k_steps, left(r)), budget
+        k_steps = min([cfg.decode_steps] + [left(r) for r in decoding]) if decoding else 0
+        if any(r.sampling.structured is not None for r in decoding):
+            k_steps = min(k_steps, 1)  # a structured output's next mask needs the token before it
+        # an iteration that prefills runs each decoding request's first token in the ragged step,
+        # beside the chunks: one token of the budget each (its other K - 1 follow in the decode loop)
+        return k_steps, lambda r: k_steps, budget - len(decoding)
 
-        # 1. running requests, oldest first; a shortage preempts from the newest end of `running`
-        #    (not yet visited), down to the request itself.
-        kv, i = self.kv, 0
+    def schedule_running(self, budget_of, budget: int, prefills: list, decodes: list,
+                         preempted: list) -> int:
+        """Running requests, oldest first: each decoding one's K steps, each prefilling one's next
+        chunk within `budget`; a page shortage preempts from the newest end of `running` (not yet
+        visited), down to the request itself. Returns the budget left."""
+        kv, lay, i = self.kv, self.layout, 0
         while i < len(self.running):
             r = self.running[i]
             if r.state is RequestState.DECODING:
@@ -225,12 +235,16 @@ class Scheduler(PrefilledAdmission):
                 prefills.append(self.chunk(r, target))
                 budget -= target - r.num_computed
             i += 1
+        return budget
 
-        # 2. admit waiting requests in arrival order while slots, pages and budget last (not after a
-        #    preemption: the pool is short already). Strict FCFS: the head waits, nobody overtakes it.
-        while not preempted and self.waiting and kv.free_slots and budget > 0:
+    def admit_waiting(self, budget: int, prefills: list) -> None:
+        """Admit waiting requests in arrival order while slots, pages and budget last. Strict FCFS: the
+        head waits, nobody overtakes it."""
+        kv, lay = self.kv, self.layout
+        while self.waiting and kv.free_slots and budget > 0:
             r = self.waiting[0]
-            if kv.enable_prefix_caching and r.follows is not None and r.follows.state is RequestState.PREFILLING:
+            if (kv.enable_prefix_caching and r.follows is not None
+                    and r.follows.state is RequestState.PREFILLING):
                 break  # n samples: the first's prefill fills the full blocks the others then share
             hit = kv.lookup(r)
             available = kv.num_available - kv.num_taken_by(hit)
@@ -247,30 +261,31 @@ class Scheduler(PrefilledAdmission):
             prefills.append(self.chunk(r, target))
             budget -= target - start
 
-        # 3. requests whose prompt ends in this step join the decode loop that runs after it for the
-        #    decoding ones (its K - 1 steps)
-        if not cfg.num_speculative_tokens and k_steps > 1 and decodes:
-            for i, c in enumerate(prefills):
-                r = c.request
-                if not c.is_last or r.sampling.structured is not None or left(r) < k_steps:
-                    continue
-                need = kv.blocks_needed(r, c.end + k_steps - 1)  # the loop writes positions end .. end + K - 2
-                if need <= kv.num_available:
-                    kv.grow(r, need)
-                    prefills[i] = dataclasses.replace(c, joins=True)
+    def join_loop(self, k_steps: int, prefills: list) -> None:
+        """Requests whose prompt ends in this step join the decode loop that runs after it for the
+        decoding ones (its K - 1 steps), when free pages hold them (never preempting another)."""
+        for i, c in enumerate(prefills):
+            r = c.request
+            if (not c.is_last or r.sampling.structured is not None
+                    or r.tokens_left(self.config.max_model_len) < k_steps):
+                continue
+            need = self.kv.blocks_needed(r, c.end + k_steps - 1)  # the loop writes end .. end + K - 2
+            if need <= self.kv.num_available:
+                self.kv.grow(r, need)
+                prefills[i] = dataclasses.replace(c, joins=True)
 
-        n = cfg.max_num_seqs
+    def make_plan(self, prefills, decodes, k_steps: int, budget_of, preempted) -> SchedulePlan:
+        n = self.config.max_num_seqs
         tokens, positions, mask = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, bool)
         budgets = np.zeros(n, np.int32)
         for r in decodes:
             tokens[r.slot], positions[r.slot], mask[r.slot] = r.output_token_ids[-1], r.num_computed, True
             budgets[r.slot] = budget_of(r)
-        plan = SchedulePlan(
-            step=self.step, prefills=prefills, decode_requests=decodes, decode_slots=[r.slot for r in decodes],
-            decode_steps=k_steps if decodes else 0, decode_tokens=tokens, decode_positions=positions,
-            decode_mask=mask, block_table=self.kv.block_table.copy(), preempted=preempted, decode_budget=budgets)
-        self.last_plan = plan
-        return plan
+        return SchedulePlan(
+            step=self.step, prefills=prefills, decode_requests=decodes,
+            decode_slots=[r.slot for r in decodes], decode_steps=k_steps if decodes else 0,
+            decode_tokens=tokens, decode_positions=positions, decode_mask=mask,
+            block_table=self.kv.block_table.copy(), preempted=preempted, decode_budget=budgets)
 
     def reset_prefix_cache(self, host: bool = True) -> int:
         """Forget every cached prefix block no request holds (and, with `host`, the host tier's);
@@ -307,16 +322,40 @@ class Scheduler(PrefilledAdmission):
         self.finished.append(r)
 
     # --- what the device produced --------------------------------------------------------------------
-    def update_prefill(self, plan: SchedulePlan, sampled: Sequence[int | None],
-                       logprobs: Sequence[float | None] | None = None, tops=None) -> list[Request]:
-        """Apply a plan's prefill results. `sampled[i]` is the token sampled after `plan.prefills[i]`
-        (read only where `is_last`; None elsewhere is fine); `tops[i]` its top logprobs (ids, values)
-        when any request asked. Returns the requests that finished."""
-        self.check_plan(plan, "prefill_applied")
-        if len(sampled) != len(plan.prefills):
-            raise ValueError(f"got {len(sampled)} sampled tokens for {len(plan.prefills)} prefill chunks")
+    def update(self, plan: SchedulePlan, output: StepOutput) -> list[Request]:
+        """Apply one plan's whole result (`StepOutput`): the prefill chunks' first tokens, the joined
+        requests' loop tokens, the decode rows' tokens, prompt scores; structured outputs' matchers
+        advanced over what each request emitted. Each token's input is now in the cache: a request's
+        length grows by what it emitted, so a rejected draft's KV is left past the length, masked, and
+        overwritten later. Tokens after a stop are discarded. Returns the requests that finished."""
+        self.check_output(plan, output)  # (before anything changes: a refused output changes nothing)
+        self.check_plan(plan)
+        done: list[Request] = []
+        if plan.prefills:
+            done += self.apply_prefill(plan, output.first)
+            for request, start, *scores in output.prompt_scores:
+                request.record_prompt_scores(start, *scores)
+        if plan.joining:
+            done += self.apply_joined(plan, output.joined)
+        if plan.decode_slots:
+            done += self.apply_decode(plan, output.decode)
+        self.advance_structured([c.request for c in plan.prefills] + plan.decode_requests)
+        return done
+
+    def check_output(self, plan: SchedulePlan, output: StepOutput) -> None:
+        """Raise ValueError unless `output` has every result `plan` needs, in its shapes."""
+        if any(c.is_last for c in plan.prefills):
+            self.check_shape(output.first, 1, "first")
+        if plan.joining:
+            self.check_shape(output.joined, plan.decode_steps - 1, "joined")
+        if plan.decode_slots:
+            self.check_shape(output.decode, plan.decode_steps, "decode")
+
+    def apply_prefill(self, plan: SchedulePlan, first: Sampled | None) -> list[Request]:
+        """The prefill chunks' results: each chunk's tokens are in the cache (its full blocks
+        registered); a last chunk's request records its first token (`first`, row = slot)."""
         done = []
-        for i, c in enumerate(plan.prefills):
+        for c in plan.prefills:
             r = c.request
             if r.state is not RequestState.PREFILLING or r.slot != c.slot:
                 continue  # cancelled after the plan was made
@@ -325,75 +364,74 @@ class Scheduler(PrefilledAdmission):
             if not c.is_last:
                 continue
             r.state = RequestState.DECODING
-            if self.append(r, sampled[i], None if logprobs is None else logprobs[i], None if tops is None else tops[i]):
+            if self.append(r, first.tokens[c.slot, 0], first.logprobs[c.slot, 0], first.top(c.slot, 0)):
                 done.append(r)
         return done
 
-    def update_decode(self, plan: SchedulePlan, tokens, logprobs=None, counts=None, tops=None) -> list[Request]:
-        """Apply a plan's decode results: tokens (and logprobs) [max_num_seqs, K], row = slot (`tops`: the
-        top logprobs' (ids, values) [max_num_seqs, K, 20] when any request asked); `counts`
-        [max_num_seqs] (a verify step: how many of the row's tokens it produced, 1 <= count <= its
-        decode_budget; default K each). Each token's input (the previous token) is now in the cache: the
-        request's length grows by the count and nothing else changes, so a rejected draft's KV is left
-        past the length, masked, and overwritten later. Tokens after a stop are discarded. Returns the
-        requests that finished."""
-        self.check_plan(plan, "decode_applied")
-        tokens = np.asarray(tokens)
+    def apply_decode(self, plan: SchedulePlan, out: Sampled) -> list[Request]:
+        """The decode rows' tokens [max_num_seqs, K] (a verify step: `counts` per slot, 1 <= count <=
+        its decode_budget; else K each)."""
         k = plan.decode_steps
-        if plan.decode_slots and tokens.shape != (self.config.max_num_seqs, k):
-            raise ValueError(f"decode tokens have shape {tokens.shape}, expected ({self.config.max_num_seqs}, {k})")
-        lp = None if logprobs is None else np.asarray(logprobs)
         done = []
         for r, slot in zip(plan.decode_requests, plan.decode_slots):
             if r.state is not RequestState.DECODING or r.slot != slot:
                 continue  # cancelled after the plan was made
-            count = k if counts is None else int(counts[slot])
+            count = k if out.counts is None else int(out.counts[slot])
             if not 1 <= count <= plan.decode_budget[slot]:
                 raise ValueError(f"slot {slot}: {count} tokens for a budget of {plan.decode_budget[slot]}")
-            if self.append_decoded(r, count, tokens, lp, tops):
+            if self.append_decoded(r, count, out):
                 done.append(r)
         return done
 
-    def update_joined(self, plan: SchedulePlan, tokens, logprobs=None, tops=None) -> list[Request]:
-        """Apply the decode loop's tokens of the requests that joined it (`plan.joining`), after
-        `update_prefill` gave them their first: tokens (and logprobs) [max_num_seqs, K - 1], row = slot
-        (`tops` as `update_decode`'s). Tokens after a stop are discarded (one that stopped at its first
-        token gets none). Returns the requests that finished."""
-        if not plan.prefill_applied:
-            raise RuntimeError(f"plan of step {plan.step}: apply its prefills (update_prefill) first")
-        tokens = np.asarray(tokens)
+    def apply_joined(self, plan: SchedulePlan, out: Sampled) -> list[Request]:
+        """The decode loop's K - 1 tokens [max_num_seqs, K - 1] of the requests that joined it
+        (`plan.joining`), after their first token. One that stopped at its first token gets none."""
         k = plan.decode_steps - 1
-        if plan.joining and tokens.shape != (self.config.max_num_seqs, k):
-            raise ValueError(f"joined tokens have shape {tokens.shape}, expected ({self.config.max_num_seqs}, {k})")
-        self.check_plan(plan, "joined_applied")
-        lp = None if logprobs is None else np.asarray(logprobs)
         done = []
         for c in plan.joining:
             r = c.request
             if r.state is not RequestState.DECODING or r.slot != c.slot or r.num_computed != c.end:
                 continue  # stopped at its first token, or cancelled after the plan was made
-            if self.append_decoded(r, k, tokens, lp, tops):
+            if self.append_decoded(r, k, out):
                 done.append(r)
         return done
 
-    def append_decoded(self, r: Request, count: int, tokens, logprobs, tops) -> bool:
-        """Record the first `count` tokens of row `r.slot` of a decode loop's output, each one's input now
-        in the cache; stop at a stop rule (returns True: the request finished)."""
+    def check_shape(self, out: Sampled | None, k: int, what: str) -> None:
+        shape = None if out is None else np.shape(out.tokens)
+        if shape != (self.config.max_num_seqs, k):
+            raise ValueError(f"{what} tokens have shape {shape}, expected ({self.config.max_num_seqs}, {k})")
+
+    def advance_structured(self, requests) -> None:
+        """Feed each structured request's matcher the tokens it just emitted; a token its grammar
+        refused (never sampled under its mask: a bug) fails the request."""
+        for r in requests:
+            if r.matcher is not None and not r.is_finished and (error := self.structured.advance(r)):
+                self.fail(r, f"the structured output left its grammar: {error}")
+
+    def fail_plan(self, plan: SchedulePlan, error: str) -> None:
+        """`plan` could not run: fail its unfinished requests (retryable: the server's fault, not the
+        request's) and take it as applied."""
+        plan.applied = True
+        for r in [c.request for c in plan.prefills] + list(plan.decode_requests):
+            self.fail(r, error, retryable=True)
+
+    def append_decoded(self, r: Request, count: int, out: Sampled) -> bool:
+        """Record the first `count` tokens of row `r.slot` of a decode loop's output, each one's input
+        now in the cache; stop at a stop rule (returns True: the request finished)."""
         slot = r.slot
         for step in range(count):
             r.num_computed += 1  # the step's input token is now in the cache
-            top = None if tops is None else (tops[0][slot, step], tops[1][slot, step])
-            if self.append(r, tokens[slot, step], None if logprobs is None else logprobs[slot, step], top):
+            if self.append(r, out.tokens[slot, step], out.logprobs[slot, step], out.top(slot, step)):
                 return True  # finish() registered its full blocks before freeing them
         self.kv.register(r)
         return False
 
-    def check_plan(self, plan: SchedulePlan, flag: str) -> None:
+    def check_plan(self, plan: SchedulePlan) -> None:
         if plan is not self.last_plan:
             raise RuntimeError(f"plan of step {plan.step} is not the latest (step {self.step})")
-        if getattr(plan, flag):
-            raise RuntimeError(f"plan of step {plan.step}: results already applied ({flag})")
-        setattr(plan, flag, True)
+        if plan.applied:
+            raise RuntimeError(f"plan of step {plan.step}: its results were applied already")
+        plan.applied = True
 
     def append(self, r: Request, token, logprob, top=None) -> bool:
         """Record a sampled token (and its top logprobs); finish the request (freeing its pages) if a stop
@@ -403,6 +441,51 @@ class Scheduler(PrefilledAdmission):
             self.finish(r)
             return True
         return False
+
+    # --- requests prefilled elsewhere (prefill/decode disaggregation, `dcp_jax.disagg`) -------------
+    def reserve_prefilled(self, request: Request) -> bool | None:
+        """Hold a slot and the prompt's pages for `request` before a prefill instance computes its KV
+        (which `admit_prefilled` then writes straight into them): what is on the way counts against the
+        pool like what is running. True when reserved; None when no slot or pages are free now, or
+        requests wait for recompute (FCFS: try again after a step); False when the request can never run
+        (finished, as `add_request`). `fail` and `abort` give a reservation back."""
+        if self.refuse(request):
+            return False
+        if (taken := self.take_prompt_pages(request)) is None:
+            return None
+        self.reserved[request.request_id] = taken
+        return True
+
+    def take_prompt_pages(self, request: Request) -> Request | None:
+        kv, need = self.kv, self.layout.blocks_for(request.num_prompt_tokens)
+        if self.waiting or not kv.free_slots or need > kv.num_available:
+            return None
+        kv.admit(request)
+        kv.grow(request, need)
+        return request
+
+    def admit_prefilled(self, request: Request, first_token: int, first_logprob: float | None,
+                        write: Callable[[list[int]], None], top=None) -> bool | None:
+        """Admit `request` straight into decoding: its prompt's KV was computed elsewhere (a prefill
+        instance) and its first token sampled there. Uses its reservation (`reserve_prefilled`) or takes
+        a slot and the prompt's pages now, calls `write(pages)` to put the KV into them (block-table
+        order), then records the first token (which may finish the request at once). Returns True when
+        admitted; without a reservation None when no slot or pages are free now, or requests wait for
+        recompute (try again after a step), False when the request can never run (finished with
+        finish_reason "error", as `add_request` does); `top`: the first token's top logprobs (ids,
+        logprobs). A duplicate id raises UserError."""
+        if self.reserved.get(request.request_id) is request:
+            del self.reserved[request.request_id]
+        elif self.refuse(request):
+            return False
+        elif self.take_prompt_pages(request) is None:
+            return None
+        request.state, request.num_computed = RequestState.DECODING, request.num_prompt_tokens
+        self.requests[request.request_id] = request
+        self.running.append(request)
+        write(list(request.pages))
+        self.append(request, first_token, first_logprob, top=top)
+        return True
 
     # --- introspection -------------------------------------------------------------------------------
     def stats(self) -> dict:
