@@ -4,7 +4,8 @@ runtime, and the supervisor that turns a lost peer into one line.
 Every process runs the same command with its own `--process-id` (or `--distributed`, where JAX detects
 the cluster). JAX's coordination service ends a process whose peer died or stalled with SIGABRT and a
 C++ stack dump; so an entry point runs its share of the job in a child process (`supervise`), keeps the
-child's stderr, and reports how it ended in one `error:` line (exit status 1).
+child's stderr, and reports how it ended in one `error:` line (exit status 1). The child dies with
+its supervisor, even one killed by SIGKILL (`die_with_supervisor`): none is left holding devices.
 """
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 
 from dcp_jax.cli import RUN_ERROR, UsageError, positive_int
 from dcp_jax.mesh import DIST_TIMEOUT_S
 
 WORKER = "DCP_JAX_DISTRIBUTED_WORKER"  # set in the supervised child
+# in the supervised child: "<the supervisor's pid>:<the fd of a pipe whose writing end it holds>"
+SUPERVISOR = "DCP_JAX_SUPERVISOR"
+PR_SET_PDEATHSIG = 1  # Linux's prctl option: a signal this process gets when its parent ends
 # what a step's error says when a collective lost its peer (JAX's CPU collectives run on gloo over TCP)
 PEER_LOST = re.compile(r"Gloo|Connection reset by peer|Connection closed by peer|coordination service", re.I)
 
@@ -61,6 +66,7 @@ def start(module: str, argv, args, mesh_devices: int | None, stream: bool = Fals
         return None
     if not os.environ.get(WORKER):
         return supervise(module, argv if argv is not None else sys.argv[1:], args, stream=stream)
+    die_with_supervisor()
     results = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = results
@@ -76,12 +82,26 @@ def supervise(module: str, argv, args, stream: bool = False) -> int:
     report how it ended in one line: its last `error:` line, or what ended it. `stream` (a server): the
     child's other stderr lines pass through as they come (the runtime's own logging and an abort's
     stack dump left out); else they are shown only when it succeeds. SIGTERM / SIGINT are passed on to
-    the child (a server drains), and the child never outlives the supervisor."""
-    env = dict(os.environ, **{WORKER: "1"})
+    the child (a server drains), and the child never outlives the supervisor, not even one killed by
+    SIGKILL (`die_with_supervisor`)."""
+    # the child gets the reading end of a pipe whose writing end only this process holds: EOF there
+    # says this process is gone
+    alive_r, alive_w = os.pipe()
+    env = dict(os.environ, **{WORKER: "1", SUPERVISOR: f"{os.getpid()}:{alive_r}"})
     sys.stdout.flush()
-    child = subprocess.Popen([sys.executable, "-m", module, *map(str, argv)], env=env, stdin=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True, errors="replace")
-    forward = {sig: signal.signal(sig, lambda s, _f: child.send_signal(s)) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        child = subprocess.Popen([sys.executable, "-m", module, *map(str, argv)], env=env,
+                                 stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                 errors="replace", pass_fds=(alive_r,))
+    except BaseException:
+        os.close(alive_w)
+        raise
+    finally:
+        os.close(alive_r)
+    # signals reach the main thread only (and only it may set handlers): elsewhere none pass on
+    main = threading.current_thread() is threading.main_thread()
+    sigs = (signal.SIGTERM, signal.SIGINT) if main else ()
+    forward = {sig: signal.signal(sig, lambda s, _f: child.send_signal(s)) for sig in sigs}
     errors, kept, failing, native = [], [], False, False
     try:
         for line in child.stderr:
@@ -102,6 +122,7 @@ def supervise(module: str, argv, args, stream: bool = False) -> int:
         if child.poll() is None:
             child.kill()
             child.wait()
+        os.close(alive_w)
         for sig, handler in forward.items():
             signal.signal(sig, handler)
     if child.returncode == 0:
@@ -120,6 +141,46 @@ def supervise(module: str, argv, args, stream: bool = False) -> int:
     print(f"error: {who} {how}: a peer process stopped or never reached the coordinator "
           f"{args.coordinator or '(auto-detected)'} within --dist-timeout {args.dist_timeout} s", file=sys.stderr)
     return RUN_ERROR
+
+
+def die_with_supervisor() -> None:
+    """In a supervised child, as early as it runs: end this process when its supervisor ends, even
+    by SIGKILL (which runs none of the supervisor's cleanup). On Linux the kernel sends SIGKILL when
+    the parent ends (PR_SET_PDEATHSIG); everywhere, a thread waits for EOF on a pipe whose writing
+    end only the supervisor holds, and ends this process then. A supervisor gone before this ran
+    (the parent is no longer the supervisor's pid) ends it at once. Outside a supervised child (no
+    SUPERVISOR in the environment): nothing."""
+    pid, _, fd = os.environ.pop(SUPERVISOR, "").partition(":")
+    if not pid:
+        return
+    _set_pdeathsig()
+    if os.getppid() != int(pid):
+        os._exit(RUN_ERROR)
+
+    def watch(fd: int) -> None:
+        try:
+            while os.read(fd, 1):
+                pass
+        except OSError:
+            pass
+        os._exit(RUN_ERROR)  # the supervisor is gone: nobody reads our stderr, no cleanup to report
+
+    threading.Thread(target=watch, args=(int(fd),), name="dcp-jax-supervisor-gone",
+                     daemon=True).start()
+
+
+def _set_pdeathsig() -> bool:
+    """Linux: SIGKILL this process when its parent thread ends (the one that started it, which waits
+    in `supervise` while it runs). Elsewhere, or where libc has no prctl: False."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return False
+    return prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGKILL), 0, 0, 0) == 0
 
 
 _WORDS = re.compile(r"[A-Za-z]{2}")  # a line without a word is a fragment of a native write (seen: "7")
