@@ -20,7 +20,7 @@ import uuid
 from dcp_jax.errors import UserError
 from dcp_jax.penalties import bad_words_ids
 from dcp_jax.sampling import MAX_TOP_LOGPROBS, SamplingParams, check_seed
-from dcp_jax.serving.protocol import UNSUPPORTED, APIError, RequestBody
+from dcp_jax.server.protocol import UNSUPPORTED, APIError, RequestBody
 from dcp_jax.serving.request import Request
 
 try:
@@ -172,7 +172,7 @@ class Intake:
         seed = body.seed if body.seed is not None else random.getrandbits(31)
         if (problem := check_seed(seed)) is not None:
             raise APIError(400, problem, param="seed")
-        field, n_top = top_logprobs
+        n_top = top_logprobs[1]
         if body.prompt_logprobs is not None and body.stream:
             raise APIError(400, "prompt_logprobs is not supported with stream: true", param="prompt_logprobs")
         scored = [k for k in (body.prompt_logprobs, echo_logprobs) if k is not None]
@@ -186,15 +186,8 @@ class Intake:
                                       presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                       repetition_penalty=body.repetition_penalty, bad_words_ids=words,
                                       prompt_logprobs=max(scored) if scored else None, structured=structured)
-        except UserError as e:  # SamplingParams owns these ranges; its message starts with the field
-            name = str(e).split()[0]
-            if name == "top_logprobs":
-                raise APIError(400, f"{field} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {n_top!r}",
-                               param=field) from None
-            known = ("temperature", "top_k", "top_p", "min_p", "logit_bias", "allowed_token_ids", "presence_penalty",
-                     "frequency_penalty", "repetition_penalty", "bad_words", "prompt_logprobs")
-            param = structured_field if name == "structured" else name if name in known else None
-            raise APIError(400, str(e), param=param) from None
+        except UserError as e:  # SamplingParams owns these ranges; the error names its field
+            raise self.sampling_error(e, top_logprobs, structured_field) from None
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if len(stop) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stop):
             raise APIError(400, f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "
@@ -208,6 +201,34 @@ class Intake:
                                stop_token_ids=tuple(body.stop_token_ids or ()), min_tokens=body.min_tokens,
                                include_stop_str_in_output=body.include_stop_str_in_output,
                                skip_special_tokens=body.skip_special_tokens, arrival_time=time.monotonic())
+
+    @staticmethod
+    def sampling_error(e: UserError, top_logprobs: tuple[str, int], structured_field: str | None) -> APIError:
+        """The 400 of a value SamplingParams refused, its `param` the request field it concerns:
+        top_logprobs is the field that asked for them (completions' logprobs), structured the field
+        that gave the structured output."""
+        field, n_top = top_logprobs
+        name = sampling_field(e)
+        if name == "top_logprobs":
+            return APIError(400, f"{field} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {n_top!r}",
+                            param=field)
+        return APIError(400, str(e), param=structured_field if name == "structured" else name)
+
+
+# SamplingParams' arguments named as the request's fields (the rest have the same names)
+SAMPLING_FIELDS = {"bad_words_ids": "bad_words"}
+KNOWN_FIELDS = ("temperature", "top_k", "top_p", "top_logprobs", "min_p", "logit_bias", "allowed_token_ids",
+                "presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words", "prompt_logprobs",
+                "structured")
+
+
+def sampling_field(e: UserError) -> str | None:
+    """The SamplingParams argument a UserError concerns: its `field`; failing that (an error raised
+    without one) the message's first word when that names an argument."""
+    if e.field is not None:
+        return SAMPLING_FIELDS.get(e.field, e.field)
+    word = str(e).split()[0] if str(e).split() else None
+    return word if word in KNOWN_FIELDS else None
 
 
 def structured_of(body: RequestBody) -> tuple[dict | None, str | None]:
