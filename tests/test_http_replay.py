@@ -1,10 +1,11 @@
 """The HTTP front end answers a recorded set of requests as it did when they were recorded.
 
-`tests/fixtures/http_replay.json` holds (request, status, normalised body) for representative requests
-of every endpoint: completions and chat (whole and streamed, with logprobs, echo, n, stop), tokenize,
-and the errors test_server.py sends (bad fields, unsupported parameters, bad JSON, a body past the size
-limit, an unknown model, a missing API key). Bodies are normalised (ids, timestamps, per-chunk splits of
-a stream, float noise) so that only what the front end decides is compared. Greedy decoding throughout.
+`tests/fixtures/http_replay.json` holds (request, status, normalised body) for representative
+requests of every endpoint: completions and chat (whole and streamed, with logprobs, echo, n, stop),
+tokenize, and the errors test_server.py sends (bad fields, unsupported parameters, bad JSON, a body
+past the size limit, an unknown model, a missing API key). Bodies are normalised (ids, timestamps,
+per-chunk splits of a stream, float noise) so that only what the front end decides is compared.
+Greedy decoding throughout.
 
 Recording (on the code whose answers are the reference):
     DCP_JAX_RECORD_HTTP=1 python -m pytest tests/test_http_replay.py -p no:cacheprovider
@@ -29,14 +30,15 @@ RECORDING = FIXTURES / "http_replay.json"
 MODEL = "tiny-llama"
 KEY = "sekrit"
 MAX_MODEL_LEN = 64
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n"
+            "{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
 HI = [{"role": "user", "content": "hi"}]
 
 
 def _cmpl(**kw):
-    return ("POST", "/v1/completions", dict({"model": MODEL, "prompt": "Hello world", "max_tokens": 4,
-                                             "temperature": 0}, **kw))
+    base = {"model": MODEL, "prompt": "Hello world", "max_tokens": 4, "temperature": 0}
+    return ("POST", "/v1/completions", dict(base, **kw))
 
 
 def _chat(**kw):
@@ -53,53 +55,73 @@ REQUESTS = [
     ("GET", "/v1/models/gpt-4", None), ("GET", "/tokenizer_info", None), ("GET", "/nowhere", None),
     ("POST", "/tokenize", {"model": MODEL, "prompt": "Hello world"}),
     ("POST", "/tokenize", {"prompt": "Hello world", "return_token_strs": True}),
-    ("POST", "/tokenize", {"messages": HI}), ("POST", "/tokenize", {"messages": HI, "add_generation_prompt": False}),
+    ("POST", "/tokenize", {"messages": HI}),
+    ("POST", "/tokenize", {"messages": HI, "add_generation_prompt": False}),
     ("POST", "/tokenize", {"prompt": "a", "messages": HI}), ("POST", "/tokenize", {}),
     ("POST", "/tokenize", {"model": "other", "prompt": "a"}), ("POST", "/tokenize", {"prompt": 5}),
-    ("POST", "/detokenize", {"model": MODEL, "tokens": [5, 6, 7]}), ("POST", "/detokenize", {"tokens": [1, 10**6]}),
+    ("POST", "/detokenize", {"model": MODEL, "tokens": [5, 6, 7]}),
+    ("POST", "/detokenize", {"tokens": [1, 10**6]}),
     ("POST", "/detokenize", {"tokens": "1,2"}),
     # completions
-    _cmpl(), _cmpl(logprobs=2), _cmpl(prompt=[5, 6, 7, 8]), _cmpl(prompt=[[5, 6, 7, 8]]), _cmpl(prompt=["Hello"]),
+    _cmpl(), _cmpl(logprobs=2), _cmpl(prompt=[5, 6, 7, 8]), _cmpl(prompt=[[5, 6, 7, 8]]),
+    _cmpl(prompt=["Hello"]),
     _cmpl(stream=True), _cmpl(stream=True, logprobs=1, stream_options={"include_usage": True}),
     _cmpl(echo=True, logprobs=1, max_tokens=0), _cmpl(echo=True, max_tokens=2),
     _cmpl(prompt_logprobs=1, max_tokens=1), _cmpl(n=2, seed=3, temperature=0.7),
-    _cmpl(stop=["o"], max_tokens=8), _cmpl(max_completion_tokens=2), _cmpl(ignore_eos=True, min_tokens=2),
-    _cmpl(guided_choice=["alpha", "beta"], max_tokens=8), _cmpl(structured_outputs={"regex": "[a-c]{3}"}),
+    _cmpl(stop=["o"], max_tokens=8), _cmpl(max_completion_tokens=2),
+    _cmpl(ignore_eos=True, min_tokens=2),
+    _cmpl(guided_choice=["alpha", "beta"], max_tokens=8),
+    _cmpl(structured_outputs={"regex": "[a-c]{3}"}),
     # chat
     _chat(), _chat(logprobs=True, top_logprobs=2), _chat(stream=True),
-    _chat(stream=True, stream_options={"include_usage": True}, logprobs=True), _chat(prompt_logprobs=0, max_tokens=1),
+    _chat(stream=True, stream_options={"include_usage": True}, logprobs=True),
+    _chat(prompt_logprobs=0, max_tokens=1),
     _chat(response_format={"type": "json_object"}, max_tokens=6),
 ]
 BAD_COMPLETIONS = [
-    {"model": MODEL}, {"prompt": "hi"}, {"model": MODEL, "prompt": 5}, {"max_tokens": "8"}, {"temperature": "hot"},
-    {"model": "gpt-4"}, {"model": "x" * 200}, {"max_tokens": -1}, {"max_tokens": 0}, {"max_tokens": 10_000},
-    {"prompt": list(range(2, 2 + MAX_MODEL_LEN - 4)), "max_tokens": 5}, {"prompt": list(range(2, 2 + MAX_MODEL_LEN))},
-    {"prompt": [300]}, {"prompt": []}, {"prompt": ["a", "b"]}, {"prompt": "x" * 100_000}, {"n": 0}, {"n": 17},
+    {"model": MODEL}, {"prompt": "hi"}, {"model": MODEL, "prompt": 5}, {"max_tokens": "8"},
+    {"temperature": "hot"},
+    {"model": "gpt-4"}, {"model": "x" * 200}, {"max_tokens": -1}, {"max_tokens": 0},
+    {"max_tokens": 10_000},
+    {"prompt": list(range(2, 2 + MAX_MODEL_LEN - 4)), "max_tokens": 5},
+    {"prompt": list(range(2, 2 + MAX_MODEL_LEN))},
+    {"prompt": [300]}, {"prompt": []}, {"prompt": ["a", "b"]}, {"prompt": "x" * 100_000}, {"n": 0},
+    {"n": 17},
     {"best_of": 3}, {"suffix": "x"}, {"temperature": -1}, {"top_p": 0}, {"top_k": -1},
-    {"top_k": 1_000_000_000_000}, {"seed": 4294967296}, {"logprobs": 50}, {"logprobs": 21}, {"logprobs": -1},
+    {"top_k": 1_000_000_000_000}, {"seed": 4294967296}, {"logprobs": 50}, {"logprobs": 21},
+    {"logprobs": -1},
     {"stop": 3}, {"stop": ""}, {"stop": ["x"] * 17}, {"stream_options": {"include_usage": True}},
-    {"stream": True, "stream_options": {"include_usage": "yes"}}, {"max_tokens": 2, "min_tokens": 3},
-    {"repetition_penalty": 0}, {"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"bad_words": [""]},
-    {"bad_words": [f"w{i}" for i in range(40)]}, {"prompt_logprobs": 21}, {"prompt_logprobs": 1, "stream": True},
+    {"stream": True, "stream_options": {"include_usage": "yes"}},
+    {"max_tokens": 2, "min_tokens": 3},
+    {"repetition_penalty": 0}, {"presence_penalty": 2.5}, {"frequency_penalty": -3},
+    {"bad_words": [""]},
+    {"bad_words": [f"w{i}" for i in range(40)]}, {"prompt_logprobs": 21},
+    {"prompt_logprobs": 1, "stream": True},
     {"min_p": 1.5}, {"logit_bias": {"5": 101}}, {"logit_bias": {"five": 1}},
-    {"logit_bias": {str(i): 1 for i in range(301)}}, {"logit_bias": {"300": 1}}, {"allowed_token_ids": []},
-    {"allowed_token_ids": [999]}, {"guided_decoding_backend": "xgrammar"}, {"response_format": {"type": "yaml"}},
+    {"logit_bias": {str(i): 1 for i in range(301)}}, {"logit_bias": {"300": 1}},
+    {"allowed_token_ids": []},
+    {"allowed_token_ids": [999]}, {"guided_decoding_backend": "xgrammar"},
+    {"response_format": {"type": "yaml"}},
     {"response_format": {"type": "json_schema", "json_schema": {}}},
     {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "wat"}}}},
     {"structured_outputs": {"regex": "a", "choice": ["a"]}},
     {"guided_regex": "a", "response_format": {"type": "json_object"}}, {"unknown_field": 1},
 ]
 BAD_CHATS = [
-    {"messages": []}, {"messages": [{"content": "hi"}]}, {"messages": "hi"}, {"logprobs": 1}, {"top_logprobs": 2},
-    {"logprobs": True, "top_logprobs": 21}, {"tools": [{"type": "function"}]}, {"tool_choice": "auto"},
-    {"functions": [{"name": "f"}]}, {"echo": True}, {"model": "gpt-4"}, {"messages": [{"role": "user"}]},
+    {"messages": []}, {"messages": [{"content": "hi"}]}, {"messages": "hi"}, {"logprobs": 1},
+    {"top_logprobs": 2},
+    {"logprobs": True, "top_logprobs": 21}, {"tools": [{"type": "function"}]},
+    {"tool_choice": "auto"},
+    {"functions": [{"name": "f"}]}, {"echo": True}, {"model": "gpt-4"},
+    {"messages": [{"role": "user"}]},
 ]
 REQUESTS += [_cmpl(**bad) for bad in BAD_COMPLETIONS] + [_chat(**bad) for bad in BAD_CHATS]
 REQUESTS += [_raw("/v1/completions", b"{not json"), _raw("/v1/completions", b"[1, 2]"),
              _raw("/v1/completions", b'{"model": "%s", "prompt": "a\\ud800b"}' % MODEL.encode()),
              _raw("/v1/completions", b'{"model": "%s", "prompt": "hi", "x": %s%s}'
                   % (MODEL.encode(), b"[" * 50_000, b"]" * 50_000)),
-             _raw("/v1/completions", b'{"model": "%s", "prompt": "%s"}' % (MODEL.encode(), b"x" * 300_000)),
+             _raw("/v1/completions",
+                  b'{"model": "%s", "prompt": "%s"}' % (MODEL.encode(), b"x" * 300_000)),
              _raw("/v1/chat/completions", b""), ("POST", "/v1/completions", {"prompt": "hi"}),
              ("POST", "/v1/chat/completions", {"model": MODEL})]
 REQUESTS += [("POST", "/v1/completions", {"__no_key__": True, "model": MODEL, "prompt": "hi"}),
@@ -116,14 +138,16 @@ def _round(x):
 def normalise(obj):
     """ids and timestamps blanked, floats to 4 significant digits (logprobs), recursively."""
     if isinstance(obj, dict):
-        return {k: ("*" if k in VOLATILE and v is not None else normalise(v)) for k, v in obj.items()}
+        return {k: ("*" if k in VOLATILE and v is not None else normalise(v))
+                for k, v in obj.items()}
     if isinstance(obj, list):
         return [normalise(x) for x in obj]
     return _round(obj)
 
 
 def _merge_choice(into: dict, choice: dict) -> None:
-    """One stream choice's chunks joined: texts and logprob lists concatenated, the last finish reason."""
+    """One stream choice's chunks joined: texts and logprob lists concatenated, the last finish
+    reason."""
     for key, value in choice.items():
         if key == "index":
             continue
@@ -142,8 +166,9 @@ def _merge_choice(into: dict, choice: dict) -> None:
 
 
 def normalise_stream(text: str):
-    """A server-sent-event stream, independent of how the tokens were split into chunks: per choice its
-    merged chunks, then the other events (usage, errors) in order, and whether it ended with [DONE]."""
+    """A server-sent-event stream, independent of how the tokens were split into chunks: per choice
+    its merged chunks, then the other events (usage, errors) in order, and whether it ended with
+    [DONE]."""
     choices, others, done = {}, [], False
     for event in re.findall(r"^data: (.*)$", text, flags=re.M):
         if event == "[DONE]":
@@ -152,11 +177,13 @@ def normalise_stream(text: str):
         obj = json.loads(event)
         if obj.get("choices"):
             for c in obj["choices"]:
-                merged = choices.setdefault(c["index"], {"object": obj.get("object"), "model": obj.get("model")})
+                head = {"object": obj.get("object"), "model": obj.get("model")}
+                merged = choices.setdefault(c["index"], head)
                 _merge_choice(merged, c)
         else:
             others.append(normalise(obj))
-    return {"choices": [normalise(choices[j]) for j in sorted(choices)], "others": others, "done": done}
+    return {"choices": [normalise(choices[j]) for j in sorted(choices)], "others": others,
+            "done": done}
 
 
 def describe(method: str, path: str, body) -> str:
@@ -166,7 +193,8 @@ def describe(method: str, path: str, body) -> str:
     text = json.dumps(body, ensure_ascii=True, sort_keys=True)
     if len(text) <= 240:
         return f"{method} {path} {text}"
-    return f"{method} {path} {text[:200]}... ({len(text)} chars, sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]})"
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return f"{method} {path} {text[:200]}... ({len(text)} chars, sha256 {digest})"
 
 
 def send(client, method: str, path: str, body):
@@ -179,11 +207,12 @@ def send(client, method: str, path: str, body):
         r = client.get(path, headers=headers)
     elif isinstance(body, dict) and "__raw__" in body:
         raw = body["__raw__"].encode("utf-8", "surrogatepass")
-        r = client.post(path, content=raw, headers=dict(headers, **{"content-type": "application/json"}))
+        headers["content-type"] = "application/json"
+        r = client.post(path, content=raw, headers=headers)
     else:
         r = client.post(path, json=body, headers=headers)
     kind = r.headers.get("content-type", "")
-    if path == "/metrics":  # the metric families (their values are timings and counts of earlier tests)
+    if path == "/metrics":  # the metric families (their values: timings, counts of earlier tests)
         out = sorted(set(re.findall(r"^# TYPE (\S+) (\S+)$", r.text, flags=re.M)))
         out = [list(x) for x in out]
     elif kind.startswith("text/event-stream"):
@@ -207,8 +236,9 @@ def client(tmp_path_factory):
     cfg = json.loads(cfg_path.read_text())
     cfg["chat_template"] = TEMPLATE
     cfg_path.write_text(json.dumps(cfg))
-    app, _ = make_app(ckpt, tp=1, dcp=1, served_model_name=MODEL, max_num_seqs=4, max_model_len=MAX_MODEL_LEN,
-                      page_size=8, prefill_chunk=32, decode_steps=2, api_key=KEY, max_request_bytes=200_000)
+    app, _ = make_app(ckpt, tp=1, dcp=1, served_model_name=MODEL, max_num_seqs=4,
+                      max_model_len=MAX_MODEL_LEN, page_size=8, prefill_chunk=32, decode_steps=2,
+                      api_key=KEY, max_request_bytes=200_000)
     with TestClient(app) as tc:
         yield tc
 

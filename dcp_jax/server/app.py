@@ -1,15 +1,16 @@
 """An OpenAI-compatible HTTP front end (FastAPI) over an engine client.
 
-`create_app(...)` serves `POST /v1/completions`, `POST /v1/chat/completions` (streaming with SSE or
-not), `GET /v1/models`, vLLM's `POST /tokenize`, `POST /detokenize` and `GET /tokenizer_info` (what
-lm-eval's remote tokenizer reads), `GET /health` and `GET /metrics` (Prometheus text, one registry per
-app so two apps in one process never share counters). Each route is a method of a handler object
-(`CompletionsHandler`, `ChatHandler`, `TokenizeHandler`, `ModelsHandler`) over the same
-`EngineClient`: the handlers never see the engine's insides. Requests become
-`dcp_jax.serving.request.Request`s and go through the scheduler like any other: validation that the
-scheduler owns (prompt longer than the context, a pool too small, stop strings without a tokenizer)
-comes back from it as an "error" finish and is answered 400. Every error is OpenAI's JSON shape, never
-a traceback; a `UserError` that reaches the app is a 400 whose `param` is the error's `field`.
+`create_app(...)` serves `POST /v1/completions`, `POST /v1/chat/completions` (streaming with SSE
+or not), `GET /v1/models`, vLLM's `POST /tokenize`, `POST /detokenize` and `GET /tokenizer_info`
+(what lm-eval's remote tokenizer reads), `GET /health` and `GET /metrics` (Prometheus text, one
+registry per app so two apps in one process never share counters). Each route is a method of a
+handler object (`CompletionsHandler`, `ChatHandler`, `TokenizeHandler`, `ModelsHandler`) over the
+same `EngineClient`: the handlers never see the engine's insides. Requests become
+`dcp_jax.serving.request.Request`s and go through the scheduler like any other: validation that
+the scheduler owns (prompt longer than the context, a pool too small, stop strings without a
+tokenizer) comes back from it as an "error" finish and is answered 400. Every error is OpenAI's
+JSON shape, never a traceback; a `UserError` that reaches the app is a 400 whose `param` is the
+error's `field`.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from dcp_jax.server.completions import CompletionsHandler
 from dcp_jax.server.intake import DEFAULT_MAX_REQUEST_BYTES, Intake
 from dcp_jax.server.metrics import Metrics
 from dcp_jax.server.models import ModelsHandler
-from dcp_jax.server.protocol import (APIError, ChatTemplate, authorized, error_response, unauthorized,
-                                     validation_response)
+from dcp_jax.server.protocol import (APIError, ChatTemplate, authorized, error_response,
+                                     unauthorized, validation_response)
 from dcp_jax.server.tokenize import TokenizeHandler
 
 try:
@@ -31,19 +32,21 @@ try:
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 except ImportError as e:  # pragma: no cover - the message names the fix
-    raise ImportError(f"the server needs the 'serve' extra: pip install 'dcp_jax[serve]' ({e})") from None
+    raise ImportError("the server needs the 'serve' extra: "
+                      f"pip install 'dcp_jax[serve]' ({e})") from None
 
 GUARDED = ("/tokenize", "/detokenize", "/tokenizer_info")  # besides /v1/*: what an API key guards
 
 
 def create_app(engine, *, model_name: str, max_model_len: int | None = None, tokenizer=None,
-               chat_template: ChatTemplate | None = None, tp: int = 1, dcp: int = 1, api_key: str | None = None,
+               chat_template: ChatTemplate | None = None, tp: int = 1, dcp: int = 1,
+               api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI app over `engine`: an `EngineClient`, or an `AsyncEngine` (wrapped in an
-    `AsyncEngineClient` with `max_model_len`, `tokenizer` and `chat_template`). The app's lifespan starts
-    the engine and shuts it down. `tokenizer` (a `tokenizers.Tokenizer`-like object, or None) encodes
-    text prompts and decodes outputs. With `api_key`, every /v1 route answers 401 unless the request
-    carries `Authorization: Bearer <key>`."""
+    `AsyncEngineClient` with `max_model_len`, `tokenizer` and `chat_template`). The app's lifespan
+    starts the engine and shuts it down. `tokenizer` (a `tokenizers.Tokenizer`-like object, or
+    None) encodes text prompts and decodes outputs. With `api_key`, every /v1 route answers 401
+    unless the request carries `Authorization: Bearer <key>`."""
     from contextlib import asynccontextmanager
 
     client = engine if isinstance(engine, EngineClient) else AsyncEngineClient(
@@ -51,8 +54,8 @@ def create_app(engine, *, model_name: str, max_model_len: int | None = None, tok
     metrics = Metrics(tp, dcp)
     client.subscribe(metrics.update, lambda reason: metrics.finished.labels(reason).inc())
     metrics.update(client.stats)
-    intake = Intake(model_name=model_name, max_model_len=client.max_model_len, tokenizer=client.tokenizer,
-                    max_request_bytes=max_request_bytes)
+    intake = Intake(model_name=model_name, max_model_len=client.max_model_len,
+                    tokenizer=client.tokenizer, max_request_bytes=max_request_bytes)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -65,12 +68,13 @@ def create_app(engine, *, model_name: str, max_model_len: int | None = None, tok
     add_guard(app, metrics, api_key)
     add_error_handlers(app)
     args = (client, intake, metrics, model_name)
-    add_routes(app, ModelsHandler(*args), TokenizeHandler(*args), CompletionsHandler(*args), ChatHandler(*args))
+    add_routes(app, ModelsHandler(*args), TokenizeHandler(*args), CompletionsHandler(*args),
+               ChatHandler(*args))
     return app
 
 
-def add_routes(app: FastAPI, models: ModelsHandler, tokens: TokenizeHandler, completions: CompletionsHandler,
-               chat: ChatHandler) -> None:
+def add_routes(app: FastAPI, models: ModelsHandler, tokens: TokenizeHandler,
+               completions: CompletionsHandler, chat: ChatHandler) -> None:
     """Each route onto its handler's method."""
     app.add_api_route("/health", models.health, methods=["GET"])
     app.add_api_route("/v1/models", models.list_models, methods=["GET"])
@@ -89,8 +93,8 @@ def add_guard(app: FastAPI, metrics: Metrics, api_key: str | None) -> None:
     @app.middleware("http")
     async def count(request: HTTPRequest, call_next):
         path = request.url.path
-        if (path.startswith("/v1") or path in GUARDED) and not authorized(request.headers.get("authorization"),
-                                                                            api_key):
+        guarded = path.startswith("/v1") or path in GUARDED
+        if guarded and not authorized(request.headers.get("authorization"), api_key):
             metrics.requests.labels("401").inc()
             return unauthorized()
         response = await call_next(request)
@@ -116,8 +120,8 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e: StarletteHTTPException):
-        return error_response(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500
-                              else "server_error")
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return error_response(e.status_code, str(e.detail), kind)
 
     @app.exception_handler(Exception)
     async def any_error(request, e: Exception):

@@ -1,5 +1,5 @@
-"""`POST /v1/chat/completions`: messages rendered by the model's chat template, then n samples, whole or
-streamed, with logprobs in chat's shape (content[].token, logprob, bytes, top_logprobs)."""
+"""`POST /v1/chat/completions`: messages rendered by the model's chat template, then n samples,
+whole or streamed, with logprobs in chat's shape (content[].token, logprob, bytes, top_logprobs)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from dcp_jax.server.protocol import ChatBody, TokenBytes, chat_messages, vllm_pr
 try:
     from fastapi import Request as HTTPRequest
 except ImportError as e:  # pragma: no cover - the message names the fix
-    raise ImportError(f"the server needs the 'serve' extra: pip install 'dcp_jax[serve]' ({e})") from None
+    raise ImportError("the server needs the 'serve' extra: "
+                      f"pip install 'dcp_jax[serve]' ({e})") from None
 
 
 class ChatOutput:
@@ -35,20 +36,23 @@ class ChatOutput:
             return None
         tops = tops or [[]] * len(ids)
         token_bytes = self.handler.token_bytes
+        strings = self.handler.token_strings(ids)
         return {"content": [{"token": t, "logprob": float(x), "bytes": token_bytes(i, t),
                              "top_logprobs": self.alternatives(alts)}
-                            for i, t, x, alts in zip(ids, self.handler.token_strings(ids), lps, tops)]}
+                            for i, t, x, alts in zip(ids, strings, lps, tops)]}
 
     def chunk(self, j, delta, u, reason) -> dict:
         d = {} if reason is not None and not delta else {"content": delta}
         if j not in self.started:  # a choice's first chunk names the role, as OpenAI's do
             self.started.add(j)
             d = {"role": "assistant", "content": delta}
+        block = self.lp_block(u.token_ids, u.logprobs, u.top_logprobs)
         return dict(self.chunk_base, choices=[{"index": j, "delta": d, "finish_reason": reason,
-                                               "logprobs": self.lp_block(u.token_ids, u.logprobs, u.top_logprobs)}])
+                                               "logprobs": block}])
 
     def choice(self, j, text, ids, lps) -> dict:
-        return {"index": j, "message": {"role": "assistant", "content": text}, "logprobs": self.lp_block(ids, *lps)}
+        return {"index": j, "message": {"role": "assistant", "content": text},
+                "logprobs": self.lp_block(ids, *lps)}
 
 
 class ChatHandler(GeneratingHandler):
@@ -64,14 +68,17 @@ class ChatHandler(GeneratingHandler):
         self.intake.check_model(body.model)
         template = self.client.chat_template
         if template is None:
-            raise self.error(400, "this model has no chat template (tokenizer_config.json has no chat_template): "
-                             "use /v1/completions", param="messages", code="no_chat_template")
+            raise self.error(400, "this model has no chat template (tokenizer_config.json has no "
+                             "chat_template): use /v1/completions", param="messages",
+                             code="no_chat_template")
         text = await self.intake.render(template, chat_messages(body.messages))
         prompt_ids = await self.intake.encode(text, special=False)
         if body.top_logprobs and not body.logprobs:
             raise self.error(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        requests = self.intake.requests(body, prompt_ids, None, ("top_logprobs", body.top_logprobs or 0))
+        requests = self.intake.requests(body, prompt_ids, None,
+                                        ("top_logprobs", body.top_logprobs or 0))
         out = await self.respond(http, body, requests, ChatOutput(self, body))
         if body.prompt_logprobs is not None:  # (never with stream: the intake refuses it)
-            out["prompt_logprobs"] = vllm_prompt_logprobs(requests[0], body.prompt_logprobs, self.token_strings)
+            out["prompt_logprobs"] = vllm_prompt_logprobs(requests[0], body.prompt_logprobs,
+                                                          self.token_strings)
         return out

@@ -3,8 +3,9 @@
 The handlers see only this interface: submit a `Request` and read its `Update`s from a queue, cancel
 it, read the stats and whether the engine still runs, the limits the intake checks against (context
 length, vocabulary size, EOS ids) and the text side of the model (tokenizer, chat template).
-`AsyncEngineClient` implements it over `dcp_jax.serving.async_engine.AsyncEngine` (and its subclasses,
-e.g. the disaggregated decode side's); a test or another engine implements the same methods.
+`AsyncEngineClient` implements it over `dcp_jax.serving.async_engine.AsyncEngine` (and its
+subclasses, e.g. the disaggregated decode side's); a test or another engine implements the same
+methods.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ __all__ = ["AsyncEngineClient", "EngineClient", "EngineOverloaded"]
 
 
 class EngineOverloaded(Exception):
-    """The engine takes no more requests now (full queue, shutting down): the front end answers 503."""
+    """The engine takes no more requests now (full queue, shutting down): answered 503."""
 
 
 class EngineClient(abc.ABC):
@@ -91,7 +92,9 @@ class AsyncEngineClient(EngineClient):
 
     @property
     def max_model_len(self) -> int:
-        return self._max_model_len if self._max_model_len is not None else self.engine.config.max_model_len
+        if self._max_model_len is not None:
+            return self._max_model_len
+        return self.engine.config.max_model_len
 
     @property
     def vocab_size(self) -> int | None:

@@ -1,6 +1,6 @@
-"""`POST /v1/completions`: a prompt (text, token ids, or a list of one of them) to n samples, whole or
-streamed, with logprobs (completions' shape: tokens, token_logprobs, top_logprobs, text_offset), echo
-(the prompt first, scored) and vLLM's prompt_logprobs."""
+"""`POST /v1/completions`: a prompt (text, token ids, or a list of one of them) to n samples,
+whole or streamed, with logprobs (completions' shape: tokens, token_logprobs, top_logprobs,
+text_offset), echo (the prompt first, scored) and vLLM's prompt_logprobs."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from dcp_jax.serving.request import Request
 try:
     from fastapi import Request as HTTPRequest
 except ImportError as e:  # pragma: no cover - the message names the fix
-    raise ImportError(f"the server needs the 'serve' extra: pip install 'dcp_jax[serve]' ({e})") from None
+    raise ImportError("the server needs the 'serve' extra: "
+                      f"pip install 'dcp_jax[serve]' ({e})") from None
 
 
 class CompletionOutput:
@@ -26,10 +27,11 @@ class CompletionOutput:
                  prompt_ids: list[int], prompt_text: str):
         self.handler, self.body, self.requests = handler, body, requests
         self.prompt_ids, self.prompt_text = prompt_ids, prompt_text
-        self.base = self.chunk_base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                                       "created": int(time.time()), "model": handler.model_name}
+        self.base = self.chunk_base = {"id": f"cmpl-{uuid.uuid4().hex}",
+                                       "object": "text_completion", "created": int(time.time()),
+                                       "model": handler.model_name}
         self.offset = [0] * len(requests)  # text_offset runs on across chunks
-        self.echoed: set[int] = set()  # choices whose prompt went out (echo: before their first tokens)
+        self.echoed: set[int] = set()  # choices whose prompt went out (echo: before their tokens)
 
     def alternatives(self, alts) -> dict:
         return {s: x for s, (_, x) in zip(self.handler.token_strings([i for i, _ in alts]), alts)}
@@ -65,9 +67,10 @@ class CompletionOutput:
 
     def choice(self, j, text, ids, lps) -> dict:
         echo_text, scores = self.head(j)
-        prompt_lps = vllm_prompt_logprobs(self.requests[0], self.body.prompt_logprobs, self.handler.token_strings)
-        return {"index": j, "text": echo_text + text, "logprobs": self.lp_block(j, ids, *lps, head=scores),
-                "prompt_logprobs": prompt_lps}
+        prompt_lps = vllm_prompt_logprobs(self.requests[0], self.body.prompt_logprobs,
+                                          self.handler.token_strings)
+        return {"index": j, "text": echo_text + text,
+                "logprobs": self.lp_block(j, ids, *lps, head=scores), "prompt_logprobs": prompt_lps}
 
 
 class CompletionsHandler(GeneratingHandler):
@@ -79,16 +82,19 @@ class CompletionsHandler(GeneratingHandler):
         p = body.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
-                raise self.error(400, "a list of prompts must hold exactly one (batches: send one request each)",
-                                 param="prompt", code="unsupported_parameter")
+                raise self.error(400, "a list of prompts must hold exactly one (batches: send one "
+                                 "request each)", param="prompt", code="unsupported_parameter")
             p = p[0]
         prompt_ids = await self.intake.encode(p) if isinstance(p, str) else list(p)
         want_lp = body.logprobs is not None
+        echo_lps = body.logprobs if body.echo and want_lp else None
         requests = self.intake.requests(body, prompt_ids, 16, ("logprobs", body.logprobs or 0),
-                                        echo_logprobs=body.logprobs if body.echo and want_lp else None)
+                                        echo_logprobs=echo_lps)
         prompt_text = ""
         if body.echo:
-            prompt_text = p if isinstance(p, str) else self.detokenize(prompt_ids) if self.detokenize else ""
+            prompt_text = (p if isinstance(p, str) else self.detokenize(prompt_ids)
+                           if self.detokenize else "")
         out = CompletionOutput(self, body, requests, prompt_ids, prompt_text)
         # echo with max_tokens 0 scores the prompt alone: the one token generated is left out
-        return await self.respond(http, body, requests, out, keep_output=not (body.echo and body.max_tokens == 0))
+        keep = not (body.echo and body.max_tokens == 0)
+        return await self.respond(http, body, requests, out, keep_output=keep)

@@ -1,5 +1,5 @@
-"""`GET /v1/models` (and one model's card), `GET /health` (readiness: 503 once the engine stopped) and
-`GET /metrics` (Prometheus text)."""
+"""`GET /v1/models` (and one model's card), `GET /health` (readiness: 503 once the engine
+stopped) and `GET /metrics` (Prometheus text)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ try:
     from fastapi.responses import PlainTextResponse
     from prometheus_client import generate_latest
 except ImportError as e:  # pragma: no cover - the message names the fix
-    raise ImportError(f"the server needs the 'serve' extra: pip install 'dcp_jax[serve]' ({e})") from None
+    raise ImportError("the server needs the 'serve' extra: "
+                      f"pip install 'dcp_jax[serve]' ({e})") from None
 
 
 class ModelsHandler(Handler):
@@ -20,8 +21,8 @@ class ModelsHandler(Handler):
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self.card = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "dcp_jax",
-                     "max_model_len": self.client.max_model_len}
+        self.card = {"id": self.model_name, "object": "model", "created": int(time.time()),
+                     "owned_by": "dcp_jax", "max_model_len": self.client.max_model_len}
 
     async def list_models(self):
         return {"object": "list", "data": [self.card]}

@@ -11,7 +11,8 @@ from dcp_jax.server.protocol import DetokenizeBody, TokenizeBody, chat_messages
 try:
     from fastapi import Request as HTTPRequest
 except ImportError as e:  # pragma: no cover - the message names the fix
-    raise ImportError(f"the server needs the 'serve' extra: pip install 'dcp_jax[serve]' ({e})") from None
+    raise ImportError("the server needs the 'serve' extra: "
+                      f"pip install 'dcp_jax[serve]' ({e})") from None
 
 
 class TokenizeHandler(Handler):
@@ -34,12 +35,15 @@ class TokenizeHandler(Handler):
             if template is None:
                 raise self.error(400, "this model has no chat template: tokenize a prompt instead",
                                  param="messages", code="no_chat_template")
-            text = await self.intake.render(template, chat_messages(body.messages), body.add_generation_prompt)
+            text = await self.intake.render(template, chat_messages(body.messages),
+                                            body.add_generation_prompt)
             ids = await self.intake.encode(text, special=bool(body.add_special_tokens))
         else:
-            ids = await self.intake.encode(body.prompt, special=body.add_special_tokens is not False)
+            special = body.add_special_tokens is not False
+            ids = await self.intake.encode(body.prompt, special=special)
+        strings = self.token_strings(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.client.max_model_len, "tokens": ids,
-                "token_strs": self.token_strings(ids) if body.return_token_strs else None}
+                "token_strs": strings}
 
     async def tokenizer_info(self):
         """The special tokens (as text), the chat template and the context length."""
@@ -51,7 +55,8 @@ class TokenizeHandler(Handler):
 
         template = self.client.chat_template
         return {"tokenizer_class": type(self.client.tokenizer).__name__,
-                "model_max_length": self.client.max_model_len, "eos_token": text(list(self.client.eos_token_ids)),
+                "model_max_length": self.client.max_model_len,
+                "eos_token": text(list(self.client.eos_token_ids)),
                 "bos_token": template.bos_token or None if template else None, "pad_token": None,
                 "chat_template": template.source if template else None}
 
@@ -60,8 +65,10 @@ class TokenizeHandler(Handler):
         body: DetokenizeBody = await self.intake.body(http, DetokenizeBody)
         self.check_model(body.model)
         if self.detokenize is None:
-            raise self.error(400, "this model has no tokenizer: there is no text for its ids", param="tokens")
+            raise self.error(400, "this model has no tokenizer: there is no text for its ids",
+                             param="tokens")
         vocab_size = self.vocab_size
         if bad := [t for t in body.tokens if not 0 <= t < vocab_size]:
-            raise self.error(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="tokens")
+            raise self.error(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
+                             param="tokens")
         return {"prompt": await asyncio.to_thread(self.detokenize, body.tokens)}
