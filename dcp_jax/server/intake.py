@@ -154,8 +154,9 @@ class Intake:
         """The `n` requests (samples) of a validated body: sample j has seed + j and follows
         sample 0 (whose prefill the others share); APIError (400) names the first bad field.
         `top_logprobs`: (the field that asked, how many alternatives each token reports);
-        `echo_logprobs`: completions' echo with logprobs N (the prompt's tokens are scored with N alternatives;
-        max_tokens 0 allowed: one token is generated, which the endpoint leaves out)."""
+        `echo_logprobs`: completions' echo with logprobs N (the prompt's tokens are scored with N
+        alternatives; max_tokens 0 allowed: one token is generated, which the endpoint leaves
+        out)."""
         if not 1 <= body.n <= MAX_N:
             raise APIError(400, f"n must be in [1, {MAX_N}], got {body.n}", param="n")
         check_supported(body)
