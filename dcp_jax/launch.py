@@ -35,8 +35,8 @@ def load_llm(model_dir=None, *, tp: int | None = None, dcp: int | None = None, m
 def openai_app(runner, llm, path: Path, embedded: bool, served_model_name: str | None = None, **app_kw):
     """The OpenAI-compatible FastAPI app over `runner` (an AsyncEngine driving `llm`'s engine); `app_kw`:
     `create_app`'s api_key and max_request_bytes."""
-    from dcp_jax.serving.openai import create_app
-    from dcp_jax.serving.protocol import ChatTemplate
+    from dcp_jax.server.app import create_app
+    from dcp_jax.server.protocol import ChatTemplate
 
     template = ChatTemplate.from_tokenizer_config(path / "tokenizer_config.json") if path.is_dir() else None
     name = served_model_name or ("dcp-jax-tiny" if embedded else path.resolve().name)

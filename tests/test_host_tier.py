@@ -134,7 +134,7 @@ def test_host_tier_metrics():
     pytest.importorskip("prometheus_client")
     from prometheus_client import generate_latest
 
-    from dcp_jax.serving.metrics import Metrics
+    from dcp_jax.server.metrics import Metrics
 
     m = Metrics(tp=1, dcp=2)
     m.update(dict(host_blocks=5, host_bytes=5120, host_hit_tokens=40, host_bytes_to_host=6144,

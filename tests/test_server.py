@@ -490,8 +490,8 @@ def test_no_chat_template_and_full_queue(server):
     from fastapi.testclient import TestClient
 
     from dcp_jax.serving.async_engine import AsyncEngine
-    from dcp_jax.serving.openai import create_app
-    from dcp_jax.serving.protocol import ChatTemplate
+    from dcp_jax.server.app import create_app
+    from dcp_jax.server.protocol import ChatTemplate
 
     assert ChatTemplate.from_tokenizer_config(FIXTURES / "llama-tokenizer" / "tokenizer_config.json") is None
     llm = server["llm"]
@@ -618,7 +618,7 @@ def test_token_bytes_are_the_tokens_own():
     # A byte-level BPE token holding part of a UTF-8 character has its own bytes, not U+FFFD's.
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from dcp_jax.serving.protocol import TokenBytes
+    from dcp_jax.server.protocol import TokenBytes
     from dcp_jax.weights import ByteTokenizer
 
     tok = Tokenizer(models.BPE())

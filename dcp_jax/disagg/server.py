@@ -4,7 +4,7 @@
               GET /disagg/handshake, POST /disagg/prefill, POST /disagg/release, GET /disagg/stats,
               GET /health; the KV itself leaves through its jax.experimental.transfer server, cut
               for the decode instance's placement, which each prefill item carries ("decode").
-    decode:   the OpenAI server (dcp_jax.serving.openai) over `DisaggAsyncEngine`: a request's prompt
+    decode:   the OpenAI server (dcp_jax.server) over `DisaggAsyncEngine`: a request's prompt
               goes to the prefill instance, its KV is pulled, and it joins the decode batch.
 
 Pairing happens when the decode instance starts: it fetches the prefill instance's handshake and
@@ -110,7 +110,7 @@ def make_prefill_app(instance: PrefillInstance, reap_every_s: float = 0.5, queue
     from fastapi import Request as HTTPRequest
     from fastapi.responses import JSONResponse
 
-    from dcp_jax.serving.protocol import authorized, unauthorized
+    from dcp_jax.server.protocol import authorized, unauthorized
 
     worker = PrefillQueue(instance, queue_timeout_s)
     stop = threading.Event()

@@ -68,6 +68,12 @@ class AsyncEngine:
         self.stopping = threading.Event()
         self.failure: BaseException | None = None
 
+    @property
+    def config(self):
+        """The engine's `SchedulerConfig` (read-only: its limits, e.g. max_model_len, vocab_size,
+        eos_token_ids), for front ends that check requests before they submit them."""
+        return self.engine.scheduler.config
+
     # --- any thread -------------------------------------------------------------------------------
     def start(self) -> None:
         if self.thread is None:

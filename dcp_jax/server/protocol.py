@@ -1,6 +1,6 @@
 """The OpenAI wire protocol of the server: request bodies (strict pydantic models), the error shape,
 the parameters refused by name, chat templates rendered as transformers renders them, and text deltas
-for streaming. No engine here: `dcp_jax.serving.openai` joins these to an `AsyncEngine`.
+for streaming. No engine here: `dcp_jax.server` joins these to an engine client.
 """
 
 from __future__ import annotations
