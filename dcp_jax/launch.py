@@ -1,5 +1,6 @@
-"""Server launch, shared by `python -m dcp_jax.serve`, its disaggregated roles, notebooks and tests: load
-the `LLM` every role serves, wrap it in the OpenAI app, run uvicorn (on this thread or a background one).
+"""Server launch, shared by `python -m dcp_jax.serve`, its disaggregated roles, notebooks and tests:
+load the `LLM` every role serves, wrap it in the OpenAI app, run uvicorn (on this thread or a
+background one).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ DEFAULT_EMBEDDED_MAX_MODEL_LEN = 256  # the embedded model was trained on 256-by
 def load_llm(model_dir=None, *, tp: int | None = None, dcp: int | None = None, max_model_len: int | None = None,
              **llm_kw):
     """The `LLM` a server role serves: (LLM, checkpoint path, embedded?). Without `model_dir`, the
-    embedded tiny model on the mesh the default CLI run picks, with a 256-token context. `llm_kw`: as
-    `LLM.load`. Nothing is compiled yet (the caller compiles what it runs before the port opens).
+    embedded tiny model on the mesh the default CLI run picks, with a 256-token context. `llm_kw`:
+    as `LLM.load`. Nothing is compiled yet (the caller compiles what it runs before the port opens).
     Raises UserError/ValueError on bad sizes or checkpoints."""
     from dcp_jax import mesh as mesh_lib
     from dcp_jax.llm import LLM
@@ -33,8 +34,8 @@ def load_llm(model_dir=None, *, tp: int | None = None, dcp: int | None = None, m
 
 
 def openai_app(runner, llm, path: Path, embedded: bool, served_model_name: str | None = None, **app_kw):
-    """The OpenAI-compatible FastAPI app over `runner` (an AsyncEngine driving `llm`'s engine); `app_kw`:
-    `create_app`'s api_key and max_request_bytes."""
+    """The OpenAI-compatible FastAPI app over `runner` (an AsyncEngine driving `llm`'s engine);
+    `app_kw`: `create_app`'s api_key and max_request_bytes."""
     from dcp_jax.server.app import create_app
     from dcp_jax.server.protocol import ChatTemplate
 
@@ -49,9 +50,9 @@ def openai_app(runner, llm, path: Path, embedded: bool, served_model_name: str |
 def make_app(model_dir=None, *, served_model_name: str | None = None, max_pending: int = 256,
              api_key: str | None = None, max_request_bytes: int | None = None, lockstep_timeout: float | None = None,
              **llm_kw):
-    """Load the model, size the pool, compile, and return (FastAPI app, LLM); `llm_kw` as `load_llm`.
-    `lockstep_timeout` (several processes, this one process 0): the engine leads the others' (`follow`).
-    Raises UserError/ValueError on bad sizes or checkpoints."""
+    """Load the model, size the pool, compile, and return (FastAPI app, LLM); `llm_kw` as
+    `load_llm`. `lockstep_timeout` (several processes, this one process 0): the engine leads the
+    others' (`follow`). Raises UserError/ValueError on bad sizes or checkpoints."""
     from dcp_jax.serving.async_engine import AsyncEngine
 
     llm, path, embedded = load_llm(model_dir, **serve_kw(llm_kw, lockstep_timeout))
@@ -72,9 +73,10 @@ def serve_kw(llm_kw: dict, lockstep_timeout: float | None) -> dict:
 
 
 def join_lockstep(llm, timeout_s: float):
-    """Several processes: wait until every process has compiled (a barrier of the distributed runtime);
-    returns the lockstep `llm`'s engine was built with (process 0 leads). Raises LockstepError when a
-    peer does not arrive within ten times `timeout_s` (compiling takes about as long everywhere)."""
+    """Several processes: wait until every process has compiled (a barrier of the distributed
+    runtime); returns the lockstep `llm`'s engine was built with (process 0 leads). Raises
+    LockstepError when a peer does not arrive within ten times `timeout_s` (compiling takes about as
+    long everywhere)."""
     from dcp_jax.serving.lockstep import LockstepError, RuntimeStore
 
     try:
@@ -87,7 +89,8 @@ def join_lockstep(llm, timeout_s: float):
 
 def follow(model_dir=None, *, timeout_s: float, **llm_kw) -> int:
     """A process other than 0 of a multi-process server: load and compile the same model, then take
-    process 0's steps until it stops. Returns an exit status (one error line when it cannot go on)."""
+    process 0's steps until it stops. Returns an exit status (one error line when it cannot go
+    on)."""
     from dcp_jax.serving.lockstep import LockstepError
 
     try:
@@ -96,7 +99,8 @@ def follow(model_dir=None, *, timeout_s: float, **llm_kw) -> int:
         lockstep = join_lockstep(llm, timeout_s)
         with llm.engine.lock:
             lockstep.follow(llm.engine)
-    except (ValueError, ImportError, LockstepError) as e:  # UserError and the library's own ValueErrors
+    # UserError and the library's own ValueErrors
+    except (ValueError, ImportError, LockstepError) as e:
         print(f"error: {e}", file=sys.stderr)
         return RUN_ERROR
     return 0
@@ -132,11 +136,13 @@ def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, timeout_s: floa
 
 
 def serve_forever(app, host: str, port: int, log_level: str, shutdown_timeout: float = 30.0) -> int:
-    """uvicorn on this thread until it stops; an exit status, with one error line when it could not serve.
+    """uvicorn on this thread until it stops; an exit status, with one error line when it could not
+    serve.
 
-    SIGTERM / SIGINT drain: the port closes, requests in flight get `shutdown_timeout` seconds to finish,
-    the rest are aborted, and the status is 0. If the engine thread dies (`app.state.engine.failure`),
-    /health fails at once and the process ends with status 1 within a second, so a supervisor restarts it.
+    SIGTERM / SIGINT drain: the port closes, requests in flight get `shutdown_timeout` seconds to
+    finish, the rest are aborted, and the status is 0. If the engine thread dies
+    (`app.state.engine.failure`), /health fails at once and the process ends with status 1 within a
+    second, so a supervisor restarts it.
     """
     import contextlib
     import signal
@@ -146,7 +152,8 @@ def serve_forever(app, host: str, port: int, log_level: str, shutdown_timeout: f
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
-        def capture_signals(self):  # uvicorn re-raises the signal after draining: exit with 0 instead
+        # uvicorn re-raises the signal after draining: exit with 0 instead
+        def capture_signals(self):
             if threading.current_thread() is not threading.main_thread():
                 yield
                 return

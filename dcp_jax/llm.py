@@ -245,7 +245,7 @@ class LLM:
             max_model_len = fits
         return max_model_len, pages
 
-    def build_engine(self, config: ServingConfig) -> ServingEngine:
+    def build_engine(self, config: ServingConfig, speculative: SpeculativeConfig | None = None) -> ServingEngine:
         """A `ServingEngine` for this model and mesh with `config`'s sizes. The LLM's own is `self.engine`;
         another (e.g. a benchmark's pool of other sizes) has its own pool and programs."""
         self.engines_built += 1
@@ -260,14 +260,16 @@ class LLM:
                 {} if serve else dict(spmd=True, name=f"llm{self.engines_built}")))
         return ServingEngine(self.model, self.mesh, config, interleave=self.paged_layout().interleave,
                              impl=self.impl, detokenize=None if self.tokenizer is None else self.decode,
-                             speculative=self.speculative, tokenizer=self.tokenizer, lockstep=lockstep)
+                             speculative=speculative or self.speculative, tokenizer=self.tokenizer,
+                             lockstep=lockstep)
 
-    def engine_with(self, **sizes) -> ServingEngine:
+    def engine_with(self, speculative: SpeculativeConfig | None = None, **sizes) -> ServingEngine:
         """A new `ServingEngine` whose `ServingConfig` is this LLM's with `sizes` replaced (num_pages,
-        max_model_len, prefill_chunk, max_num_seqs, ...), for tests and benchmarks of other pools."""
+        max_model_len, prefill_chunk, max_num_seqs, ...), for tests and benchmarks of other pools;
+        `speculative` in place of this LLM's (e.g. with a proposer of one's own)."""
         import dataclasses
 
-        return self.build_engine(dataclasses.replace(self.config, **sizes))
+        return self.build_engine(dataclasses.replace(self.config, **sizes), speculative)
 
     # --- the API -------------------------------------------------------------------------------------
     def save(self, path) -> int:

@@ -1,20 +1,20 @@
-"""Structured outputs: what a request's output must match (a JSON schema, any JSON object, a regex, one of
-a list of choices, a Lark grammar), compiled with llguidance, and the packed token masks the step
-programs take.
+"""Structured outputs: what a request's output must match (a JSON schema, any JSON object, a regex,
+one of a list of choices, a Lark grammar), compiled with llguidance, and the packed token masks the
+step programs take.
 
     structured_spec  a request's `structured=` (LLM.generate) as SamplingParams' (kind, text) pair
-    StructuredOutputs  one engine's: its `Grammars`, made when the first such request comes; handed to
-                     the scheduler (a request's `problem` when it enters, `advance` after it emits) and
-                     to the runner (`fill` a step's masks)
+    StructuredOutputs  one engine's: its `Grammars`, made when the first such request comes;
+                     handed to the scheduler (a request's `problem` when it enters, `advance` after
+                     it emits) and to the runner (`fill` a step's masks)
     Grammars         one per engine (its tokenizer, its vocabulary): checks and compiles a spec (cached),
                      makes each request's matcher, and fills the bitmask [rows, T, ⌈V/32⌉] int32 of a
                      step (bit v of a row: token v may come next), several rows at once
                      (llguidance's executor), drafts included (speculation)
     mask_logits      on the device: each constrained row's disallowed logits at -inf
 
-The host advances a request's matcher by every token it emits (`advance`); a token the grammar refuses
-(one it could not have sampled) is a bug and fails the request. When the grammar is complete it allows
-only EOS; a request whose matcher has stopped finishes ("stop").
+The host advances a request's matcher by every token it emits (`advance`); a token the grammar
+refuses (one it could not have sampled) is a bug and fails the request. When the grammar is complete
+it allows only EOS; a request whose matcher has stopped finishes ("stop").
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ COMPACT = {"whitespace_flexible": False}
 
 def structured_spec(value) -> tuple[str, str] | None:
     """`{"json": schema}`, `{"json_object": True}`, `{"regex": r}`, `{"choice": [...]}` or
-    `{"grammar": lark}` (exactly one key; vLLM's `structured_outputs`) as a (kind, text) pair: the schema
-    and the choices as JSON text. None for None; UserError names what is wrong."""
+    `{"grammar": lark}` (exactly one key; vLLM's `structured_outputs`) as a (kind, text) pair: the
+    schema and the choices as JSON text. None for None; UserError names what is wrong."""
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -66,8 +66,8 @@ def structured_spec(value) -> tuple[str, str] | None:
 
 
 class Grammars:
-    """Grammar compilation and masks for one tokenizer and vocabulary (model vocab_size; tokens past the
-    tokenizer's never allowed), EOS ids the model's."""
+    """Grammar compilation and masks for one tokenizer and vocabulary (model vocab_size; tokens past
+    the tokenizer's never allowed), EOS ids the model's."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
         try:
@@ -83,7 +83,8 @@ class Grammars:
         self.compiled: dict[tuple[str, str], str] = {}
 
     def grammar(self, spec: tuple[str, str]) -> str:
-        """The llguidance grammar of `spec`, compiled and checked once; UserError names what is wrong."""
+        """The llguidance grammar of `spec`, compiled and checked once; UserError names what is
+        wrong."""
         if spec in self.compiled:
             return self.compiled[spec]
         kind, text = spec
@@ -133,7 +134,8 @@ class Grammars:
         return request.matcher
 
     def advance(self, request) -> str | None:
-        """Feed the matcher the output tokens it has not seen; the error, if the grammar refused one."""
+        """Feed the matcher the output tokens it has not seen; the error, if the grammar refused
+        one."""
         m, new = request.matcher, request.output_token_ids[request.matched:]
         if new:
             m.consume_tokens(new)
@@ -141,8 +143,9 @@ class Grammars:
         return m.get_error() if m.is_error() else None
 
     def fill(self, mask: np.ndarray, rows) -> None:
-        """Fill `mask` [R, T, W] int32 for `rows`: (row, request, drafts) each, drafts a list of up to
-        T - 1 tokens (position t + 1's mask assumes drafts[:t] were emitted); other rows keep theirs."""
+        """Fill `mask` [R, T, W] int32 for `rows`: (row, request, drafts) each, drafts a list of up
+        to T - 1 tokens (position t + 1's mask assumes drafts[:t] were emitted); other rows keep
+        theirs."""
         flat = mask.reshape(-1, mask.shape[-1])
         t = mask.shape[1]
         plain = [(self.matcher(r), row * t) for row, r, drafts in rows if not drafts]
@@ -182,8 +185,8 @@ class StructuredOutputs:
 
 
 def mask_logits(logits, constrained, mask):
-    """logits [R, T, V] with each constrained row's (constrained [R] bool) tokens whose bit is 0 in mask
-    [R, T, ⌈V/32⌉] int32 at -inf; skipped (a `lax.cond`) when no row is constrained."""
+    """logits [R, T, V] with each constrained row's (constrained [R] bool) tokens whose bit is 0 in
+    mask [R, T, ⌈V/32⌉] int32 at -inf; skipped (a `lax.cond`) when no row is constrained."""
     v = logits.shape[-1]
 
     def apply():

@@ -383,7 +383,8 @@ def capacity_worker(spec: dict) -> dict:
     errors = [r.error for r in reqs if r.error is not None]
     if errors:
         raise SystemExit(f"error: capacity run tp={spec['tp']} dcp={spec['dcp']}: {errors[0]}")
-    page_bytes = page_bytes_per_device(llm.model, llm.mesh, spec["page_size"], server.runner.programs.dtype,
+    dtype = server.runner.programs.dtype
+    page_bytes = page_bytes_per_device(llm.model, llm.mesh, spec["page_size"], dtype,
                                        None if kv == "auto" else kv)
     return dict(tp=spec["tp"], dcp=spec["dcp"], kv_cache_dtype=kv, devices=len(jax.devices()),
                 budget_bytes=spec["kv_cache_memory"],

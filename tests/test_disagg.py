@@ -461,10 +461,12 @@ def test_a_spanning_decode_instance_admits_together_and_fails_together():
     from dcp_jax.serving.request import Request
 
     kw = dict(tp=1, dcp=2, page_size=2, max_model_len=64)
-    store = LocalStore()  # the engines' lockstep sides, given at construction: the instances lead / follow
+    # the engines' lockstep sides, given at construction: the decode instances lead and follow
+    store = LocalStore()
+    lead_side, follow_side = (Lockstep(store, p, num_processes=2) for p in (0, 1))
     pair = DisaggregatedLLM.load(FIXTURES / "llama-gqa", prefill=dict(tp=1, dcp=1, page_size=2),
-                                 decode=dict(kw, lockstep=Lockstep(store, 0, num_processes=2)), timeout_s=5.0)
-    other = LLM.load(FIXTURES / "llama-gqa", devices=jax.devices()[3:5], lockstep=Lockstep(store, 1, num_processes=2), **kw)
+                                 decode=dict(kw, lockstep=lead_side), timeout_s=5.0)
+    other = LLM.load(FIXTURES / "llama-gqa", devices=jax.devices()[3:5], lockstep=follow_side, **kw)
     lead = pair.decode_instance
     follow = DecodeInstance(other.engine, LocalPrefill(pair.prefill), TransferPort(other.mesh.devices.flat[0]),
                             timeout_s=5.0)

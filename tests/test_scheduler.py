@@ -59,7 +59,8 @@ class FakeDevice:
                         self.write(c.request, plan.block_table[c.slot], pos, tok)
             for c in plan.prefills:
                 if c.is_last and not c.request.is_finished:
-                    first[c.slot, 0] = self.sample(c.request, self.read(plan.block_table[c.slot], c.end))
+                    seq = self.read(plan.block_table[c.slot], c.end)
+                    first[c.slot, 0] = self.sample(c.request, seq)
             out.first = Sampled(first, np.full((n, 1), -0.5))
             if plan.joining:  # the decode loop after the ragged step: K - 1 steps from each first token
                 k = plan.decode_steps - 1
@@ -70,7 +71,8 @@ class FakeDevice:
                     row, tok = plan.block_table[c.slot], first[c.slot, 0]
                     for step in range(k):  # (every row runs all K - 1 steps, even past a stop)
                         self.write(c.request, row, c.end + step, tok)
-                        tok = loop[c.slot, step] = self.sample(c.request, self.read(row, c.end + step + 1))
+                        seq = self.read(row, c.end + step + 1)
+                        tok = loop[c.slot, step] = self.sample(c.request, seq)
                 out.joined = Sampled(loop, -loop / 100.0)
         if plan.decode_slots:
             k = plan.decode_steps
@@ -402,7 +404,7 @@ def test_bad_config_and_protocol():
         sched.schedule()
     assert not plan.joining and plan.decode_steps == 0  # nothing decodes: no loop runs after the step
     with pytest.raises(ValueError, match="first tokens have shape None"):
-        sched.update(plan, StepOutput())  # (refused before anything changed: the right one applies next)
+        sched.update(plan, StepOutput())  # (refused before anything changed: the right one next)
     sched.update(plan, StepOutput(first=Sampled(np.full((8, 1), 3), np.zeros((8, 1)))))
     with pytest.raises(RuntimeError, match="applied already"):
         sched.update(plan, StepOutput(first=Sampled(np.full((8, 1), 3), np.zeros((8, 1)))))

@@ -218,7 +218,8 @@ def test_program_size_does_not_grow_with_depth():
         llm = LLM(CausalLM(cfg, random_source(cfg, mesh), mesh), mesh, page_size=4)
         runner = llm.engine_with(max_model_len=64, prefill_chunk=8, num_pages=9).runner
         sizes[layers] = [sum(1 for line in prog.as_text().splitlines() if " = " in line)
-                         for prog in (runner.programs.decode_program(), runner.programs.ragged_program(16))]
+                         for prog in (runner.programs.decode_program(),
+                                      runner.programs.ragged_program(16))]
     assert sizes[4] == sizes[32], sizes
 
 
@@ -275,7 +276,8 @@ def test_one_stack_per_layer_gives_the_same_tokens_without_weight_slices():
     assert out.tokens == exp["greedy"]
     q = llm.model.stacks[0].block.self_attn.q_proj[...]
     shard = "f32[" + ",".join(map(str, q.sharding.shard_shape(q.shape)[1:])) + "]"
-    hlo = llm.engine_with(max_model_len=64, prefill_chunk=8, num_pages=9).runner.programs.decode_program().as_text()
+    engine = llm.engine_with(max_model_len=64, prefill_chunk=8, num_pages=9)
+    hlo = engine.runner.programs.decode_program().as_text()
     assert not [line for line in hlo.splitlines() if re.search(r"slice\S* = " + re.escape(shard), line)]
 
 

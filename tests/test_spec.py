@@ -67,9 +67,10 @@ def speculative_llm(name, tp, dcp, proposer):
 
 def serve(llm, prompts, proposer=None, outputs=None, arrivals=None, on_step=None, pages=None):
     pages = pages or 1 + 3 * llm.paged_layout().blocks_for(48)
-    server = llm.engine_with(max_model_len=48, prefill_chunk=4, num_pages=pages)
+    spec = None  # (the oracle: a host proposer of the test's own, handed in with the configuration)
     if proposer == "oracle":
-        server.proposer = Oracle(prompts, outputs)
+        spec = dataclasses.replace(llm.speculative, proposer=Oracle(prompts, outputs))
+    server = llm.engine_with(spec, max_model_len=48, prefill_chunk=4, num_pages=pages)
     reqs = [Request(f"r{i}", p, max_tokens=NEW, ignore_eos=True) for i, p in enumerate(prompts)]
 
     def step(plan):
@@ -154,7 +155,8 @@ def plant(server, positions_of, value):
             for leaf in jax.tree.leaves(pools):
                 leaf[:, row, :, int(lay.page_slot_of(t))] = value
     runner = server.runner
-    target = jax.tree.leaves(jax.tree.map(lambda x, old: jax.device_put(x, old.sharding), pools, runner.pools))
+    put = lambda x, old: jax.device_put(x, old.sharding)  # noqa: E731
+    target = jax.tree.leaves(jax.tree.map(put, pools, runner.pools))
     # (through the runner's own writer: its pools are assigned nowhere else)
     runner.write_pool_shards(lambda dev, shards: tuple(
         next(sh.data for sh in leaf.addressable_shards if sh.device == dev) for leaf in target))

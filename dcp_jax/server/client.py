@@ -122,8 +122,8 @@ class AsyncEngineClient(EngineClient):
         return self.engine.failure
 
     def subscribe(self, on_stats, on_finish) -> None:
-        self.engine.on_step = lambda plan, stats: on_stats(stats)
-        self.engine.on_finish = lambda r: on_finish(r.finish_reason)
+        self.engine.subscribe(on_step=lambda plan, stats: on_stats(stats),
+                              on_finish=lambda r: on_finish(r.finish_reason))
 
     def start(self) -> None:
         self.engine.start()

@@ -1,7 +1,8 @@
 """Prometheus metrics of the server, in a registry of each app's own (two apps in one process never
-share counters), under vLLM's metric names with this project's prefix (`dcp_jax:num_requests_running`
-where vLLM has `vllm:num_requests_running`), so dashboards built for vLLM read them by changing the
-prefix; beside them the DCP ones (tp, dcp, the pool's logical capacity, the host tier).
+share counters), under vLLM's metric names with this project's prefix
+(`dcp_jax:num_requests_running` where vLLM has `vllm:num_requests_running`), so dashboards built for
+vLLM read them by changing the prefix; beside them the DCP ones (tp, dcp, the pool's logical
+capacity, the host tier).
 
 The engine's stats become metrics by name: level stats as gauges (`STAT_GAUGES`), cumulative ones as
 counters advanced by what they grew since the last update (`STAT_COUNTERS`)."""
@@ -84,7 +85,8 @@ class Metrics:
 
     def update(self, stats: dict) -> None:
         for key, gauge in self.gauges:
-            if key in stats:  # (speculation's and the host tier's only when they are on: 0 otherwise)
+            # (speculation's and the host tier's only when they are on: 0 otherwise)
+            if key in stats:
                 gauge.set(stats[key])
         for key, counter in self.counters:
             if key in stats:

@@ -1,6 +1,6 @@
 """The OpenAI wire protocol of the server: request bodies (strict pydantic models), the error shape,
-the parameters refused by name, chat templates rendered as transformers renders them, and text deltas
-for streaming. No engine here: `dcp_jax.server` joins these to an engine client.
+the parameters refused by name, chat templates rendered as transformers renders them, and text
+deltas for streaming. No engine here: `dcp_jax.server` joins these to an engine client.
 """
 
 from __future__ import annotations
@@ -15,12 +15,15 @@ try:
 except ImportError as e:  # pragma: no cover - the message names the fix
     raise ImportError(f"the server needs the 'serve' extra: pip install 'dcp_jax[serve]' ({e})") from None
 
-# Parameters of OpenAI's API, and vLLM's extensions, that this server does not implement: a request that
+# Parameters of OpenAI's API, and vLLM's extensions, that this server does not implement: a request
+# that
 # sets one to anything but its neutral value is refused (400, by name) rather than silently answered
-# differently. (vLLM's stop_token_ids, min_tokens, min_p, logit_bias, allowed_token_ids, the presence,
+# differently. (vLLM's stop_token_ids, min_tokens, min_p, logit_bias, allowed_token_ids, the
+# presence,
 # frequency and repetition penalties, bad_words, prompt_logprobs, include_stop_str_in_output,
 # skip_special_tokens, ignore_eos and the structured outputs (response_format, structured_outputs,
-# guided_*) are implemented: fields of RequestBody; completions' echo too: only chat's is refused here.)
+# guided_*) are implemented: fields of RequestBody; completions' echo too: only chat's is refused
+# here.)
 UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None, "tools": None, "tool_choice": None, "functions": None,
                "function_call": None, "parallel_tool_calls": None, "prediction": None, "audio": None,
                "modalities": None,
@@ -38,7 +41,8 @@ class APIError(Exception):
 
 
 def authorized(header: str | None, api_key: str | None) -> bool:
-    """Whether an Authorization header carries `Bearer <api_key>` (always, without a key); constant time."""
+    """Whether an Authorization header carries `Bearer <api_key>` (always, without a key); constant
+    time."""
     import hmac
 
     return api_key is None or hmac.compare_digest((header or "").encode(), f"Bearer {api_key}".encode())
@@ -54,7 +58,8 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 
 
 def validation_response(errors: list[dict]):
-    """The 400 of a body pydantic refused (FastAPI's RequestValidationError.errors()), naming the field."""
+    """The 400 of a body pydantic refused (FastAPI's RequestValidationError.errors()), naming the
+    field."""
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         return error_response(400, "the body is not valid JSON", code="invalid_json")
@@ -70,9 +75,10 @@ def validation_response(errors: list[dict]):
 
 
 def vllm_prompt_logprobs(request, n: int | None, token_strings):
-    """vLLM's prompt_logprobs of a request whose prefill is done: per prompt token (None for the first),
-    a dict from token id to {logprob, rank, decoded_token} for the token itself and its n most likely
-    alternatives (ranks 1..n); None when not asked. `token_strings(ids)`: each id's text."""
+    """vLLM's prompt_logprobs of a request whose prefill is done: per prompt token (None for the
+    first), a dict from token id to {logprob, rank, decoded_token} for the token itself and its n
+    most likely alternatives (ranks 1..n); None when not asked. `token_strings(ids)`: each id's
+    text."""
     scores = request.prompt_scores() if n is not None else None
     if scores is None:
         return None
@@ -85,7 +91,7 @@ def vllm_prompt_logprobs(request, n: int | None, token_strings):
     return out
 
 
-# --- request bodies (strict: a wrong type is a 400, not a silent coercion) ------------------------------
+# --- request bodies (strict: a wrong type is a 400, not a silent coercion) ------------------------
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -112,13 +118,15 @@ class RequestBody(BaseModel):
     stop_token_ids: list[int] | None = None
     min_tokens: int = 0
     min_p: float = 0.0
-    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a string key) -> bias in [-100, 100]
+    # OpenAI's: token id (a string key) -> bias in [-100, 100]
+    logit_bias: dict[str, float] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
-    # structured outputs: OpenAI's response_format ({"type": "json_object"} or {"type": "json_schema",
+    # structured outputs: OpenAI's response_format ({"type": "json_object"} or {"type":
+    # "json_schema",
     # "json_schema": {"schema": ...}}), vLLM's structured_outputs ({"json" | "regex" | "choice" |
     # "grammar" | "json_object": ...}) and its older guided_* fields
     response_format: dict[str, Any] | None = None
@@ -153,13 +161,15 @@ class ChatBody(RequestBody):
 
 
 class TokenizeBody(BaseModel):
-    """vLLM's /tokenize: a completion prompt, or chat messages rendered by the chat template first."""
+    """vLLM's /tokenize: a completion prompt, or chat messages rendered by the chat template
+    first."""
     model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (as vLLM)
+    # default: True for a prompt, False for messages (as vLLM)
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 
@@ -185,7 +195,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-# --- chat templates -------------------------------------------------------------------------------------
+# --- chat templates -------------------------------------------------------------------------------
 class ChatTemplate:
     """A checkpoint's Jinja chat template, rendered the way transformers renders it: a sandboxed
     environment with trim_blocks/lstrip_blocks, `raise_exception`, `tojson`, and the variables
@@ -235,11 +245,11 @@ class ChatTemplate:
             raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
 
 
-# --- text deltas ----------------------------------------------------------------------------------------
+# --- text deltas ----------------------------------------------------------------------------------
 class TextStream:
-    """Turns cumulative token ids into text deltas whose concatenation is the final text: it holds back
-    an incomplete UTF-8 character and any tail that could begin a stop string (the scheduler cuts the
-    final text before a stop string, so what was sent must never include part of one)."""
+    """Turns cumulative token ids into text deltas whose concatenation is the final text: it holds
+    back an incomplete UTF-8 character and any tail that could begin a stop string (the scheduler
+    cuts the final text before a stop string, so what was sent must never include part of one)."""
 
     def __init__(self, detokenize, stop: tuple[str, ...]):
         self.detokenize, self.stop, self.sent = detokenize, stop, ""
@@ -252,15 +262,17 @@ class TextStream:
             text = text.rstrip("\ufffd")
             hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
             text = text[:len(text) - hold]
-        if not text.startswith(self.sent):  # a detokenizer rewrote earlier text: send only what extends
+        # a detokenizer rewrote earlier text: send only what extends
+        if not text.startswith(self.sent):
             return ""
         out, self.sent = text[len(self.sent):], text
         return out
 
 
-# --- a token's bytes ------------------------------------------------------------------------------------
+# --- a token's bytes ------------------------------------------------------------------------------
 def byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet, inverted: the printable character that stands for each byte."""
+    """GPT-2's byte-level BPE alphabet, inverted: the printable character that stands for each
+    byte."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
                  *range(ord("\xae"), ord("\xff") + 1)]
     chars, extra = {}, 0
@@ -274,8 +286,8 @@ def byte_level_alphabet() -> dict[str, int]:
 
 
 class TokenBytes:
-    """The bytes one token stands for (OpenAI's `logprobs.content[].bytes`): its own bytes, also for a
-    token holding part of a UTF-8 character, where its decoded text would be U+FFFD."""
+    """The bytes one token stands for (OpenAI's `logprobs.content[].bytes`): its own bytes, also for
+    a token holding part of a UTF-8 character, where its decoded text would be U+FFFD."""
 
     BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 

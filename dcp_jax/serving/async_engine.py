@@ -6,8 +6,8 @@ one) and await their own `asyncio.Queue`; the thread admits queued requests, run
 while there is work, and after each step pushes every request's new tokens (and its finish) to that
 request's queue with `loop.call_soon_threadsafe`. Cancellation goes through the same thread, so
 `Scheduler.cancel` frees the pages at once and never races with a step. On several processes this
-thread drives the leader's engine: it publishes a heartbeat while idle and a stop message when it ends
-(`dcp_jax.serving.lockstep`).
+thread drives the leader's engine: it publishes a heartbeat while idle and a stop message when it
+ends (`dcp_jax.serving.lockstep`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ class Update:
     error: str | None = None
     text: str | None = None
     retryable: bool = False  # an error on the server's side (Request.error_retryable)
-    top_logprobs: list = dataclasses.field(default_factory=list)  # per token (id, logprob) pairs, if asked
+    # per token (id, logprob) pairs, if asked
+    top_logprobs: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -51,14 +52,17 @@ class _Tracked:
 
 class AsyncEngine:
     """Drives `engine` (a `ServingEngine`) from one thread; `submit` and `cancel` may be called from
-    any thread (the event loop's). At most `max_pending` requests are unfinished at once (queued or in
-    the scheduler): beyond that `submit` raises `QueueFull` instead of letting latency grow unbounded.
-    `on_step(plan, stats)` runs on the engine thread after every step (metrics)."""
+    any thread (the event loop's). At most `max_pending` requests are unfinished at once (queued or
+    in the scheduler): beyond that `submit` raises `QueueFull` instead of letting latency grow
+    unbounded. Listeners (`subscribe`, or `on_step` / `on_finish` here): `on_step(plan, stats)` runs
+    on the engine thread after every step, `on_finish(request)` for every request that finished
+    (metrics)."""
 
     def __init__(self, engine, *, max_pending: int = 256, on_step=None, on_finish=None):
         self.engine = engine
         self.max_pending = max_pending
-        self.on_step, self.on_finish = on_step, on_finish
+        self.step_listeners, self.finish_listeners = [], []
+        self.subscribe(on_step, on_finish)
         self.commands: queue.Queue = queue.Queue()
         self.tracked: dict[str, _Tracked] = {}  # owned by the engine thread
         self.pending = 0  # unfinished requests submitted: guarded by `lock`
@@ -75,14 +79,22 @@ class AsyncEngine:
         return self.engine.scheduler.config
 
     # --- any thread -------------------------------------------------------------------------------
+    def subscribe(self, on_step=None, on_finish=None) -> None:
+        """Add listeners (before `start`): `on_step(plan, stats)` after every step,
+        `on_finish(request)` for every finished request, both on the engine thread."""
+        if on_step is not None:
+            self.step_listeners.append(on_step)
+        if on_finish is not None:
+            self.finish_listeners.append(on_finish)
+
     def start(self) -> None:
         if self.thread is None:
             self.thread = threading.Thread(target=self.run, name="dcp-jax-engine", daemon=True)
             self.thread.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the thread after its current step; unfinished requests are aborted (their clients get
-        a final update)."""
+        """Stop the thread after its current step; unfinished requests are aborted (their clients
+        get a final update)."""
         self.stopping.set()
         self.commands.put(("wake", None))
         if self.thread is not None:
@@ -90,7 +102,8 @@ class AsyncEngine:
             self.thread = None
 
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Queue:
-        """Queue `request`; its `Update`s arrive on the returned queue (in `loop`, default the running one)."""
+        """Queue `request`; its `Update`s arrive on the returned queue (in `loop`, default the
+        running one)."""
         if self.stopping.is_set() or self.failure is not None:
             raise QueueFull("the engine is shutting down" if self.failure is None
                             else f"the engine stopped: {self.failure}")
@@ -110,7 +123,8 @@ class AsyncEngine:
     # --- the engine thread ------------------------------------------------------------------------
     def run(self) -> None:
         """The engine thread. A step's failure fails that step's requests (`ServingEngine.step`) and
-        the loop goes on; only a failure outside a step (a bug) ends it, and then `failure` is set."""
+        the loop goes on; only a failure outside a step (a bug) ends it, and then `failure` is
+        set."""
         sched = self.engine.scheduler
         self.engine.lock.acquire()  # this thread drives the engine until it ends
         try:
@@ -120,11 +134,13 @@ class AsyncEngine:
                     break
                 plan = self.engine.step() if sched.has_unfinished() else None
                 self.publish()
-                if self.on_step is not None and plan is not None:
-                    self.on_step(plan, self.stats)
-        except BaseException as e:  # noqa: BLE001 - a device failure: fail every request rather than hang them
+                for listener in self.step_listeners if plan is not None else ():
+                    listener(plan, self.stats)
+        # noqa: BLE001 - a device failure: fail every request rather than hang them
+        except BaseException as e:
             self.failure = e
-        self.stopping.set()  # submit refuses from now on; commands already queued are answered below
+        # submit refuses from now on; commands already queued are answered below
+        self.stopping.set()
         reason = "the server is shutting down" if self.failure is None else f"the engine stopped: {self.failure}"
         while True:
             try:
@@ -142,7 +158,8 @@ class AsyncEngine:
         if self.engine.lockstep is not None and self.engine.lockstep.leader:
             try:  # the followers stop with this thread
                 self.engine.lockstep.publish(stop=True)
-            except Exception:  # noqa: BLE001 - the runtime is gone already: the followers stop on their own
+            # noqa: BLE001 - the runtime is gone already: the followers stop on their own
+            except Exception:
                 pass
         self.engine.lock.release()
 
@@ -153,7 +170,8 @@ class AsyncEngine:
                 kind, arg = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
             except queue.Empty:
                 if block:
-                    if self.engine.lockstep is not None:  # several processes: an idle leader's heartbeat
+                    # several processes: an idle leader's heartbeat
+                    if self.engine.lockstep is not None:
                         self.engine.lockstep.heartbeat()
                     continue  # idle: keep waiting (the loop re-checks `stopping`)
                 return
@@ -164,17 +182,19 @@ class AsyncEngine:
             self.publish()
 
     def handle(self, kind: str, arg) -> None:
-        """Apply one queued command (on the engine thread): "add" a tracked request, "cancel" an id."""
+        """Apply one queued command (on the engine thread): "add" a tracked request, "cancel" an
+        id."""
         if kind == "add":
             self.tracked[arg.request.request_id] = arg
-            self.engine.add_request(arg.request)  # one that can never run finishes at once ("error")
+            # one that can never run finishes at once ("error")
+            self.engine.add_request(arg.request)
         elif kind == "cancel":
             self.abort(arg)
 
     def abort(self, request_id: str, error: str | None = None) -> None:
-        """Finish a tracked request now (finish_reason "abort"), in the scheduler or, when a subclass holds
-        it outside (e.g. while its KV is on the way from a prefill instance), here; the next `publish`
-        sends its final update."""
+        """Finish a tracked request now (finish_reason "abort"), in the scheduler or, when a
+        subclass holds it outside (e.g. while its KV is on the way from a prefill instance), here;
+        the next `publish` sends its final update."""
         t = self.tracked.get(request_id)
         if t is not None:
             self.engine.abort(t.request, error)
@@ -199,8 +219,8 @@ class AsyncEngine:
                                 r.error_retryable, r.output_top_logprobs[t.emitted:n]))
             with self.lock:
                 self.pending -= 1
-            if self.on_finish is not None:
-                self.on_finish(r)
+            for listener in self.finish_listeners:
+                listener(r)
         self.stats = dict(self.engine.stats())
 
     @staticmethod

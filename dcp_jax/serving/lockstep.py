@@ -1,30 +1,31 @@
 """Several processes, one schedule: a `ServingEngine` on JAX's multi-controller runtime.
 
-With `jax.distributed` every process runs the same compiled programs on the same inputs, each feeding
-its own devices; so the host side of every process must take the same steps. Process 0, the *leader*,
-owns the requests (HTTP, `LLM` calls). Every other process, a *follower*, runs the same engine with no
-requests of its own and replays the leader's:
+With `jax.distributed` every process runs the same compiled programs on the same inputs, each
+feeding its own devices; so the host side of every process must take the same steps. Process 0, the
+*leader*, owns the requests (HTTP, `LLM` calls). Every other process, a *follower*, runs the same
+engine with no requests of its own and replays the leader's:
 
     leader, each iteration:   apply commands (add / abort / reset the prefix cache) -> schedule ->
                               publish message `seq` = (the commands, the plan's digest) -> run the plan
     follower, each message:   apply the same commands -> schedule -> check the digest -> run the plan
 
 The scheduler is deterministic plain Python and every program's results are replicated (each process
-reads its own copy), so each follower's requests advance exactly as the leader's and its plans come out
-the same; the digest (the plan's requests, chunks, slots, block table) checks that they do, so a
+reads its own copy), so each follower's requests advance exactly as the leader's and its plans come
+out the same; the digest (the plan's requests, chunks, slots, block table) checks that they do, so a
 difference is an error naming the step, never a hang in a collective of mismatched programs. What is
 broadcast per step is small: the commands since the previous step (a new request is its pickled
-`Request`, prompt ids included) and a 4-byte digest; an iteration with no new request costs ~100 bytes.
+`Request`, prompt ids included) and a 4-byte digest; an iteration with no new request costs ~100
+bytes.
 
 Messages go through the distributed runtime's own key-value store (`jax.distributed`'s client: the
-coordination service that process 0 hosts), key `dcp_jax/lockstep/<name>/<seq>`; no other transport. An idle
-leader publishes a heartbeat every `timeout_s / 4` seconds, and a follower that hears nothing for
-`timeout_s` raises `LockstepError` (process 0 stopped or stalled). A step that fails raises
-`LockstepError` on every process that sees it: the processes ran its collectives together and cannot
-recover apart (a lost peer also ends the others through JAX's own heartbeats).
+coordination service that process 0 hosts), key `dcp_jax/lockstep/<name>/<seq>`; no other transport.
+An idle leader publishes a heartbeat every `timeout_s / 4` seconds, and a follower that hears
+nothing for `timeout_s` raises `LockstepError` (process 0 stopped or stalled). A step that fails
+raises `LockstepError` on every process that sees it: the processes ran its collectives together and
+cannot recover apart (a lost peer also ends the others through JAX's own heartbeats).
 
-Layers above add commands of their own (`Lockstep.handlers`, kind -> function): a disaggregated decode
-instance's reserve / pull / admit / fail (`dcp_jax.disagg.spanning`).
+Layers above add commands of their own (`Lockstep.handlers`, kind -> function): a disaggregated
+decode instance's reserve / pull / admit / fail (`dcp_jax.disagg.spanning`).
 
 `spmd=True` is the other way to drive several processes, the one `LLM.generate` and the generate CLI
 use: every process makes the same calls (the same requests, in the same order) and schedules them
@@ -46,16 +47,19 @@ import numpy as np
 from dcp_jax.serving.request import Request
 
 KEY = "dcp_jax/lockstep"
-KEEP = 64  # messages kept in the store behind the newest (a follower is at most a step or two behind)
-# SPMD: how long a process waits for process 0's plan. The processes' calls may drift apart in time (process
-# 0 writing results between two `generate` calls); a process that is gone is ended by the runtime's heartbeats.
+# messages kept in the store behind the newest (a follower is at most a step or two behind)
+KEEP = 64
+# SPMD: how long a process waits for process 0's plan. The processes' calls may drift apart in time
+# (process
+# 0 writing results between two `generate` calls); a process that is gone is ended by the runtime's
+# heartbeats.
 SPMD_WAIT_S = 24 * 3600.0
 KNOWN = 4096  # requests a follower remembers by id (a sample's `follows` names an earlier one)
 
 
 class LockstepError(RuntimeError):
-    """The processes no longer take the same steps: a peer stopped or stalled, a step failed, or a plan
-    differs from the leader's."""
+    """The processes no longer take the same steps: a peer stopped or stalled, a step failed, or a
+    plan differs from the leader's."""
 
 
 def plan_digest(plan) -> int:
@@ -74,7 +78,8 @@ class RuntimeStore:
 
     def __init__(self, client=None):
         if client is None:
-            from jax._src import distributed  # the runtime's client: jax.distributed has no public handle
+            # the runtime's client: jax.distributed has no public handle
+            from jax._src import distributed
 
             client = distributed.global_state.client
             if client is None:
@@ -88,7 +93,8 @@ class RuntimeStore:
         """The value, or None when nothing came within timeout_s."""
         try:
             return self.client.blocking_key_value_get_bytes(key, int(timeout_s * 1000))
-        except Exception as e:  # noqa: BLE001 - the runtime raises its own error type for a deadline
+        # noqa: BLE001 - the runtime raises its own error type for a deadline
+        except Exception as e:
             if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower():
                 return None
             first = (str(e).strip().splitlines() or [""])[0][:200]
@@ -149,16 +155,20 @@ class Message:
 class Lockstep:
     """One process's side of the protocol (module docstring). `process_id` 0 leads."""
 
-    def __init__(self, store, process_id: int, timeout_s: float = 60.0, *, spmd: bool = False, name: str = "serve",
-                 num_processes: int = 2):
+    def __init__(self, store, process_id: int, timeout_s: float = 60.0, *, spmd: bool = False,
+                 name: str = "serve", num_processes: int = 2):
         self.store, self.process_id, self.timeout_s = store, process_id, float(timeout_s)
-        self.num_processes = num_processes  # the processes in step (the leader's and the followers')
+        # the processes in step (the leader's and the followers')
+        self.num_processes = num_processes
         self.leader, self.spmd, self.key = process_id == 0, spmd, f"{KEY}/{name}"
         self.seq = 0
         self.journal: list = []  # leader: commands applied since the last message
-        self.expected: int | None = None  # follower: the digest of the plan the current message runs
-        self.known: collections.OrderedDict[str, Request] = collections.OrderedDict()  # follower: the newest by id
-        self.handlers: dict = {}  # more commands (kind -> fn(engine, *args)): e.g. dcp_jax.disagg.spanning's
+        # follower: the digest of the plan the current message runs
+        self.expected: int | None = None
+        # follower: the newest by id
+        self.known: collections.OrderedDict[str, Request] = collections.OrderedDict()
+        # more commands (kind -> fn(engine, *args)): e.g. dcp_jax.disagg.spanning's
+        self.handlers: dict = {}
         self.last_sent = time.monotonic()
         self.bytes_sent = self.messages = 0
 
@@ -166,14 +176,17 @@ class Lockstep:
     def of_runtime(cls, timeout_s: float = 60.0, **kw) -> "Lockstep":
         import jax
 
-        return cls(RuntimeStore(), jax.process_index(), timeout_s, num_processes=jax.process_count(), **kw)
+        return cls(RuntimeStore(), jax.process_index(), timeout_s,
+                   num_processes=jax.process_count(), **kw)
 
-    # --- the leader --------------------------------------------------------------------------------
+    # --- the leader -------------------------------------------------------------------------------
     def record(self, kind: str, *args) -> None:
-        """Note a command the leader applies (a new request is pickled now, before anything changes it)."""
+        """Note a command the leader applies (a new request is pickled now, before anything changes
+        it)."""
         if not self.leader or self.spmd:
             return
-        if args and isinstance(args[0], Request):  # "add", and other layers' commands about a request
+        # "add", and other layers' commands about a request
+        if args and isinstance(args[0], Request):
             args = (self.dump_request(args[0]), *args[1:])
         self.journal.append((kind, *args))
 
@@ -197,13 +210,14 @@ class Lockstep:
         if self.leader:
             self.publish(digest)
             return
-        if self.spmd:  # every process made this plan from its own calls: compare it with process 0's
+        # every process made this plan from its own calls: compare it with process 0's
+        if self.spmd:
             self.expected = self.receive(SPMD_WAIT_S).digest
         if digest != self.expected:
             raise LockstepError(f"process {self.process_id}'s plan for step {plan.step} differs from process 0's: "
                                 "the processes' schedulers diverged")
 
-    # --- a follower --------------------------------------------------------------------------------
+    # --- a follower -------------------------------------------------------------------------------
     def receive(self, timeout_s: float | None = None) -> Message:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         body = self.store.get(f"{self.key}/{self.seq}", timeout_s)
@@ -218,7 +232,8 @@ class Lockstep:
 
     def follow(self, engine) -> int:
         """A follower's loop: apply each message's commands and take the same step, until the leader
-        stops (returns the steps taken). Raises LockstepError when process 0 goes silent or differs."""
+        stops (returns the steps taken). Raises LockstepError when process 0 goes silent or
+        differs."""
         steps = 0
         while True:
             msg = self.receive()
@@ -244,7 +259,7 @@ class Lockstep:
             else:
                 raise LockstepError(f"unknown command {kind!r} from process 0")
 
-    # --- requests on the wire: a sample's `follows` travels as its id --------------------------------
+    # --- requests on the wire: a sample's `follows` travels as its id -----------------------------
     @staticmethod
     def dump_request(request: Request) -> bytes:
         buf = io.BytesIO()
@@ -255,7 +270,8 @@ class Lockstep:
         return buf.getvalue()
 
     def load_request(self, body: bytes) -> Request:
-        """A request the leader recorded (`dump_request`), remembered by id (a later one may follow it)."""
+        """A request the leader recorded (`dump_request`), remembered by id (a later one may follow
+        it)."""
         unpickler = pickle.Unpickler(io.BytesIO(body))
         unpickler.persistent_load = self.known.__getitem__
         r = unpickler.load()

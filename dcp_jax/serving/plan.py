@@ -1,6 +1,6 @@
 """One engine iteration as data: what it runs (`SchedulePlan` and its prefill chunks, made by
-`Scheduler.schedule`) and what the device produced for it (`StepOutput`, made by `ModelRunner.execute`
-and applied by `Scheduler.update` in one call).
+`Scheduler.schedule`) and what the device produced for it (`StepOutput`, made by
+`ModelRunner.execute` and applied by `Scheduler.update` in one call).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from dcp_jax.serving.request import Request
 
 @dataclasses.dataclass(frozen=True)
 class PrefillChunk:
-    """Tokens [start, start + len(token_ids)) of `request` (prompt + output so far), to write into the
-    cache through block-table row `slot`. When `is_last`, the device samples one token after the chunk's
-    last row (the request's next token: `StepOutput.first`). When also `joins`, the request decodes in
-    the decode loop that follows the ragged step: its decode_steps - 1 tokens after that one, from
-    position `end` (their pages are reserved: `StepOutput.joined`)."""
+    """Tokens [start, start + len(token_ids)) of `request` (prompt + output so far), to write into
+    the cache through block-table row `slot`. When `is_last`, the device samples one token after the
+    chunk's last row (the request's next token: `StepOutput.first`). When also `joins`, the request
+    decodes in the decode loop that follows the ragged step: its decode_steps - 1 tokens after that
+    one, from position `end` (their pages are reserved: `StepOutput.joined`)."""
 
     request: Request
     slot: int
@@ -38,17 +38,19 @@ class SchedulePlan:
 
     decode_* arrays are indexed by slot; unused slots have token 0, position 0, mask False and a
     block-table row of NULL_PAGE. Decode step k (0 <= k < decode_steps) of slot s writes the KV of
-    position decode_positions[s] + k (its pages are reserved) and samples the token after it; the input
-    of step 0 is decode_tokens[s], of step k > 0 the token sampled at step k - 1. The length (tokens in
-    cache) seen by step k is decode_positions[s] + k + 1. Every slot runs all K steps; the host
-    discards tokens sampled after a request stopped.
+    position decode_positions[s] + k (its pages are reserved) and samples the token after it; the
+    input of step 0 is decode_tokens[s], of step k > 0 the token sampled at step k - 1. The length
+    (tokens in cache) seen by step k is decode_positions[s] + k + 1. Every slot runs all K steps;
+    the host discards tokens sampled after a request stopped.
 
     decode_budget[s]: the most tokens slot s may produce this iteration (its pages are reserved for
-    them). Without speculation it is K for every decoding slot; with it, min(k + 1, tokens it has left)
-    per slot: a verify step writes the KV of at most budget positions from decode_positions[s] on.
+    them). Without speculation it is K for every decoding slot; with it, min(k + 1, tokens it has
+    left) per slot: a verify step writes the KV of at most budget positions from decode_positions[s]
+    on.
 
-    Without speculation, the K - 1 decode steps after a ragged step also run the requests whose prompt
-    ends in it (`PrefillChunk.joins`; only when some request decodes: no loop runs for those alone).
+    Without speculation, the K - 1 decode steps after a ragged step also run the requests whose
+    prompt ends in it (`PrefillChunk.joins`; only when some request decodes: no loop runs for those
+    alone).
     """
 
     step: int
@@ -79,15 +81,17 @@ class SchedulePlan:
 
     @property
     def joining(self) -> list[PrefillChunk]:
-        """The chunks whose requests decode in the loop after the ragged step (`PrefillChunk.joins`)."""
+        """The chunks whose requests decode in the loop after the ragged step
+        (`PrefillChunk.joins`)."""
         return [c for c in self.prefills if c.joins]
 
 
 @dataclasses.dataclass(frozen=True)
 class Sampled:
-    """Tokens a program sampled, on the host, rows by slot: tokens int32 and logprobs float32 [S, n];
-    `tops`: the top logprobs (ids, logprobs) [S, n, 20] when a request of the step asked, else None;
-    `counts` [S]: a verify step's tokens per slot (1 <= count <= its budget), else None (n each)."""
+    """Tokens a program sampled, on the host, rows by slot: tokens int32 and logprobs float32 [S,
+    n]; `tops`: the top logprobs (ids, logprobs) [S, n, 20] when a request of the step asked, else
+    None; `counts` [S]: a verify step's tokens per slot (1 <= count <= its budget), else None (n
+    each)."""
 
     tokens: np.ndarray
     logprobs: np.ndarray
@@ -95,7 +99,8 @@ class Sampled:
     counts: np.ndarray | None = None
 
     def then(self, more: "Sampled") -> "Sampled":
-        """These columns followed by `more`'s (a ragged step's first token, then the decode loop's)."""
+        """These columns followed by `more`'s (a ragged step's first token, then the decode
+        loop's)."""
         cat = lambda a, b: np.concatenate([a, b], axis=1)  # noqa: E731
         tops = None if self.tops is None else tuple(cat(a, b) for a, b in zip(self.tops, more.tops))
         return Sampled(cat(self.tokens, more.tokens), cat(self.logprobs, more.logprobs), tops)
@@ -112,7 +117,8 @@ class StepOutput:
 
     first    the ragged step's sampled token after each row's last one, [S, 1] (a prefill chunk that
              `is_last`: its request's next token; a decode row: its first token of the iteration)
-    decode   the plan's decode rows' tokens [S, K]: the ragged step's first then the loop's K - 1, the
+    decode   the plan's decode rows' tokens [S, K]: the ragged step's first then the loop's K - 1,
+    the
              decode loop's K, or a verify step's k + 1 with `counts`
     joined   the loop's K - 1 tokens [S, K - 1] of the requests that joined it (`plan.joining`)
     prompt_scores  (request, start, logprobs, ranks, top ids, top logprobs) per row whose request

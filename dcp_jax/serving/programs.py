@@ -6,19 +6,20 @@
     StepPrograms   what the runner's device programs compute, as pure functions of (weights, caches,
                    history, inputs) -> (caches, history, outputs...); no device state lives here
 
-    ragged:   one step of N flat tokens (one of `config.step_sizes`): every row's tokens (decode rows and
-              prompt chunks of many requests, end to end) written through its own block-table row and
-              attended in tiles of that row (pallas_kernels.attention.ragged); the token after each row's
-              last one sampled                                                         [jit, donated]
-    decode:   every slot [S] for up to K steps in one while_loop: forward one token, write, sample,
-              record                                                                   [jit, donated]
-    verify:   (speculative decoding, instead of decode) every slot's last token + k drafts [S, k+1] in
-              one forward, written; the accepted drafts + one target token come back [S, k+1] with a
-              count per slot; a draft model drafts inside it                            [jit, donated]
+    ragged:   one step of N flat tokens (one of `config.step_sizes`): every row's tokens (decode
+              rows and prompt chunks of many requests, end to end) written through its own
+              block-table row and attended in tiles of that row (pallas_kernels.attention.ragged);
+              the token after each row's last one sampled                        [jit, donated]
+    decode:   every slot [S] for up to K steps in one while_loop: forward one token, write,
+              sample, record                                                     [jit, donated]
+    verify:   (speculative decoding, instead of decode) every slot's last token + k drafts
+              [S, k+1] in one forward, written; the accepted drafts + one target token come back
+              [S, k+1] with a count per slot; a draft model drafts inside it     [jit, donated]
 
-Shapes depend only on the `ServingConfig` (slots, blocks per sequence, step sizes, K): requests come and
-go with no recompilation. Sampling is per row (`dcp_jax.sampling.sample_rows`) with a key derived from
-(seed, position), so a request recomputed after preemption samples the same tokens again.
+Shapes depend only on the `ServingConfig` (slots, blocks per sequence, step sizes, K): requests come
+and go with no recompilation. Sampling is per row (`dcp_jax.sampling.sample_rows`) with a key
+derived from (seed, position), so a request recomputed after preemption samples the same tokens
+again.
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ from pallas_kernels.attention import kv_quant as kvq
 
 
 class ProgramCache:
-    """Compiled programs keyed (kind, *sizes): `get(key, build)` compiles with `build()` the first time
-    a key is asked for and counts the seconds. Safe to fill from several threads (compiles of different
-    keys run at once; XLA's compiler releases the GIL)."""
+    """Compiled programs keyed (kind, *sizes): `get(key, build)` compiles with `build()` the first
+    time a key is asked for and counts the seconds. Safe to fill from several threads (compiles of
+    different keys run at once; XLA's compiler releases the GIL)."""
 
     def __init__(self):
         self._programs: dict[tuple, object] = {}
@@ -105,8 +106,8 @@ class Weights:
 
 
 class StepPrograms:
-    """A `CausalLM` (and an optional draft model) on a ("tp","dcp") mesh: the abstract pools, the step
-    programs' bodies, and their compiled forms in `cache`."""
+    """A `CausalLM` (and an optional draft model) on a ("tp","dcp") mesh: the abstract pools, the
+    step programs' bodies, and their compiled forms in `cache`."""
 
     def __init__(self, model: CausalLM, mesh: Mesh, config: ServingConfig, layout: PagedLayout, *,
                  impl: str | None = None, combine: str = "auto",
@@ -122,20 +123,23 @@ class StepPrograms:
         draft_params = draft_sharding = None
         if self.draft is not None:
             self.draft_graphdef, draft_params = nnx.split(self.draft)
-            self.draft_layout = draft_layout(layout, mesh_lib.axis_size(mesh, self.draft.context_axes))
-            draft_spec = mesh_lib.kv_pool_spec(self.draft.head_axes, self.draft.context_axes, stacked=True)
+            d_axes = self.draft.context_axes
+            self.draft_layout = draft_layout(layout, mesh_lib.axis_size(mesh, d_axes))
+            draft_spec = mesh_lib.kv_pool_spec(self.draft.head_axes, d_axes, stacked=True)
             draft_sharding = mesh_lib.named(mesh, draft_spec)
         self.weights = Weights(params, draft_params)
         self.shardings = Caches(self.pool_sharding, draft_sharding)
         self.replicated = mesh_lib.named(mesh, mesh_lib.spec())
-        self.mask_words = (model.config.vocab_size + 31) // 32  # a token mask row: ⌈V/32⌉ int32 words
+        # a token mask row: ⌈V/32⌉ int32 words
+        self.mask_words = (model.config.vocab_size + 31) // 32
         self.cache = ProgramCache()
 
     # --- abstract values -------------------------------------------------------------------------
     def pool_shapes(self) -> Caches:
-        """Per layer stack, the global shapes of its pools: [layers, N·pages, K, page, D] ((k, v), or
-        MLA's latent); the draft model's on the same pages (one block table), its own layers, kv heads
-        and head dim: a draft page holds the draft's share of the same tokens as the target's page."""
+        """Per layer stack, the global shapes of its pools: [layers, N·pages, K, page, D] ((k, v),
+        or MLA's latent); the draft model's on the same pages (one block table), its own layers, kv
+        heads and head dim: a draft page holds the draft's share of the same tokens as the target's
+        page."""
         n = self.layout.num_shards * self.config.num_pages
         m, d = self.model, self.draft
         width = kvq.width(m.config.head_dim, self.config.kv_quant)  # (8-bit rows carry their scale)
@@ -149,8 +153,10 @@ class StepPrograms:
         shapes = self.pool_shapes()
 
         def spec(shapes, sharding, dtype):
-            return None if shapes is None else tuple(
-                tuple(jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for s in layer) for layer in shapes)
+            if shapes is None:
+                return None
+            return tuple(tuple(jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for s in layer)
+                         for layer in shapes)
 
         target_dtype = kvq.storage_dtype(self.config.kv_quant, self.dtype)
         return Caches(spec(shapes.target, self.shardings.target, target_dtype),
@@ -158,16 +164,17 @@ class StepPrograms:
 
     def history_spec(self) -> jax.ShapeDtypeStruct:
         """The abstract token history [S, max_model_len] int32, replicated."""
-        return jax.ShapeDtypeStruct((self.config.max_num_seqs, self.config.max_model_len), jnp.int32,
-                                    sharding=self.replicated)
+        shape = (self.config.max_num_seqs, self.config.max_model_len)
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.replicated)
 
     def context(self, block_table, layout: PagedLayout | None = None) -> AttentionContext:
-        """The target's pools' context, or with `layout` the draft model's (kept in the model dtype)."""
+        """The target's pools' context, or with `layout` the draft model's (kept in the model
+        dtype)."""
         return AttentionContext(self.mesh, layout or self.layout, self.impl, self.combine,
                                 block_table=block_table, max_seq_len=self.config.max_model_len,
                                 kv_quant=self.config.kv_quant if layout is None else None)
 
-    # --- compiled programs -------------------------------------------------------------------------
+    # --- compiled programs ------------------------------------------------------------------------
     def compiled(self, name: str, fn, *args, outputs: int = 2):
         """`fn` (weights, caches, history, ...) -> (caches, history, `outputs` more) jitted with the
         pools and the history donated and compiled for `args` (abstract), once per shape."""
@@ -190,14 +197,15 @@ class StepPrograms:
                              self.history_spec(), inputs, outputs=4)
 
     def decode_program(self):
-        """The compiled decode loop over every slot: (weights, caches, history, StepInputs [S, 1] (the
-        tokens and positions to start from, valid = the slot decodes), num_steps) -> (caches, history,
-        tokens [S, K], logprobs [S, K], top logprobs [S, K, 20]); runs num_steps <= K steps."""
+        """The compiled decode loop over every slot: (weights, caches, history, StepInputs [S, 1]
+        (the tokens and positions to start from, valid = the slot decodes), num_steps) -> (caches,
+        history, tokens [S, K], logprobs [S, K], top logprobs [S, K, 20]); runs num_steps <= K
+        steps."""
         if self.speculative is not None:
             raise RuntimeError("a speculative engine decodes with verify_program()")
         s, nb = self.config.max_num_seqs, self.max_blocks_per_seq
-        return self.compiled("decode", self.decode, self.weights, self.pool_spec(), self.history_spec(),
-                             StepInputs.spec(s, 1, nb, self.mask_words),
+        return self.compiled("decode", self.decode, self.weights, self.pool_spec(),
+                             self.history_spec(), StepInputs.spec(s, 1, nb, self.mask_words),
                              jax.ShapeDtypeStruct((), jnp.int32), outputs=3)
 
     def verify_program(self):
@@ -206,11 +214,13 @@ class StepPrograms:
         (see `verify`)."""
         s, nb = self.config.max_num_seqs, self.max_blocks_per_seq
         t = self.speculative.num_tokens + 1
-        return self.compiled("verify", self.verify, self.weights, self.pool_spec(), self.history_spec(),
-                             StepInputs.spec(s, t, nb, self.mask_words), outputs=4)
+        return self.compiled("verify", self.verify, self.weights, self.pool_spec(),
+                             self.history_spec(), StepInputs.spec(s, t, nb, self.mask_words),
+                             outputs=4)
 
     def step_program(self):
-        """The program a decode iteration runs: the verify step with speculation, else the decode loop."""
+        """The program a decode iteration runs: the verify step with speculation, else the decode
+        loop."""
         return self.decode_program() if self.speculative is None else self.verify_program()
 
     def history_program(self, n: int):
@@ -230,21 +240,24 @@ class StepPrograms:
 
         return self.cache.get(("history", n), build)
 
-    # --- the programs' bodies ----------------------------------------------------------------------
+    # --- the programs' bodies ---------------------------------------------------------------------
     def ragged_step(self, weights: Weights, caches: Caches, history, step: RaggedInputs):
-        """One ragged step: every row's tokens written and attended in one forward over the flat batch,
-        the token after each row's last one sampled. Returns (caches, history, tokens [S], logprobs [S],
-        top logprobs: (ids, log-probabilities) [S, 20], and the prompt scores of `step.next_token`
-        (`sampling.score_tokens`: logprobs [N], ranks [N], top ids and logprobs [N, 20]))."""
+        """One ragged step: every row's tokens written and attended in one forward over the flat
+        batch, the token after each row's last one sampled. Returns (caches, history, tokens [S],
+        logprobs [S], top logprobs: (ids, log-probabilities) [S, 20], and the prompt scores of
+        `step.next_token` (`sampling.score_tokens`: logprobs [N], ranks [N], top ids and logprobs
+        [N, 20]))."""
         flat = (step.tokens, step.positions, step.valid, step.kv_len)
         draft_pools = caches.draft
         if self.draft is not None:  # the draft model's cache takes the same tokens
             draft = nnx.merge(self.draft_graphdef, weights.draft)
-            ctx = dataclasses.replace(self.context(step.block_table, self.draft_layout), ragged=step.tiles)
+            ctx = self.context(step.block_table, self.draft_layout)
+            ctx = dataclasses.replace(ctx, ragged=step.tiles)
             _, draft_pools = draft(*flat, draft_pools, ctx, logits_at=step.logits_at)
         model = nnx.merge(self.graphdef, weights.target)
         ctx = dataclasses.replace(self.context(step.block_table), ragged=step.tiles)
-        logits, pools, hidden = model(*flat, caches.target, ctx, logits_at=step.logits_at, hidden=True)
+        logits, pools, hidden = model(*flat, caches.target, ctx, logits_at=step.logits_at,
+                                      hidden=True)
         scores = score_tokens(model.head_logits, hidden[0], step.next_token)
         history = write_history(history, step.sampling, step.tiles.token_row, step.positions[0],
                                 step.tokens[0], step.valid[0])
@@ -253,11 +266,11 @@ class StepPrograms:
         return Caches(pools, draft_pools), history, tok, lp, top, scores
 
     def verify(self, weights: Weights, caches: Caches, history, step: StepInputs):
-        """One speculative step. step [S, k+1]: column 0 the last token (position p, not yet in cache),
-        columns 1..k the drafts (n-gram; ignored with a draft model, which drafts them here); valid[:, i]
-        for i >= 1 says draft i exists; kv_len = p + 1 + drafts. Writes the KV of every valid column,
-        accepts (dcp_jax.spec.verify) and returns (caches, history, tokens [S, k+1], counts [S],
-        logprobs [S, k+1], top logprobs [S, k+1, 20])."""
+        """One speculative step. step [S, k+1]: column 0 the last token (position p, not yet in
+        cache), columns 1..k the drafts (n-gram; ignored with a draft model, which drafts them
+        here); valid[:, i] for i >= 1 says draft i exists; kv_len = p + 1 + drafts. Writes the KV of
+        every valid column, accepts (dcp_jax.spec.verify) and returns (caches, history, tokens [S,
+        k+1], counts [S], logprobs [S, k+1], top logprobs [S, k+1, 20])."""
         tokens, draft_probs, draft_pools = step.tokens, None, caches.draft
         if self.draft is not None:
             drafts, draft_probs, draft_pools = self.draft_tokens(weights.draft, caches.draft, step)
@@ -274,27 +287,28 @@ class StepPrograms:
         return Caches(pools, draft_pools), history, out, counts, lps, top
 
     def draft_tokens(self, draft_params, draft_pools, step: StepInputs):
-        """The draft model's k drafts per row [S, k] and their distributions [S, k, V]: one-token steps
-        from the last token at p; step i writes position p + i (while i <= the row's drafts, so the k-th
-        draft's KV is written too: the draft cache then holds every position the target accepts)."""
+        """The draft model's k drafts per row [S, k] and their distributions [S, k, V]: one-token
+        steps from the last token at p; step i writes position p + i (while i <= the row's drafts,
+        so the k-th draft's KV is written too: the draft cache then holds every position the target
+        accepts)."""
         draft = nnx.merge(self.draft_graphdef, draft_params)
         ctx = self.context(step.block_table, self.draft_layout)
         s, t = step.tokens.shape
         active, n_drafts = step.valid[:, 0], jnp.sum(step.valid[:, 1:], axis=1)
-        p0, propose = step.positions[:, 0], draft_proposer(step.sampling, s, self.draft.config.vocab_size)
+        v = self.draft.config.vocab_size
+        p0, propose = step.positions[:, 0], draft_proposer(step.sampling, s, v)
 
         def body(i, carry):
             pools, cur, drafts, qs = carry
             pos = p0 + i
             ok = active & (i <= n_drafts)
-            logits, pools = draft(cur[:, None], pos[:, None], ok[:, None], jnp.where(ok, pos + 1, 0),
-                                  pools, ctx)
+            kv_len = jnp.where(ok, pos + 1, 0)
+            logits, pools = draft(cur[:, None], pos[:, None], ok[:, None], kv_len, pools, ctx)
             d, q = propose(logits[:, 0].astype(jnp.float32), pos + 1)
             drafts = jax.lax.dynamic_update_index_in_dim(drafts, d, i, axis=1)
             qs = jax.lax.dynamic_update_index_in_dim(qs, q, i, axis=1)
             return pools, d, drafts, qs
 
-        v = self.draft.config.vocab_size
         init = (draft_pools, step.tokens[:, 0], jnp.zeros((s, t), jnp.int32),
                 jnp.zeros((s, t, v), jnp.float32))
         steps = jnp.max(jnp.where(active, n_drafts, -1)) + 1
@@ -315,9 +329,11 @@ class StepPrograms:
             kv_len = jnp.where(active, pos + 1, 0)
             logits, pools = model(cur[:, None], pos[:, None], active[:, None], kv_len, pools, ctx)
             history = write_history(history, step.sampling, jnp.arange(s), pos, cur, active)
-            tok, lp, top = sample_rows(logits[:, 0], step.sampling, pos + 1, history, step.token_mask)
+            tok, lp, top = sample_rows(logits[:, 0], step.sampling, pos + 1, history,
+                                       step.token_mask)
             out_top = jax.tree.map(lambda acc, x: put(acc, x, k), out_top, top)
-            return k + 1, pools, history, tok, pos + 1, put(out, tok, k), put(out_lp, lp, k), out_top
+            out, out_lp = put(out, tok, k), put(out_lp, lp, k)
+            return k + 1, pools, history, tok, pos + 1, out, out_lp, out_top
 
         n_top = (s, k_max, MAX_TOP_LOGPROBS)
         state = (jnp.int32(0), pools, history, step.tokens[:, 0], step.positions[:, 0],
@@ -329,11 +345,12 @@ class StepPrograms:
 
 
 def draft_proposer(sp, s: int, v: int):
-    """The draft model's choice at one step: (logits [S, V], position [S]) -> (tokens [S], q [S, V]);
-    greedy rows take the argmax (q unused), sampled rows draw from the target's own filters."""
+    """The draft model's choice at one step: (logits [S, V], position [S]) -> (tokens [S], q [S,
+    V]); greedy rows take the argmax (q unused), sampled rows draw from the target's own filters."""
 
     def propose(logits, pos):
-        logits = bias_logits(logits, sp)  # drafts the target may accept: its logit_bias / allowed ids
+        # drafts the target may accept: its logit_bias / allowed ids
+        logits = bias_logits(logits, sp)
         greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
         def sampled():
@@ -350,10 +367,11 @@ def draft_proposer(sp, s: int, v: int):
 
 
 def draft_layout(layout: PagedLayout, draft_shards: int) -> PagedLayout:
-    """The draft model's pages over the target's blocks (`PagedLayout.same_blocks`), or a UserError."""
+    """The draft model's pages over the target's blocks (`PagedLayout.same_blocks`), or a
+    UserError."""
     try:
         return layout.same_blocks(draft_shards)
     except ValueError as e:
-        raise UserError(f"the draft model cannot share the target's KV pages: {e}; choose a page size "
-                        "that is a multiple of the tp size, or a draft of the target's attention kind "
-                        "(MLA or not)") from None
+        raise UserError(f"the draft model cannot share the target's KV pages: {e}; choose a page "
+                        "size that is a multiple of the tp size, or a draft of the target's "
+                        "attention kind (MLA or not)") from None

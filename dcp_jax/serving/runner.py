@@ -1,18 +1,17 @@
 """The model runner: the one owner of device state, and what runs a plan on the device.
 
-    ModelRunner.execute(plan) -> StepOutput     one iteration's programs: one ragged step (every
-                                                decoding slot's first token and the prompt chunks in one
-                                                flat batch), then the decode loop for the other K - 1
-                                                (the prompts that ended in the step decoding too); with
-                                                nothing to prefill, the decode loop alone (or a verify
-                                                step); the host tier's pending copies first
+    ModelRunner.execute(plan) -> StepOutput
+        one iteration's programs: one ragged step (every decoding slot's first token and the prompt
+        chunks in one flat batch), then the decode loop for the other K - 1 (the prompts that ended
+        in the step decoding too); with nothing to prefill, the decode loop alone (or a verify
+        step); the host tier's pending copies first
 
-    pools (per layer stack): [L, N·pages, K, page, D] (kv heads over "tp", each context rank its own
-                       pages), with a draft model's pools beside them: one pytree `Caches(target, draft)`
-    history:           each slot's tokens by position [S, max_model_len] int32 (replicated), written by
-                       every program for the rows whose sampling reads earlier tokens (penalties, bad
-                       words) and by `fill_history` for the tokens a request brings into its slot
-                       already computed (prefix hits, a resumed request); donated like the pools
+    pools (per layer stack): [L, N·pages, K, page, D] (kv heads over "tp", each context rank its
+        own pages), with a draft model's pools beside them: one pytree `Caches(target, draft)`
+    history: each slot's tokens by position [S, max_model_len] int32 (replicated), written by every
+        program for the rows whose sampling reads earlier tokens (penalties, bad words) and by
+        `fill_history` for the tokens a request brings into its slot already computed (prefix
+        hits, a resumed request); donated like the pools
 
 Nothing outside this class assigns the pools or the history: the host tier's copies run here (their
 queue is the KV manager's, handed in as `host_copies`), and disaggregation writes through
@@ -45,7 +44,7 @@ from dcp_jax.serving.host_copy import HostCopier
 from dcp_jax.serving.inputs import RaggedInputs, StepInputs
 from dcp_jax.serving.plan import Sampled, SchedulePlan, StepOutput
 from dcp_jax.serving.programs import Caches, StepPrograms
-from dcp_jax.spec.proposers import NgramProposer, SpeculativeConfig
+from dcp_jax.spec.proposers import SpeculativeConfig, host_proposer
 from pallas_kernels.attention import kv_quant as kvq
 from pallas_kernels.attention.configs import pow2
 
@@ -62,17 +61,19 @@ class ModelRunner:
         self.model, self.mesh, self.config, self.layout = model, mesh, config, layout
         self.speculative, self.draft = speculative, self.programs.draft
         self.eos_token_ids = tuple(model.config.eos_token_ids)
-        self.structured = structured  # StructuredOutputs (dcp_jax.structured): constrained rows' masks
-        self.proposer = (NgramProposer(speculative.num_tokens, speculative.min_n, speculative.max_n)
-                         if speculative is not None and speculative.method == "ngram" else None)
+        # StructuredOutputs (dcp_jax.structured): constrained rows' masks
+        self.structured = structured
+        # drafts made on the host (n-gram lookup), or None
+        self.proposer = host_proposer(speculative)
         self.host_copies = host_copies  # () -> (offloads, restores): the KV manager's copy queue
         self.copier = HostCopier(self.programs)  # the host tier's copy programs
         self._caches: Caches | None = None
         self._history: jax.Array | None = None
-        self._history_owner: list = [None] * config.max_num_seqs  # the request each history row holds
+        # the request each history row holds
+        self._history_owner: list = [None] * config.max_num_seqs
         self._open_masks: dict = {}  # tokens per row -> an all-allowed token mask on the device
 
-    # --- device state (read-only outside) ----------------------------------------------------------
+    # --- device state (read-only outside) ---------------------------------------------------------
     @property
     def caches(self) -> Caches | None:
         return self._caches
@@ -103,7 +104,8 @@ class ModelRunner:
         return self.programs.history_spec()
 
     def allocate(self) -> Caches:
-        """The zeroed pools, sharded from the start (never whole on one device), and the token history."""
+        """The zeroed pools, sharded from the start (never whole on one device), and the token
+        history."""
         if self._caches is None:
             self._caches = mesh_lib.zeros(self.pool_spec())
         if self._history is None:
@@ -118,7 +120,8 @@ class ModelRunner:
             for x in jax.tree.leaves((self._caches, self._history)))
 
     def reset_pools(self) -> None:
-        """Drop the pools (their KV is lost) and the token history; the next use allocates zeroed ones."""
+        """Drop the pools (their KV is lost) and the token history; the next use allocates zeroed
+        ones."""
         self._caches = self._history = None
 
     def run(self, program, inputs, *args):
@@ -129,10 +132,10 @@ class ModelRunner:
         self._caches = caches
         return out
 
-    # --- the host tier's copies ----------------------------------------------------------------------
+    # --- the host tier's copies -------------------------------------------------------------------
     def copy_pending(self) -> None:
-        """Dispatch the host tier's pending copies: evicted blocks to the host, then host hits back into
-        their fresh pages, ahead of any program that writes those pages."""
+        """Dispatch the host tier's pending copies: evicted blocks to the host, then host hits back
+        into their fresh pages, ahead of any program that writes those pages."""
         if self.host_copies is None:
             return
         offloads, restores = self.host_copies()
@@ -153,9 +156,10 @@ class ModelRunner:
     # --- one iteration ----------------------------------------------------------------------------
     def execute(self, plan: SchedulePlan) -> StepOutput:
         """Run a plan: the host tier's copies, then one ragged step over its prefill chunks and
-        (without speculation) its decode rows' first tokens, their other K - 1 in the decode loop after
-        it; with nothing to prefill, the K-step decode loop alone; with speculation, the verify step
-        after the ragged step's prefills. Returns what the programs produced, on the host."""
+        (without speculation) its decode rows' first tokens, their other K - 1 in the decode loop
+        after it; with nothing to prefill, the K-step decode loop alone; with speculation, the
+        verify step after the ragged step's prefills. Returns what the programs produced, on the
+        host."""
         out = StepOutput()
         self.copy_pending()
         if plan.prefills:
@@ -175,10 +179,11 @@ class ModelRunner:
         return rows + [(c.slot, c.request, c.start, c.token_ids) for c in plan.prefills]
 
     def ragged_iteration(self, plan: SchedulePlan, out: StepOutput) -> None:
-        """One ragged step: the plan's prefill chunks and, unless a verify step follows (speculation),
-        its decode rows' first tokens, in one program call padded to a step size; then the decode
-        rows' other K - 1 tokens in the decode loop, started on the device from the tokens just
-        sampled, with the requests whose prompt ended in the step (`plan.joining`) beside them."""
+        """One ragged step: the plan's prefill chunks and, unless a verify step follows
+        (speculation), its decode rows' first tokens, in one program call padded to a step size;
+        then the decode rows' other K - 1 tokens in the decode loop, started on the device from the
+        tokens just sampled, with the requests whose prompt ended in the step (`plan.joining`)
+        beside them."""
         t0 = time.perf_counter()
         with_decode = self.speculative is None and bool(plan.decode_slots)
         rows = self.ragged_rows(plan, with_decode)
@@ -197,7 +202,8 @@ class ModelRunner:
             loop_rows = plan.decode_rows(1) + [(c.slot, c.request, c.end) for c in plan.joining]
             more = self.decode_loop(loop_rows, tok[:, None], k - 1, plan.block_table)
         requests = [r for _, r, *_ in rows]
-        out.first = Sampled(host(tok)[:, None], host(lp)[:, None], tops_on_host(requests, top, None))
+        tops = tops_on_host(requests, top, None)
+        out.first = Sampled(host(tok)[:, None], host(lp)[:, None], tops)
         if any(c.request.scores_prompt for c in plan.prefills):
             out.prompt_scores = prompt_scores(rows, scores)
         for key, value in dict(ragged_steps=1, rows_computed=n, rows_useful=num_tokens,
@@ -214,18 +220,18 @@ class ModelRunner:
             out.decode = out.first if k <= 1 else out.first.then(loop)
 
     def decode_loop(self, rows, tokens, steps: int, block_table):
-        """Dispatch the decode loop for `steps` steps over `rows` ((slot, request, position) each: the
-        slot's first input is its row of `tokens` [S, 1] (host or device), at that position) through
-        `block_table`; returns its (tokens, logprobs) [S, K] and top logprobs (ids, log-probabilities)
-        [S, K, 20] on the device."""
+        """Dispatch the decode loop for `steps` steps over `rows` ((slot, request, position) each:
+        the slot's first input is its row of `tokens` [S, 1] (host or device), at that position)
+        through `block_table`; returns its (tokens, logprobs) [S, K] and top logprobs (ids,
+        log-probabilities) [S, K, 20] on the device."""
         s = self.config.max_num_seqs
         requests, positions, live = [None] * s, np.zeros(s, np.int32), np.zeros(s, bool)
         for slot, r, position in rows:
             requests[slot], positions[slot], live[slot] = r, position, True
         self.fill_history(rows)
         mask = self.token_mask([(slot, r, []) for slot, r, _ in rows], 1)
-        inputs = StepInputs(tokens, positions[:, None], live[:, None], np.zeros(s, np.int32), block_table,
-                            SamplingRows.of(requests, self.eos_token_ids), mask)
+        inputs = StepInputs(tokens, positions[:, None], live[:, None], np.zeros(s, np.int32),
+                            block_table, SamplingRows.of(requests, self.eos_token_ids), mask)
         return self.run(self.step_program(), inputs, np.int32(steps))
 
     def decode_iteration(self, plan: SchedulePlan, out: StepOutput) -> None:
@@ -234,8 +240,8 @@ class ModelRunner:
         the device by the draft model)."""
         t0, k = time.perf_counter(), plan.decode_steps
         if self.speculative is None:
-            tokens, logprobs, top = self.decode_loop(plan.decode_rows(), plan.decode_tokens[:, None], k,
-                                                     plan.block_table)
+            first = plan.decode_tokens[:, None]
+            tokens, logprobs, top = self.decode_loop(plan.decode_rows(), first, k, plan.block_table)
             counts, steps = None, k
         else:
             tokens, logprobs, counts, top = self.verify(plan, out)
@@ -254,24 +260,28 @@ class ModelRunner:
         rows, mask_rows = [None] * s, []
         for r, slot in zip(plan.decode_requests, plan.decode_slots):
             rows[slot] = r
-            most = int(plan.decode_budget[slot]) - 1  # a verify step emits at most drafts + 1 tokens
+            # a verify step emits at most drafts + 1 tokens
+            most = int(plan.decode_budget[slot]) - 1
             drafts = []
             if self.proposer is not None:
                 drafts = self.proposer.propose(r, most)
                 tokens[slot, 1:1 + len(drafts)] = drafts
                 valid[slot, 1:1 + len(drafts)] = True
-            elif self.draft is not None and r.sampling.structured is None:  # (drafted on the device)
+            # (drafted on the device)
+            elif self.draft is not None and r.sampling.structured is None:
                 valid[slot, 1:1 + most] = True
-            mask_rows.append((slot, r, [int(t) for t in drafts]))  # (token_mask keeps the constrained)
+            # (token_mask keeps the constrained)
+            mask_rows.append((slot, r, [int(t) for t in drafts]))
         positions = plan.decode_positions[:, None] + np.arange(width, dtype=np.int32)[None]
-        kv_len = np.where(plan.decode_mask, plan.decode_positions + valid.sum(axis=1), 0).astype(np.int32)
-        return StepInputs(tokens, positions, valid, kv_len, plan.block_table,
-                          SamplingRows.of(rows, self.eos_token_ids), self.token_mask(mask_rows, width))
+        kv_len = np.where(plan.decode_mask, plan.decode_positions + valid.sum(axis=1), 0)
+        return StepInputs(tokens, positions, valid, kv_len.astype(np.int32), plan.block_table,
+                          SamplingRows.of(rows, self.eos_token_ids),
+                          self.token_mask(mask_rows, width))
 
     def verify(self, plan: SchedulePlan, out: StepOutput):
-        """One speculative verify step over the plan's decode slots: (tokens, logprobs) [S, k+1] on the
-        device, the count of each slot's tokens (host), and the top logprobs [S, k+1, 20] (device);
-        the drafts proposed and accepted go into `out`."""
+        """One speculative verify step over the plan's decode slots: (tokens, logprobs) [S, k+1] on
+        the device, the count of each slot's tokens (host), and the top logprobs [S, k+1, 20]
+        (device); the drafts proposed and accepted go into `out`."""
         inputs = self.verify_inputs(plan)
         self.fill_history([(slot, r, int(plan.decode_positions[slot]))
                            for r, slot in zip(plan.decode_requests, plan.decode_slots)])
@@ -284,18 +294,19 @@ class ModelRunner:
         return tokens, logprobs, counts, top
 
     def step_program(self):
-        """The program a decode iteration runs: the verify step with speculation, else the decode loop."""
+        """The program a decode iteration runs: the verify step with speculation, else the decode
+        loop."""
         return self.programs.step_program()
 
     def step_size(self, tokens: int) -> int:
         """The smallest step size that holds `tokens` tokens."""
         return padded_size(self.config.step_sizes, tokens)
 
-    # --- host inputs --------------------------------------------------------------------------------
+    # --- host inputs ------------------------------------------------------------------------------
     def token_mask(self, rows, tokens: int):
-        """The step's token mask [S, tokens, W]: each constrained row of `rows` ((slot, request, drafts)
-        each) filled from its matcher, every other row all-allowed; with none constrained, the
-        all-allowed mask kept on the device (nothing sent)."""
+        """The step's token mask [S, tokens, W]: each constrained row of `rows` ((slot, request,
+        drafts) each) filled from its matcher, every other row all-allowed; with none constrained,
+        the all-allowed mask kept on the device (nothing sent)."""
         rows = [row for row in rows if row[1].sampling.structured is not None]
         words = self.programs.mask_words
         if not rows:
@@ -309,10 +320,10 @@ class ModelRunner:
         return mask
 
     def fill_history(self, rows) -> None:
-        """Before a program: for each (slot, request, first position, ...) row whose request's sampling
-        reads its earlier tokens (penalties, bad words), the tokens before the row's first position
-        into the slot's history row (those already in the cache: no program wrote them there). A
-        request's tokens never change, so a row its own request left holds them still."""
+        """Before a program: for each (slot, request, first position, ...) row whose request's
+        sampling reads its earlier tokens (penalties, bad words), the tokens before the row's first
+        position into the slot's history row (those already in the cache: no program wrote them
+        there). A request's tokens never change, so a row its own request left holds them still."""
         for slot, r, count, *_ in rows:
             if not r.sampling.needs_history:
                 continue
@@ -327,14 +338,15 @@ class ModelRunner:
                                                                  np.int32(count))
             self._history_owner[slot] = r
 
-    # --- other writers and readers -------------------------------------------------------------------
+    # --- other writers and readers ----------------------------------------------------------------
     def write_pool_shards(self, write) -> None:
         """Per-device writes into the target's pools (prefill/decode disaggregation): `write(device,
         shards)`, for each of this process's devices, gets that device's shards of every pool array,
-        in `jax.tree.leaves` order, donates them, and returns the new ones; the pools are reassembled
-        from the shards without a copy. The host tier's pending copies run first. If `write` fails part
-        way after donating shards, the pools are left deleted: `pools_lost` says so and the engine
-        rebuilds them (`ServingEngine.recover_pools`), so no later step runs on dead buffers."""
+        in `jax.tree.leaves` order, donates them, and returns the new ones; the pools are
+        reassembled from the shards without a copy. The host tier's pending copies run first. If
+        `write` fails part way after donating shards, the pools are left deleted: `pools_lost` says
+        so and the engine rebuilds them (`ServingEngine.recover_pools`), so no later step runs on
+        dead buffers."""
         self.copy_pending()
         caches = self.allocate()
         leaves, tree = jax.tree.flatten(caches.target)
@@ -362,8 +374,9 @@ class ModelRunner:
 
     def compile_all(self, step_sizes=None, decode: bool = True) -> None:
         """Compile the decode (or verify) program (unless not `decode`: a prefill-only role) and the
-        ragged step of each of `step_sizes` (default: every size, what a server does before it serves,
-        and then, with a host tier, its copies of up to a sequence's blocks), and allocate the pools."""
+        ragged step of each of `step_sizes` (default: every size, what a server does before it
+        serves, and then, with a host tier, its copies of up to a sequence's blocks), and allocate
+        the pools."""
         if decode:
             self.step_program()
         for n in self.config.step_sizes if step_sizes is None else step_sizes:
@@ -374,8 +387,8 @@ class ModelRunner:
 
 
 def tops_on_host(requests, top, steps: int | None):
-    """A step's top logprobs (ids, log-probabilities) on the host, the first `steps` columns (None: a
-    ragged step's [S, 20], made [S, 1, 20]), when any of `requests` asked for them; else None (the
+    """A step's top logprobs (ids, log-probabilities) on the host, the first `steps` columns (None:
+    a ragged step's [S, 20], made [S, 1, 20]), when any of `requests` asked for them; else None (the
     arrays stay on the device)."""
     if not any(r is not None and r.sampling.top_logprobs for r in requests):
         return None
@@ -383,8 +396,8 @@ def tops_on_host(requests, top, steps: int | None):
 
 
 def prompt_scores(rows, scores) -> list:
-    """(request, start, logprobs, ranks, top ids, top logprobs) for each row whose request scores its
-    prompt (rows end to end in the flat batch, as `RaggedInputs.build` laid them)."""
+    """(request, start, logprobs, ranks, top ids, top logprobs) for each row whose request scores
+    its prompt (rows end to end in the flat batch, as `RaggedInputs.build` laid them)."""
     lps, ranks, ids, top = (host(x) for x in scores)
     out, at = [], 0
     for _, r, start, tokens in rows:
@@ -403,17 +416,19 @@ def page_bytes_per_device(model: CausalLM, mesh: Mesh, page_size: int, dtype,
     sharding = mesh_lib.named(mesh, mesh_lib.kv_pool_spec(model.head_axes, model.context_axes))
     one = (n_ctx, model.kv_heads, page_size, kvq.width(model.config.head_dim, kv_quant))
     per_layer = math.prod(sharding.shard_shape(one)) * (1 if model.config.mla else 2)
-    return per_layer * model.config.num_layers * np.dtype(kvq.storage_dtype(kv_quant, dtype)).itemsize
+    itemsize = np.dtype(kvq.storage_dtype(kv_quant, dtype)).itemsize
+    return per_layer * model.config.num_layers * itemsize
 
 
 def gpu_budget(mesh: Mesh, utilization: float) -> int:
-    """Like vLLM's --gpu-memory-utilization: the fraction `utilization` of each device's memory, less
-    what is already in use (weights), on the tightest device."""
+    """Like vLLM's --gpu-memory-utilization: the fraction `utilization` of each device's memory,
+    less what is already in use (weights), on the tightest device."""
     budgets = []
     for d in mesh.devices.flat:
         if d.platform != "gpu":
-            raise UserError("--gpu-memory-utilization needs a GPU; on CPU give --kv-cache-memory SIZE "
-                            "(bytes per device, e.g. 512MiB)")
+            raise UserError("--gpu-memory-utilization needs a GPU; on CPU give --kv-cache-memory "
+                            "SIZE (bytes per device, e.g. 512MiB)")
         stats = d.memory_stats() or {}
-        budgets.append(int(utilization * stats.get("bytes_limit", 0)) - int(stats.get("bytes_in_use", 0)))
+        limit, used = int(stats.get("bytes_limit", 0)), int(stats.get("bytes_in_use", 0))
+        budgets.append(int(utilization * limit) - used)
     return min(budgets)

@@ -9,31 +9,31 @@ vLLM-v1 style, plain Python over integers and NumPy (testable without devices). 
                                          # tokens, the loop's tokens [max_num_seqs, K], stop rules
 
 Device programs have fixed shapes (`max_num_seqs` slots × `max_blocks_per_seq` blocks), so a running
-request owns a slot (a row of the replicated block table) and whole logical blocks of
-`page_size · dcp` tokens (`PagedLayout`). Block-table entries that name no page hold `NULL_PAGE` (0):
-page 0 of the pool is reserved, never holds a sequence's KV, and takes the writes of padded rows.
+request owns a slot (a row of the replicated block table) and whole logical blocks of `page_size ·
+dcp` tokens (`PagedLayout`). Block-table entries that name no page hold `NULL_PAGE` (0): page 0 of
+the pool is reserved, never holds a sequence's KV, and takes the writes of padded rows.
 
 One token budget per iteration (`max_num_batched_tokens`): every decoding request's first token of
 the iteration (it runs in the ragged step beside the chunks; without speculation) and the prefill
 chunks, of running requests and then of waiting ones, oldest first.
 
 Pages are reserved before the device runs: a prefill chunk gets the blocks up to its end, a decoding
-request gets the blocks for all K steps. A request whose prompt ends in the iteration's ragged step joins
-the K - 1 decode steps that run after it for the decoding requests (when there are any: a first token is
-never held back for a loop run for it alone), if it may produce K tokens, has no structured output and
-free pages hold them (it never preempts another); no joining under speculation. When pages run out, the
-NEWEST running request is preempted:
-its pages are freed and it goes back to the front of the waiting queue, to be recomputed later by
-prefilling prompt + the tokens it generated so far (the token sampled after that prefill is its next
-one). The oldest running request therefore always progresses, and `add_request` refuses requests
-that could not fit the pool even alone, so the schedule cannot deadlock.
+request gets the blocks for all K steps. A request whose prompt ends in the iteration's ragged step
+joins the K - 1 decode steps that run after it for the decoding requests (when there are any: a
+first token is never held back for a loop run for it alone), if it may produce K tokens, has no
+structured output and free pages hold them (it never preempts another); no joining under
+speculation. When pages run out, the NEWEST running request is preempted: its pages are freed and it
+goes back to the front of the waiting queue, to be recomputed later by prefilling prompt + the
+tokens it generated so far (the token sampled after that prefill is its next one). The oldest
+running request therefore always progresses, and `add_request` refuses requests that could not fit
+the pool even alone, so the schedule cannot deadlock.
 
 Policy only: where KV lives (pages, the block table, the prefix table) is the KV manager's
 (`dcp_jax.kv.manager.KVCacheManager`, the only way into the allocator and prefix table). With
 `enable_prefix_caching` an admitted (or resumed) request starts after the longest run of cached full
 blocks of its tokens, sharing those pages, and every block a request fills is registered for later
-requests. Cached pages no request holds count as available: taking one evicts it (least recently used
-first). See docs/SERVING.md.
+requests. Cached pages no request holds count as available: taking one evicts it (least recently
+used first). See docs/SERVING.md.
 """
 
 from __future__ import annotations
@@ -55,14 +55,14 @@ __all__ = ["NULL_PAGE", "PrefillChunk", "SchedulePlan", "Scheduler", "SchedulerC
 
 
 class Scheduler:
-    """FCFS continuous batching with chunked prefill, K-step decode and recompute preemption, and the
-    admission of requests prefilled elsewhere (`reserve_prefilled`, `admit_prefilled`).
+    """FCFS continuous batching with chunked prefill, K-step decode and recompute preemption, and
+    the admission of requests prefilled elsewhere (`reserve_prefilled`, `admit_prefilled`).
 
     `detokenize(ids) -> str` (None without a tokenizer) is needed for stop strings and fills
     `Request.text`. `structured`: the engine's structured outputs (`dcp_jax.structured.
     StructuredOutputs`: `problem(request)` when one enters, `advance(request)` after it emits), None
-    without a tokenizer (such requests are refused). Finished requests (including refused and cancelled
-    ones) are collected until `pop_finished()`.
+    without a tokenizer (such requests are refused). Finished requests (including refused and
+    cancelled ones) are collected until `pop_finished()`.
     """
 
     def __init__(self, config: SchedulerConfig, *, detokenize: Callable[[Sequence[int]], str] | None = None,
@@ -76,13 +76,14 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.finished: list[Request] = []  # not yet popped
-        # prompts prefilled elsewhere whose KV is on the way: each holds a slot and its prompt's pages
+        # prompts prefilled elsewhere whose KV is on the way: each holds a slot and its prompt's
+        # pages
         self.reserved: dict[str, Request] = {}
         self.num_preemptions = 0
         self.last_plan: SchedulePlan | None = None
         self.step = 0
 
-    # --- requests in and out -------------------------------------------------------------------------
+    # --- requests in and out ----------------------------------------------------------------------
     def add_request(self, request: Request) -> Request:
         """Queue `request` (FCFS). A request that can never run is finished at once with
         finish_reason "error" and a one-line message naming the fix; the others are not affected.
@@ -95,8 +96,8 @@ class Scheduler:
         return request
 
     def refuse(self, request: Request) -> bool:
-        """Stamp a new request's arrival; finish it at once (finish_reason "error", collected with the
-        finished) when it can never run, returning True. A duplicate id raises UserError."""
+        """Stamp a new request's arrival; finish it at once (finish_reason "error", collected with
+        the finished) when it can never run, returning True. A duplicate id raises UserError."""
         if request.request_id in self.requests or request.request_id in self.reserved:
             raise UserError(f"request id {request.request_id!r} is already in use: give each request a unique id")
         if request.arrival_time is None:
@@ -108,8 +109,8 @@ class Scheduler:
         return True
 
     def validate(self, request: Request) -> str | None:
-        """Why `request` can never run (one line, with the fix), or None (`Request.problem`; a structured
-        output's grammar: `structured.problem(request)`)."""
+        """Why `request` can never run (one line, with the fix), or None (`Request.problem`; a
+        structured output's grammar: `structured.problem(request)`)."""
         problem = request.problem(self.config, self.kv.num_usable, can_detokenize=self.detokenize is not None)
         if problem is None and request.sampling.structured is not None:
             if self.structured is None:
@@ -118,8 +119,9 @@ class Scheduler:
         return problem
 
     def cancel(self, request_id: str) -> bool:
-        """Abort a request in any state, returning its slot and pages at once; False if it is unknown or
-        already finished. Results for it in an outstanding plan are ignored by the updates."""
+        """Abort a request in any state, returning its slot and pages at once; False if it is
+        unknown or already finished. Results for it in an outstanding plan are ignored by the
+        updates."""
         request = self.requests.get(request_id)
         if request is None:
             return False
@@ -127,16 +129,17 @@ class Scheduler:
         return True
 
     def fail(self, request: Request, error: str, retryable: bool = False) -> None:
-        """Finish `request` with finish_reason "error" and a one-line message, wherever it is (queued,
-        running, or never added: e.g. held by a caller while its KV was on the way); its slot and pages
-        come back at once. `retryable`: the server's fault, not the request's (the same request may
-        succeed when sent again)."""
+        """Finish `request` with finish_reason "error" and a one-line message, wherever it is
+        (queued, running, or never added: e.g. held by a caller while its KV was on the way); its
+        slot and pages come back at once. `retryable`: the server's fault, not the request's (the
+        same request may succeed when sent again)."""
         if not request.is_finished:
             request.error_retryable = retryable
             self.end(request, "error", error)
 
     def abort(self, request: Request, error: str | None = None) -> None:
-        """Finish `request` with finish_reason "abort" wherever it is (as `fail`), e.g. its client went away."""
+        """Finish `request` with finish_reason "abort" wherever it is (as `fail`), e.g. its client
+        went away."""
         if not request.is_finished:
             self.end(request, "abort", error)
 
@@ -144,10 +147,12 @@ class Scheduler:
         if self.requests.get(request.request_id) is request:
             self.finish(request, reason, error=error)
             return
-        if self.reserved.get(request.request_id) is request:  # its KV was on the way: the reservation back
+        # its KV was on the way: the reservation back
+        if self.reserved.get(request.request_id) is request:
             del self.reserved[request.request_id]
             self.kv.release(request)
-        request.finish(reason, error=error, detokenize=self.detokenize)  # otherwise held outside: nothing to free
+        # otherwise held outside: nothing to free
+        request.finish(reason, error=error, detokenize=self.detokenize)
         self.finished.append(request)
 
     def pop_finished(self) -> list[Request]:
@@ -162,7 +167,7 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    # --- the plan ------------------------------------------------------------------------------------
+    # --- the plan ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulePlan:
         """Choose this iteration's work; reserve its pages (preempting the newest if needed)."""
         if self.last_plan is not None and not self.last_plan.applied:
@@ -184,10 +189,10 @@ class Scheduler:
     def decode_budget(self, decoding: list[Request]):
         """(K, each decoding request's tokens this iteration, the prefill token budget left).
 
-        No decoding request may pass its max_tokens or the model length within the K steps (its pages
-        and block-table columns are sized for that); preemptions only remove requests, so K stays valid
-        for those that remain. A verify step (speculation) has K = k + 1 columns and budgets each
-        request by its own tokens left instead."""
+        No decoding request may pass its max_tokens or the model length within the K steps (its
+        pages and block-table columns are sized for that); preemptions only remove requests, so K
+        stays valid for those that remain. A verify step (speculation) has K = k + 1 columns and
+        budgets each request by its own tokens left instead."""
         cfg = self.config
         left = lambda r: r.tokens_left(cfg.max_model_len)  # noqa: E731
         budget = cfg.max_num_batched_tokens
@@ -198,7 +203,8 @@ class Scheduler:
         if any(r.sampling.structured is not None for r in decoding):
             k_steps = min(k_steps, 1)  # a structured output's next mask needs the token before it
         # an iteration that prefills runs each decoding request's first token in the ragged step,
-        # beside the chunks: one token of the budget each (its other K - 1 follow in the decode loop)
+        # beside the chunks: one token of the budget each (its other K - 1 follow in the decode
+        # loop)
         return k_steps, lambda r: k_steps, budget - len(decoding)
 
     def schedule_running(self, budget_of, budget: int, prefills: list, decodes: list,
@@ -238,8 +244,8 @@ class Scheduler:
         return budget
 
     def admit_waiting(self, budget: int, prefills: list) -> None:
-        """Admit waiting requests in arrival order while slots, pages and budget last. Strict FCFS: the
-        head waits, nobody overtakes it."""
+        """Admit waiting requests in arrival order while slots, pages and budget last. Strict FCFS:
+        the head waits, nobody overtakes it."""
         kv, lay = self.kv, self.layout
         while self.waiting and kv.free_slots and budget > 0:
             r = self.waiting[0]
@@ -269,7 +275,8 @@ class Scheduler:
             if (not c.is_last or r.sampling.structured is not None
                     or r.tokens_left(self.config.max_model_len) < k_steps):
                 continue
-            need = self.kv.blocks_needed(r, c.end + k_steps - 1)  # the loop writes end .. end + K - 2
+            # the loop writes end .. end + K - 2
+            need = self.kv.blocks_needed(r, c.end + k_steps - 1)
             if need <= self.kv.num_available:
                 self.kv.grow(r, need)
                 prefills[i] = dataclasses.replace(c, joins=True)
@@ -310,7 +317,8 @@ class Scheduler:
 
     def finish(self, r: Request, reason: str | None = None, error: str | None = None) -> None:
         """Take a request out of the queues, free its pages at once, and collect it as finished.
-        With `reason`, finish it first (abort, error); otherwise it finished by a stop rule already."""
+        With `reason`, finish it first (abort, error); otherwise it finished by a stop rule
+        already."""
         if reason is not None:
             r.finish(reason, error=error, detokenize=self.detokenize)
         self.kv.release(r)
@@ -321,14 +329,16 @@ class Scheduler:
         del self.requests[r.request_id]
         self.finished.append(r)
 
-    # --- what the device produced --------------------------------------------------------------------
+    # --- what the device produced -----------------------------------------------------------------
     def update(self, plan: SchedulePlan, output: StepOutput) -> list[Request]:
-        """Apply one plan's whole result (`StepOutput`): the prefill chunks' first tokens, the joined
-        requests' loop tokens, the decode rows' tokens, prompt scores; structured outputs' matchers
-        advanced over what each request emitted. Each token's input is now in the cache: a request's
-        length grows by what it emitted, so a rejected draft's KV is left past the length, masked, and
-        overwritten later. Tokens after a stop are discarded. Returns the requests that finished."""
-        self.check_output(plan, output)  # (before anything changes: a refused output changes nothing)
+        """Apply one plan's whole result (`StepOutput`): the prefill chunks' first tokens, the
+        joined requests' loop tokens, the decode rows' tokens, prompt scores; structured outputs'
+        matchers advanced over what each request emitted. Each token's input is now in the cache: a
+        request's length grows by what it emitted, so a rejected draft's KV is left past the length,
+        masked, and overwritten later. Tokens after a stop are discarded. Returns the requests that
+        finished."""
+        # (before anything changes: a refused output changes nothing)
+        self.check_output(plan, output)
         self.check_plan(plan)
         done: list[Request] = []
         if plan.prefills:
@@ -364,13 +374,14 @@ class Scheduler:
             if not c.is_last:
                 continue
             r.state = RequestState.DECODING
-            if self.append(r, first.tokens[c.slot, 0], first.logprobs[c.slot, 0], first.top(c.slot, 0)):
+            token, logprob = first.tokens[c.slot, 0], first.logprobs[c.slot, 0]
+            if self.append(r, token, logprob, first.top(c.slot, 0)):
                 done.append(r)
         return done
 
     def apply_decode(self, plan: SchedulePlan, out: Sampled) -> list[Request]:
-        """The decode rows' tokens [max_num_seqs, K] (a verify step: `counts` per slot, 1 <= count <=
-        its decode_budget; else K each)."""
+        """The decode rows' tokens [max_num_seqs, K] (a verify step: `counts` per slot, 1 <= count
+        <= its decode_budget; else K each)."""
         k = plan.decode_steps
         done = []
         for r, slot in zip(plan.decode_requests, plan.decode_slots):
@@ -399,29 +410,33 @@ class Scheduler:
     def check_shape(self, out: Sampled | None, k: int, what: str) -> None:
         shape = None if out is None else np.shape(out.tokens)
         if shape != (self.config.max_num_seqs, k):
-            raise ValueError(f"{what} tokens have shape {shape}, expected ({self.config.max_num_seqs}, {k})")
+            want = (self.config.max_num_seqs, k)
+            raise ValueError(f"{what} tokens have shape {shape}, expected {want}")
 
     def advance_structured(self, requests) -> None:
         """Feed each structured request's matcher the tokens it just emitted; a token its grammar
         refused (never sampled under its mask: a bug) fails the request."""
         for r in requests:
-            if r.matcher is not None and not r.is_finished and (error := self.structured.advance(r)):
+            if r.matcher is None or r.is_finished:
+                continue
+            if error := self.structured.advance(r):
                 self.fail(r, f"the structured output left its grammar: {error}")
 
     def fail_plan(self, plan: SchedulePlan, error: str) -> None:
-        """`plan` could not run: fail its unfinished requests (retryable: the server's fault, not the
-        request's) and take it as applied."""
+        """`plan` could not run: fail its unfinished requests (retryable: the server's fault, not
+        the request's) and take it as applied."""
         plan.applied = True
         for r in [c.request for c in plan.prefills] + list(plan.decode_requests):
             self.fail(r, error, retryable=True)
 
     def append_decoded(self, r: Request, count: int, out: Sampled) -> bool:
-        """Record the first `count` tokens of row `r.slot` of a decode loop's output, each one's input
-        now in the cache; stop at a stop rule (returns True: the request finished)."""
+        """Record the first `count` tokens of row `r.slot` of a decode loop's output, each one's
+        input now in the cache; stop at a stop rule (returns True: the request finished)."""
         slot = r.slot
         for step in range(count):
             r.num_computed += 1  # the step's input token is now in the cache
-            if self.append(r, out.tokens[slot, step], out.logprobs[slot, step], out.top(slot, step)):
+            token, logprob = out.tokens[slot, step], out.logprobs[slot, step]
+            if self.append(r, token, logprob, out.top(slot, step)):
                 return True  # finish() registered its full blocks before freeing them
         self.kv.register(r)
         return False
@@ -434,21 +449,22 @@ class Scheduler:
         plan.applied = True
 
     def append(self, r: Request, token, logprob, top=None) -> bool:
-        """Record a sampled token (and its top logprobs); finish the request (freeing its pages) if a stop
-        rule fired."""
+        """Record a sampled token (and its top logprobs); finish the request (freeing its pages) if
+        a stop rule fired."""
         if r.append_token(token, logprob, top=top, eos_token_ids=self.config.eos_token_ids,
                           max_model_len=self.config.max_model_len, detokenize=self.detokenize):
             self.finish(r)
             return True
         return False
 
-    # --- requests prefilled elsewhere (prefill/decode disaggregation, `dcp_jax.disagg`) -------------
+    # --- requests prefilled elsewhere (prefill/decode disaggregation, `dcp_jax.disagg`) -----------
     def reserve_prefilled(self, request: Request) -> bool | None:
-        """Hold a slot and the prompt's pages for `request` before a prefill instance computes its KV
-        (which `admit_prefilled` then writes straight into them): what is on the way counts against the
-        pool like what is running. True when reserved; None when no slot or pages are free now, or
-        requests wait for recompute (FCFS: try again after a step); False when the request can never run
-        (finished, as `add_request`). `fail` and `abort` give a reservation back."""
+        """Hold a slot and the prompt's pages for `request` before a prefill instance computes its
+        KV (which `admit_prefilled` then writes straight into them): what is on the way counts
+        against the pool like what is running. True when reserved; None when no slot or pages are
+        free now, or requests wait for recompute (FCFS: try again after a step); False when the
+        request can never run (finished, as `add_request`). `fail` and `abort` give a reservation
+        back."""
         if self.refuse(request):
             return False
         if (taken := self.take_prompt_pages(request)) is None:
@@ -467,13 +483,13 @@ class Scheduler:
     def admit_prefilled(self, request: Request, first_token: int, first_logprob: float | None,
                         write: Callable[[list[int]], None], top=None) -> bool | None:
         """Admit `request` straight into decoding: its prompt's KV was computed elsewhere (a prefill
-        instance) and its first token sampled there. Uses its reservation (`reserve_prefilled`) or takes
-        a slot and the prompt's pages now, calls `write(pages)` to put the KV into them (block-table
-        order), then records the first token (which may finish the request at once). Returns True when
-        admitted; without a reservation None when no slot or pages are free now, or requests wait for
-        recompute (try again after a step), False when the request can never run (finished with
-        finish_reason "error", as `add_request` does); `top`: the first token's top logprobs (ids,
-        logprobs). A duplicate id raises UserError."""
+        instance) and its first token sampled there. Uses its reservation (`reserve_prefilled`) or
+        takes a slot and the prompt's pages now, calls `write(pages)` to put the KV into them
+        (block-table order), then records the first token (which may finish the request at once).
+        Returns True when admitted; without a reservation None when no slot or pages are free now,
+        or requests wait for recompute (try again after a step), False when the request can never
+        run (finished with finish_reason "error", as `add_request` does); `top`: the first token's
+        top logprobs (ids, logprobs). A duplicate id raises UserError."""
         if self.reserved.get(request.request_id) is request:
             del self.reserved[request.request_id]
         elif self.refuse(request):
@@ -487,18 +503,20 @@ class Scheduler:
         self.append(request, first_token, first_logprob, top=top)
         return True
 
-    # --- introspection -------------------------------------------------------------------------------
+    # --- introspection ----------------------------------------------------------------------------
     def stats(self) -> dict:
         """Counters for logs and metrics. pages_used counts pages requests hold; cached blocks no
-        request uses are free for the pool's purposes (evicted on demand) and counted in cached_blocks.
-        prefix_query_tokens / prefix_hit_tokens sum over admissions (a resumed request counts again)."""
+        request uses are free for the pool's purposes (evicted on demand) and counted in
+        cached_blocks. prefix_query_tokens / prefix_hit_tokens sum over admissions (a resumed
+        request counts again)."""
         return dict(preemptions=self.num_preemptions, running=len(self.running), waiting=len(self.waiting),
                     reserved=len(self.reserved), **self.kv.stats())
 
     def check(self) -> None:
         """Assert the scheduler's invariants (tests call it after every step)."""
         self.kv.check(self.running + list(self.reserved.values()))
-        for r in self.reserved.values():  # a slot and exactly its prompt's pages, nothing computed yet
+        # a slot and exactly its prompt's pages, nothing computed yet
+        for r in self.reserved.values():
             assert r.num_computed == 0 and len(r.pages) == self.layout.blocks_for(r.num_prompt_tokens)
         for r in self.running:
             assert r.state in (RequestState.PREFILLING, RequestState.DECODING)

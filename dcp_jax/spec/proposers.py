@@ -1,11 +1,12 @@
-"""Who proposes the drafts a verify step checks: n-gram prompt lookup (host) or a draft model (device).
+"""Who proposes the drafts a verify step checks: n-gram prompt lookup (host) or a draft model
+(device).
 
     SpeculativeConfig(method="ngram" | "draft", num_tokens=k, draft=CausalLM | None)
 
 Both feed the same verify program (`dcp_jax.serving.engine`), which checks each decoding sequence's
 drafts in one forward of k + 1 tokens. A host proposer is any object with `propose(request, num) ->
-list[int]` (at most `num` drafts; `ServingEngine.proposer`, an `NgramProposer` for method "ngram"); a
-draft model drafts on the device instead, inside the verify program.
+list[int]` (at most `num` drafts; `ServingEngine.proposer`, an `NgramProposer` for method "ngram");
+a draft model drafts on the device instead, inside the verify program.
 
 - n-gram (`NgramProposer`): no model, no memory. Find the most recent earlier occurrence of the context's
   last n tokens (n from `max_n` down to `min_n`) and propose the k tokens that followed it. The
@@ -37,13 +38,16 @@ METHODS = ("ngram", "draft")
 @dataclasses.dataclass(frozen=True, eq=False)
 class SpeculativeConfig:
     """method "ngram" or "draft"; num_tokens = k drafts per verify step; draft: the draft `CausalLM`
-    (method "draft" only); min_n / max_n: the n-gram lengths tried (longest first)."""
+    (method "draft" only); min_n / max_n: the n-gram lengths tried (longest first); proposer: the
+    host proposer of method "ngram" (any object with `propose(request, num) -> drafts`; default an
+    `NgramProposer` of min_n..max_n)."""
 
     method: str
     num_tokens: int = 4
     draft: object | None = None
     min_n: int = 1
     max_n: int = 4
+    proposer: object | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -52,12 +56,15 @@ class SpeculativeConfig:
             raise UserError(f"num_speculative_tokens must be an integer >= 1, got {self.num_tokens!r}")
         if (self.method == "draft") != (self.draft is not None):
             raise UserError("speculative='draft' needs a draft model (draft_model=DIR) and only it takes one")
+        if self.proposer is not None and self.method != "ngram":
+            raise UserError("a host proposer serves speculative='ngram' only")
         if not 1 <= self.min_n <= self.max_n:
             raise UserError(f"n-gram lengths need 1 <= min_n <= max_n, got {self.min_n}, {self.max_n}")
 
 
 class NgramProposer:
-    """Prompt lookup over each request's prompt + output (kept as a growing NumPy array per request)."""
+    """Prompt lookup over each request's prompt + output (kept as a growing NumPy array per
+    request)."""
 
     def __init__(self, num_tokens: int, min_n: int = 1, max_n: int = 4):
         self.k, self.min_n, self.max_n = num_tokens, min_n, max_n
@@ -79,7 +86,8 @@ class NgramProposer:
         return buf[:n]
 
     def propose(self, request, num: int | None = None) -> list[int]:
-        """Up to `num` (default k) drafts following the request's context; [] when no n-gram recurs."""
+        """Up to `num` (default k) drafts following the request's context; [] when no n-gram
+        recurs."""
         return propose_ngram(self.context(request), self.k if num is None else num, self.min_n, self.max_n)
 
 
@@ -117,14 +125,23 @@ def layer_skip_draft(model, mesh, num_layers: int, *, scan_layers: bool = True):
     if not (isinstance(num_layers, int) and 1 <= num_layers < cfg.num_layers):
         raise UserError(f"a layer-skip draft keeps 1..{cfg.num_layers - 1} of the {cfg.num_layers} layers, "
                         f"got {num_layers!r}")
-    small = ModelConfig.from_dict(dict(cfg.hf_config, num_hidden_layers=num_layers))  # saved as its config
+    # saved as its config
+    small = ModelConfig.from_dict(dict(cfg.hf_config, num_hidden_layers=num_layers))
     weights = model.hf_weights()
     dtype = model.embed_tokens.get_value().dtype
     return CausalLM(small, DictSource(weights, small, mesh, dtype), mesh, scan_layers=scan_layers)
 
 
 def check_draft(model, draft) -> None:
-    """Refuse a draft model (a `CausalLM`) whose tokens the target `model` cannot read (another vocabulary)."""
+    """Refuse a draft model (a `CausalLM`) whose tokens the target `model` cannot read (another
+    vocabulary)."""
     if draft.config.vocab_size != model.config.vocab_size:
         raise UserError(f"the draft model's vocabulary ({draft.config.vocab_size} ids) differs from the "
                         f"target's ({model.config.vocab_size}): give a draft model with the same tokenizer")
+
+
+def host_proposer(config: SpeculativeConfig | None):
+    """The proposer of a speculative configuration whose drafts are made on the host, or None."""
+    if config is None or config.method != "ngram":
+        return None
+    return config.proposer or NgramProposer(config.num_tokens, config.min_n, config.max_n)
