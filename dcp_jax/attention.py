@@ -21,6 +21,8 @@ heads over (), context over ("tp", "dcp"): the island takes its axes as paramete
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -74,26 +76,11 @@ def check_ragged(q, q_pos, kv_len, block_table, ragged: RaggedTiles) -> None:
 
 
 def dcp_attention(
-    q,
-    k_cache,
-    v_cache,
-    q_pos,
-    kv_len,
-    *,
-    mesh: Mesh,
-    layout: KVLayout | PagedLayout,
-    head_axes: tuple[str, ...] = (mesh_lib.TP,),
-    context_axes: tuple[str, ...] = (mesh_lib.DCP,),
-    scale: float | None = None,
-    impl: str | None = None,
-    combine: str = "auto",
-    return_lse: bool = False,
-    v_dim: int | None = None,
-    block_table=None,
-    layer=None,
-    ragged: RaggedTiles | None = None,
-    kv_quant: str | None = None,
-    **kernel_options,
+    q, k_cache, v_cache, q_pos, kv_len, *, mesh: Mesh, layout: KVLayout | PagedLayout,
+    head_axes: tuple[str, ...] = (mesh_lib.TP,), context_axes: tuple[str, ...] = (mesh_lib.DCP,),
+    scale: float | None = None, impl: str | None = None, combine: str = "auto",
+    return_lse: bool = False, v_dim: int | None = None, block_table=None, layer=None,
+    ragged: RaggedTiles | None = None, kv_quant: str | None = None, **kernel_options,
 ):
     """Exact attention of queries over a KV cache sharded along the sequence.
 
@@ -121,14 +108,86 @@ def dcp_attention(
       out [B, T, H, Dv] in q.dtype, sharded per `mesh.attn_out_spec` (and the LSE if asked).
     """
     paged, stacked = block_table is not None, layer is not None
-    one = (lambda c: c) if not stacked else (lambda c: None if c is None else jax.ShapeDtypeStruct(c.shape[1:], c.dtype))
+    n_heads_shards = mesh_lib.axis_size(mesh, head_axes)
+    n_ctx = mesh_lib.axis_size(mesh, context_axes)
+    _check_call(q, k_cache, v_cache, q_pos, kv_len, layout=layout, head_axes=head_axes,
+                n_heads_shards=n_heads_shards, context_axes=context_axes, n_ctx=n_ctx, v_dim=v_dim,
+                block_table=block_table, stacked=stacked, ragged=ragged, kv_quant=kv_quant)
+    impl = impl or kernels.default_impl()
+    scattered = resolve_combine(q.shape[2] // n_heads_shards, n_ctx, combine)
+    exchanged = combine == "all_to_all"
+    shared_v = v_cache is None
+    body = functools.partial(
+        _island, layout=layout, context_axes=context_axes, n_ctx=n_ctx, scattered=scattered,
+        exchanged=exchanged, shared_v=shared_v, paged=paged, stacked=stacked, ragged=ragged is not None,
+        opts=dict(scale=scale, impl=impl, v_dim=v_dim, kv_quant=kv_quant, **kernel_options))
+
+    make_spec = mesh_lib.kv_pool_spec if paged else mesh_lib.kv_cache_spec
+    cache_spec = make_spec(head_axes, context_axes, stacked)
+    caches = (k_cache,) if shared_v else (k_cache, v_cache)
+    extras = (((block_table,) if paged else ()) + ((jnp.asarray(layer, jnp.int32),) if stacked else ())
+              + ((ragged,) if ragged is not None else ()))
+    replicated = mesh_lib.lengths_spec()  # lengths, block table, layer, tiles
+    out, lse = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(mesh_lib.q_spec(head_axes), *(cache_spec for _ in caches), replicated, replicated,
+                  *(replicated for _ in extras)),
+        out_specs=(
+            mesh_lib.attn_out_spec(head_axes, context_axes, scattered),
+            (mesh_lib.attn_lse_spec(head_axes, context_axes) if exchanged
+             else mesh_lib.stacked_lse_spec(head_axes, context_axes)),
+        ),
+        # A pallas_call (in interpret mode on CPU for certain) does not carry shard_map's
+        # varying-manual-axes annotations, so those checks are off for the kernel; the reference
+        # keeps them.
+        check_vma=not impl.startswith("pallas"),
+    )(q, *caches, q_pos, kv_len, *extras)
+    if exchanged:
+        return (out, lse) if return_lse else out
+    return (out, lse[0]) if return_lse else out
+
+
+def _island(q, k, *rest, layout, context_axes, n_ctx, scattered, exchanged, shared_v, paged,
+            stacked, ragged, opts):
+    """One device's part of `dcp_attention` (the shard_map body): the kernel over this device's
+    slice, then the combine over the context axes. rest: v (unless shared), q_pos, kv_len, then the
+    block table, the layer and the ragged tiles where the call has them."""
+    rest = list(rest)
+    v = None if shared_v else rest.pop(0)
+    q_pos, kv_len, *extra = rest
+    rank = lax.axis_index(context_axes) if context_axes else 0
+    table = extra.pop(0) if paged else None
+    opts = dict(opts, layer=extra.pop(0) if stacked else None)
+    positions = layout.slice_positions(rank)
+    if ragged:  # one flat row of tokens: [N, ...] in, [1, N, ...] out
+        o, lse = kernels.ragged_attention(q[0], k, v, q_pos[0], positions, kv_len, table,
+                                          extra.pop(0), **opts)
+        o, lse = o[None], lse[None]
+    else:
+        o, lse = kernels.attention(q, k, v, q_pos, positions, kv_len, block_table=table, **opts)
+    if not context_axes:  # one whole copy of the cache: nothing to combine
+        return o, (lse if exchanged else lse[None])
+    out, lse = _combine(o, lse, rank, context_axes=context_axes, n_ctx=n_ctx, scattered=scattered,
+                        exchanged=exchanged)
+    return out.astype(q.dtype), lse
+
+
+def _check_call(q, k_cache, v_cache, q_pos, kv_len, *, layout, head_axes, n_heads_shards,
+                context_axes, n_ctx, v_dim, block_table, stacked, ragged, kv_quant) -> None:
+    """The shape and placement rules of a `dcp_attention` call; a ValueError names the first broken
+    one. Values are checked only where kv_len is concrete (not under jit)."""
+    paged = block_table is not None
+
+    def one(c):  # one layer's view of a stacked cache
+        return c if not stacked or c is None else jax.ShapeDtypeStruct(c.shape[1:], c.dtype)
+
     k1 = kvq.logical(one(k_cache), kv_quant)
     if ragged is not None:  # (each tile group's call checks q, k and v against each other)
         check_ragged(q, q_pos, kv_len, block_table, ragged)
     else:
-        check_inputs(q, k1, kvq.logical(one(v_cache), kv_quant), q_pos, None, kv_len, v_dim, block_table)
-    n_heads_shards = mesh_lib.axis_size(mesh, head_axes)
-    n_ctx = mesh_lib.axis_size(mesh, context_axes)
+        v1 = kvq.logical(one(v_cache), kv_quant)
+        check_inputs(q, k1, v1, q_pos, None, kv_len, v_dim, block_table)
     h, kh = q.shape[2], k1.shape[1]
     s = layout.capacity_tokens(block_table.shape[1]) if paged else k1.shape[2]
     if h % n_heads_shards:
@@ -139,7 +198,8 @@ def dcp_attention(
             "replicate kv heads so every tp rank holds whole heads"
         )
     if layout.num_shards != n_ctx:
-        raise ValueError(f"layout has {layout.num_shards} shards but context axes {context_axes} have {n_ctx}")
+        raise ValueError(f"layout has {layout.num_shards} shards but context axes {context_axes} "
+                         f"have {n_ctx}")
     if paged != isinstance(layout, PagedLayout):
         raise ValueError("a paged pool takes a PagedLayout and its block_table; a dense cache a KVLayout")
     if paged and (k1.shape[2] != layout.page_size or k1.shape[0] % n_ctx):
@@ -151,69 +211,27 @@ def dcp_attention(
     if lengths is not None and (lengths.min() < 0 or lengths.max() > s):
         raise ValueError(f"kv_len {lengths.tolist()} outside the cache's 0..{s} slots")
 
-    impl = impl or kernels.default_impl()
-    scattered = resolve_combine(h // n_heads_shards, n_ctx, combine)
-    exchanged = combine == "all_to_all"
 
-    shared_v = v_cache is None
-
-    def body(q, k, *rest):
-        rest = list(rest)
-        v = None if shared_v else rest.pop(0)
-        q_pos, kv_len, *extra = rest
-        rank = lax.axis_index(context_axes) if context_axes else 0
-        table = extra.pop(0) if paged else None
-        opts = dict(scale=scale, impl=impl, v_dim=v_dim, layer=extra.pop(0) if stacked else None, kv_quant=kv_quant,
-                    **kernel_options)
-        if ragged is not None:  # one flat row of tokens: [N, ...] in, [1, N, ...] out
-            o, lse = kernels.ragged_attention(q[0], k, v, q_pos[0], layout.slice_positions(rank), kv_len, table,
-                                              extra.pop(0), **opts)
-            o, lse = o[None], lse[None]
-        else:
-            o, lse = kernels.attention(q, k, v, q_pos, layout.slice_positions(rank), kv_len, block_table=table, **opts)
-        if not context_axes:  # one whole copy of the cache: nothing to combine
-            return o, (lse if exchanged else lse[None])
-        if exchanged:
-            # Heads [H_local] -> [N, H_local/N]: slice j goes to context rank j, which receives the N
-            # ranks' partials of its heads stacked on the same axis (source rank order) and merges them.
-            b_, t_, hl, dv = o.shape
-            o_parts = lax.all_to_all(o.reshape(b_, t_, n_ctx, hl // n_ctx, dv), context_axes, 2, 2)
-            lse_parts = lax.all_to_all(lse.reshape(b_, t_, n_ctx, hl // n_ctx), context_axes, 2, 2)
-            out, lse_mine = merge_partials(o_parts, lse_parts, axis=2)  # [B, T, H_local/N, Dv]
-            return out.astype(q.dtype), lse_mine
-        lse_all = lax.all_gather(lse, context_axes, axis=0)  # [N, B, T, H_local]
-        lse_total, w = merge_weights(lse_all, axis=0)
-        ow = o.astype(jnp.float32) * w[rank][..., None]
-        if scattered:
-            out = lax.psum_scatter(ow, context_axes, scatter_dimension=2, tiled=True)
-        else:
-            out = lax.psum(ow, context_axes)
-        # Every context rank holds the same merged LSE; return it stacked over ranks (no replication
-        # claim to prove to shard_map) and keep rank 0's copy.
-        return out.astype(q.dtype), lse_total[None]
-
-    cache_spec = (mesh_lib.kv_pool_spec if paged else mesh_lib.kv_cache_spec)(head_axes, context_axes, stacked)
-    caches = (k_cache,) if shared_v else (k_cache, v_cache)
-    extras = (((block_table,) if paged else ()) + ((jnp.asarray(layer, jnp.int32),) if stacked else ())
-              + ((ragged,) if ragged is not None else ()))
-    out, lse = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(mesh_lib.q_spec(head_axes), *(cache_spec for _ in caches), mesh_lib.lengths_spec(),
-                  mesh_lib.lengths_spec(), *(mesh_lib.lengths_spec() for _ in extras)),  # block table, layer: replicated
-        out_specs=(
-            mesh_lib.attn_out_spec(head_axes, context_axes, scattered),
-            (mesh_lib.attn_lse_spec(head_axes, context_axes) if exchanged
-             else mesh_lib.stacked_lse_spec(head_axes, context_axes)),
-        ),
-        # A pallas_call (in interpret mode on CPU for certain) does not carry shard_map's
-        # varying-manual-axes annotations, so those checks are off for the kernel; the reference keeps them.
-        check_vma=not impl.startswith("pallas"),
-    )(q, *caches, q_pos, kv_len, *extras)
+def _combine(o, lse, rank, *, context_axes, n_ctx: int, scattered: bool, exchanged: bool):
+    """Inside the island: this rank's partial (o [B, T, H_local, Dv], lse [B, T, H_local]) merged with
+    the other context ranks' into (out float32, its LSE): the LSE stacked over ranks
+    [1, B, T, H_local] (every rank holds the same one: no replication claim to prove to shard_map,
+    the caller keeps rank 0's copy), or with "all_to_all" this rank's heads' LSE [B, T, H_local/N]."""
     if exchanged:
-        return (out, lse) if return_lse else out
-    return (out, lse[0]) if return_lse else out
-
+        # Heads [H_local] -> [N, H_local/N]: slice j goes to context rank j, which receives the N
+        # ranks' partials of its heads stacked on the same axis (source rank order) and merges them.
+        b_, t_, hl, dv = o.shape
+        o_parts = lax.all_to_all(o.reshape(b_, t_, n_ctx, hl // n_ctx, dv), context_axes, 2, 2)
+        lse_parts = lax.all_to_all(lse.reshape(b_, t_, n_ctx, hl // n_ctx), context_axes, 2, 2)
+        return merge_partials(o_parts, lse_parts, axis=2)  # [B, T, H_local/N, Dv]
+    lse_all = lax.all_gather(lse, context_axes, axis=0)  # [N, B, T, H_local]
+    lse_total, w = merge_weights(lse_all, axis=0)
+    ow = o.astype(jnp.float32) * w[rank][..., None]
+    if scattered:
+        out = lax.psum_scatter(ow, context_axes, scatter_dimension=2, tiled=True)
+    else:
+        out = lax.psum(ow, context_axes)
+    return out, lse_total[None]
 
 def write_kv(
     caches: tuple,

@@ -189,48 +189,15 @@ class Engine:
         `on_chunk(done, total)` reports prefill progress; `on_token(step, tokens [B])` receives each
         step's new tokens (-1 for finished sequences), every `stream_interval` decode steps.
         """
-        prompts = [list(map(int, p)) for p in prompts]
+        prompts, prefill_chunk, max_seq_len = self._check_generate(
+            prompts, max_new_tokens, max_seq_len, prefill_chunk, seed, stream_interval)
         cfg = self.model.config
-        if not prompts:
-            raise UserError("no prompt given")
-        if any(len(p) == 0 for p in prompts):
-            raise UserError("empty prompt: every sequence needs at least one token")
-        bad = [t for p in prompts for t in p if not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise UserError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
-        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
-            raise UserError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if (problem := check_seed(seed)) is not None:
-            raise UserError(problem)
-        if not (isinstance(stream_interval, int) and stream_interval >= 1):
-            raise UserError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
-        if prefill_chunk is None:
-            prefill_chunk = default_prefill_chunk(self.mesh.devices.flat[0].platform)
-        if not (isinstance(prefill_chunk, int) and prefill_chunk >= 1):
-            raise UserError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
         longest = max(map(len, prompts))
-        max_seq_len = max_seq_len or longest + max_new_tokens
-        if longest + max_new_tokens > max_seq_len:
-            raise UserError(
-                f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds max_seq_len {max_seq_len}; "
-                "raise --max-seq-len or shorten the prompt")
         cfg.check_context(max_seq_len, "--max-seq-len")
         layout = self.layout(max_seq_len)
         b, n = len(prompts), max_new_tokens
-        chunk = min(prefill_chunk, longest)
-
-        lens = np.array([len(p) for p in prompts], np.int32)
-        padded = np.zeros((b, math.ceil(longest / chunk) * chunk), np.int32)
-        for i, p in enumerate(prompts):
-            padded[i, : len(p)] = p
-        num_chunks = padded.shape[1] // chunk
+        lens, num_chunks, chunk_args = self._chunk_inputs(prompts, min(prefill_chunk, longest))
         stop = not ignore_eos and bool(self.eos)
-
-        def chunk_args(c, cache, last_logits):
-            pos = np.arange(c * chunk, (c + 1) * chunk, dtype=np.int32)[None].repeat(b, 0)
-            return (self.params, cache, last_logits, padded[:, c * chunk:(c + 1) * chunk], pos,
-                    pos < lens[:, None], np.minimum(lens, (c + 1) * chunk), (lens - 1) % chunk,
-                    (lens - 1) // chunk == c)
 
         # Compile first (abstract arguments: nothing is allocated), so the timings below are runs only.
         tc = time.perf_counter()
@@ -264,36 +231,12 @@ class Engine:
         done = np.isin(first, self.eos) if stop else np.zeros(b, bool)
         kv = kv_bytes(cache, self.model.kv_replication)
         t1 = time.perf_counter()
-        # Without streaming the whole decode is one call. Streaming runs the same program in segments
-        # of `stream_interval` steps and hands each segment's tokens to the host between them: no host
-        # callback inside the loop (those need a CPU device, absent under JAX_PLATFORMS=cuda), and the
-        # donated state goes from one segment to the next without a copy.
-        interval = n if on_token is None else stream_interval
-        step, emitted, lengths = 1, 1, lens
-        while True:
-            stop_step = min(step + interval, n)
-            cache, tokens, logprobs, lengths, done, key, reached = decode(
-                self.params, cache, tokens, logprobs, lengths, done, key, np.int32(step), np.int32(stop_step))
-            step = int(host(reached))
-            if on_token is not None:
-                new = np.array(host(tokens)[:, emitted:step])  # a copy: the buffer is donated next
-                for j in range(new.shape[1]):
-                    on_token(emitted + j, new[:, j])
-                emitted = step
-            if step < stop_step or step >= n:  # every sequence done, or all steps run
-                break
-        tokens, logprobs = host(tokens), host(logprobs)
+        tokens, logprobs = self._decode_segments(decode, cache, tokens, logprobs, lens, done, key,
+                                                 on_token, stream_interval)
         decode_s = time.perf_counter() - t1
         del cache
 
-        out_tokens, out_lp = [], []
-        for row, lp in zip(tokens, logprobs):
-            keep = int(np.argmax(row < 0)) if (row < 0).any() else n
-            if stop:
-                hits = np.flatnonzero(np.isin(row[:keep], self.eos))
-                keep = int(hits[0]) + 1 if hits.size else keep
-            out_tokens.append(row[:keep].tolist())
-            out_lp.append([float(x) for x in lp[:keep]])
+        out_tokens, out_lp = self._trim(tokens, logprobs, stop)
         decoded = sum(len(t) - 1 for t in out_tokens)
         stats = dict(
             tp=self.mesh.shape[mesh_lib.TP], dcp=self.mesh.shape[mesh_lib.DCP], interleave=layout.interleave,
@@ -302,3 +245,90 @@ class Engine:
             decode_tokens_per_s=decoded / decode_s if decode_s > 0 else 0.0, **kv,
         )
         return Generation(out_tokens, out_lp, stats)
+
+    def _chunk_inputs(self, prompts: list[list[int]], chunk: int):
+        """The prompts padded to whole chunks of `chunk` tokens: (lengths [B], the chunk count,
+        `chunk_args(c, cache, last_logits)`, the prefill program's arguments for chunk c)."""
+        b = len(prompts)
+        lens = np.array([len(p) for p in prompts], np.int32)
+        padded = np.zeros((b, math.ceil(int(lens.max()) / chunk) * chunk), np.int32)
+        for i, p in enumerate(prompts):
+            padded[i, : len(p)] = p
+
+        def chunk_args(c, cache, last_logits):
+            pos = np.arange(c * chunk, (c + 1) * chunk, dtype=np.int32)[None].repeat(b, 0)
+            return (self.params, cache, last_logits, padded[:, c * chunk:(c + 1) * chunk], pos,
+                    pos < lens[:, None], np.minimum(lens, (c + 1) * chunk), (lens - 1) % chunk,
+                    (lens - 1) // chunk == c)
+
+        return lens, padded.shape[1] // chunk, chunk_args
+
+    def _check_generate(self, prompts, max_new_tokens, max_seq_len, prefill_chunk, seed,
+                        stream_interval) -> tuple[list[list[int]], int, int]:
+        """`generate`'s arguments checked (a UserError names the first bad one): the prompts as lists
+        of ints, the prefill chunk and the sequence length, defaults filled in."""
+        prompts = [list(map(int, p)) for p in prompts]
+        cfg = self.model.config
+        if not prompts:
+            raise UserError("no prompt given")
+        if any(len(p) == 0 for p in prompts):
+            raise UserError("empty prompt: every sequence needs at least one token")
+        bad = [t for p in prompts for t in p if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise UserError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+            raise UserError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if (problem := check_seed(seed)) is not None:
+            raise UserError(problem)
+        if not (isinstance(stream_interval, int) and stream_interval >= 1):
+            raise UserError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
+        if prefill_chunk is None:
+            prefill_chunk = default_prefill_chunk(self.mesh.devices.flat[0].platform)
+        if not (isinstance(prefill_chunk, int) and prefill_chunk >= 1):
+            raise UserError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
+        longest = max(map(len, prompts))
+        max_seq_len = max_seq_len or longest + max_new_tokens
+        if longest + max_new_tokens > max_seq_len:
+            raise UserError(
+                f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds max_seq_len "
+                f"{max_seq_len}; raise --max-seq-len or shorten the prompt")
+        return prompts, prefill_chunk, max_seq_len
+
+    def _decode_segments(self, decode, cache, tokens, logprobs, lens, done, key, on_token,
+                         stream_interval):
+        """Run the decode program from step 1 to the end: (tokens, logprobs) [B, n] on the host.
+
+        Without streaming the whole decode is one call. Streaming runs the same program in segments
+        of `stream_interval` steps and hands each segment's tokens to the host between them: no host
+        callback inside the loop (those need a CPU device, absent under JAX_PLATFORMS=cuda), and the
+        donated state goes from one segment to the next without a copy."""
+        n = tokens.shape[1]
+        interval = n if on_token is None else stream_interval
+        step, emitted, lengths = 1, 1, lens
+        while True:
+            stop_step = min(step + interval, n)
+            cache, tokens, logprobs, lengths, done, key, reached = decode(
+                self.params, cache, tokens, logprobs, lengths, done, key, np.int32(step),
+                np.int32(stop_step))
+            step = int(host(reached))
+            if on_token is not None:
+                new = np.array(host(tokens)[:, emitted:step])  # a copy: the buffer is donated next
+                for j in range(new.shape[1]):
+                    on_token(emitted + j, new[:, j])
+                emitted = step
+            if step < stop_step or step >= n:  # every sequence done, or all steps run
+                return host(tokens), host(logprobs)
+
+    def _trim(self, tokens, logprobs, stop: bool) -> tuple[list[list[int]], list[list[float]]]:
+        """Each row's tokens and logprobs up to its first unset step (-1) or, when `stop`, through
+        its first end-of-sequence token."""
+        n = tokens.shape[1]
+        out_tokens, out_lp = [], []
+        for row, lp in zip(tokens, logprobs):
+            keep = int(np.argmax(row < 0)) if (row < 0).any() else n
+            if stop:
+                hits = np.flatnonzero(np.isin(row[:keep], self.eos))
+                keep = int(hits[0]) + 1 if hits.size else keep
+            out_tokens.append(row[:keep].tolist())
+            out_lp.append([float(x) for x in lp[:keep]])
+        return out_tokens, out_lp

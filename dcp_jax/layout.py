@@ -59,10 +59,6 @@ class KVLayout:
     def slots_per_shard(self) -> int:
         return self.max_seq_len // self.num_shards
 
-    @property
-    def is_contiguous(self) -> bool:
-        return self.interleave == self.slots_per_shard
-
     # --- position -> placement -------------------------------------------------------------------
     def rank_of(self, t):
         """The context shard that owns global position t."""
@@ -82,16 +78,6 @@ class KVLayout:
         """The positions shard `rank`'s slots hold, in the form kernels take (runs of `interleave`)."""
         return SlotPositions(start=rank * self.interleave, run=self.interleave,
                              stride=self.interleave * self.num_shards)
-
-    def position_of(self, rank, slot):
-        """Global position held by `slot` of shard `rank`."""
-        return self.slice_positions(rank).at(slot)
-
-    def slot_positions(self, rank):
-        """Global positions of all local slots of shard `rank` (int32 [slots_per_shard]; NumPy for a host
-        rank, JAX for a traced one)."""
-        xp = jnp if isinstance(rank, jax.Array) else np
-        return self.position_of(rank, xp.arange(self.slots_per_shard, dtype=xp.int32))
 
     # --- lengths ---------------------------------------------------------------------------------
     def local_length(self, length, rank):
@@ -207,19 +193,10 @@ class PagedLayout:
             page = table[clipped] if table.ndim == 1 else xp.take_along_axis(table, clipped, axis=-1)
         return xp.where(valid & (block < nb), page, missing)
 
-    def pool_slot(self, table_row, t):
-        """Index of position t in its owner's flattened pool [pages · page_size], through one
-        block-table row (int [max_blocks]); t may be an array of positions of that sequence."""
-        return self.page_of(table_row, t) * self.page_size + self.page_slot_of(t)
-
     # --- placement -> position -------------------------------------------------------------------
     def slice_positions(self, rank) -> SlotPositions:
         """Positions of shard `rank`'s logical local slots, the same as the dense layout's."""
         return self.dense.slice_positions(rank)
-
-    def position_of(self, rank, block, page_slot):
-        """Global position held by `page_slot` of `block`'s page on shard `rank`."""
-        return self.slice_positions(rank).at(block * self.page_size + page_slot)
 
     # --- lengths and sizes -----------------------------------------------------------------------
     def blocks_for(self, length):
@@ -244,48 +221,21 @@ class PagedLayout:
 
 @dataclasses.dataclass(frozen=True)
 class ReshardPlan:
-    """Where each of the first `length` tokens of a sequence sits in a source paged placement and where
-    it goes in a destination one (NumPy int arrays [length], indexed by position).
-
-    Source side: rank `src_rank`, logical block `src_block`, slot `src_page_slot` of that block's page.
-    The source gathers a sequence's pages into a staging array [N_src · blocks, page_src] (rank-major:
-    row `src_row` = src_rank · src_blocks + src_block); the destination writes token t into block
-    `dst_block`'s page on rank `dst_rank`, at slot `dst_page_slot`. Exactly `length` entries: the rows
-    of a partial last page past `length` appear nowhere, so no stale row is ever copied.
-    """
+    """How the first `length` tokens of a sequence move from a source paged placement to a
+    destination one: the source stages every slot of the sequence's `src_blocks` blocks
+    (`staged_tokens` positions) and sends, per (source rank, destination rank), the positions that
+    source rank holds and that destination rank owns (`piece_positions`), which the destination
+    writes through its own `page_of` / `page_slot_of`. Positions >= length are padding: the source
+    zeroes them and the destination drops them, so no stale row is ever written."""
 
     src: PagedLayout
     dst: PagedLayout
     length: int
-    src_rank: np.ndarray
-    src_block: np.ndarray
-    src_page_slot: np.ndarray
-    dst_rank: np.ndarray
-    dst_block: np.ndarray
-    dst_page_slot: np.ndarray
 
     @property
     def src_blocks(self) -> int:
         """Blocks (pages per rank) the source holds the sequence in."""
         return int(self.src.blocks_for(self.length))
-
-    @property
-    def dst_blocks(self) -> int:
-        """Blocks (pages per rank) the destination needs for the sequence."""
-        return int(self.dst.blocks_for(self.length))
-
-    @property
-    def src_row(self) -> np.ndarray:
-        """Row of each token in the source's rank-major staging array [N_src · src_blocks, page_src]."""
-        return self.src_rank * self.src_blocks + self.src_block
-
-    def src_counts(self) -> np.ndarray:
-        """Tokens each source rank sends (NumPy [N_src]); the same as `src.local_lengths(length)`."""
-        return np.bincount(self.src_rank, minlength=self.src.num_shards)
-
-    def dst_counts(self) -> np.ndarray:
-        """Tokens each destination rank receives (NumPy [N_dst])."""
-        return np.bincount(self.dst_rank, minlength=self.dst.num_shards)
 
     @property
     def staged_tokens(self) -> int:
@@ -310,22 +260,13 @@ class ReshardPlan:
         return np.array([[len(p) for p in row] for row in self.piece_positions()], dtype=np.int64).reshape(
             self.src.num_shards, self.dst.num_shards)
 
-    def dst_pool_index(self, table_row, pages_per_rank: int) -> tuple[np.ndarray, np.ndarray]:
-        """(page index in the destination's global pool [N_dst · pages], slot in that page) of every
-        token, through the destination sequence's block-table row (`pages_per_rank` pages per rank)."""
-        table_row = np.asarray(table_row)
-        return self.dst_rank * pages_per_rank + table_row[self.dst_block], self.dst_page_slot
-
 
 def reshard_plan(src: PagedLayout, dst: PagedLayout, length: int) -> ReshardPlan:
     """The plan moving the first `length` tokens from placement `src` to placement `dst` (any numbers
     of shards, interleaves and page sizes on either side)."""
     if not isinstance(length, (int, np.integer)) or isinstance(length, bool) or length < 0:
         raise ValueError(f"length must be an integer >= 0, got {length!r}")
-    t = np.arange(int(length), dtype=np.int64)
-    return ReshardPlan(src, dst, int(length),
-                       src_rank=src.rank_of(t), src_block=src.block_of(t), src_page_slot=src.page_slot_of(t),
-                       dst_rank=dst.rank_of(t), dst_block=dst.block_of(t), dst_page_slot=dst.page_slot_of(t))
+    return ReshardPlan(src, dst, int(length))
 
 
 def kv_head_sources(stored_heads: int, replication: int) -> np.ndarray:

@@ -206,8 +206,8 @@ class CausalLM(nnx.Module):
     `scan_layers`: consecutive layers of one kind run as one `lax.scan` (the default: program size and
     compile time flat in depth). False gives each layer its own stack: the program grows with depth,
     but no layer's weights are sliced out of a stack at run time (XLA:CPU copies each scanned layer's
-    weights out of the stack every step: about 9% of a 4K-context decode step measured on CPU;
-    docs/PERFORMANCE.md).
+    weights out of the stack every step: 5-17% of a decode step in docs/PERFORMANCE.md's CPU runs,
+    16% for one 4K-token request).
     """
 
     def __init__(self, cfg: ModelConfig, get: WeightSource, mesh: Mesh, *, latent_axes=mla.CONTEXT_AXES,

@@ -7,6 +7,11 @@ from hypothesis import strategies as st
 
 from dcp_jax.layout import KVLayout
 
+
+def slot_positions(layout, rank, xp=np):
+    """The global positions of every slot of shard `rank`, through the kernels' SlotPositions."""
+    return layout.slice_positions(rank).at(xp.arange(layout.slots_per_shard, dtype=xp.int32))
+
 layouts = st.builds(
     lambda n, i, s, contiguous: KVLayout.create(s, n, "contiguous" if contiguous else i),
     st.integers(1, 8), st.integers(1, 9), st.integers(1, 200), st.booleans(),
@@ -23,9 +28,10 @@ def test_every_position_has_exactly_one_owner(layout):
     # (rank, slot) pairs are distinct and cover every slot: a bijection
     idx = layout.cache_index(t)
     assert sorted(idx.tolist()) == list(range(layout.max_seq_len))
-    np.testing.assert_array_equal(layout.position_of(rank, slot), t)
+    # the kernels' view of a slice (SlotPositions) gives back each slot's position
+    np.testing.assert_array_equal(layout.slice_positions(rank).at(slot), t)
     for r in range(layout.num_shards):
-        pos = np.asarray(layout.slot_positions(r))
+        pos = np.asarray(slot_positions(layout, r))
         np.testing.assert_array_equal(layout.rank_of(pos), r)
         np.testing.assert_array_equal(layout.slot_of(pos), np.arange(layout.slots_per_shard))
         assert (np.diff(pos) > 0).all()  # slot positions increase along a shard (kernels rely on it)
@@ -48,20 +54,20 @@ def test_round_up_and_contiguous():
     lay = KVLayout.create(10, 4, 2)
     assert lay.max_seq_len == 16
     c = KVLayout.create(64, 4, "contiguous")
-    assert c.interleave == 16 and c.is_contiguous
-    np.testing.assert_array_equal(np.asarray(c.slot_positions(2)), np.arange(32, 48))
+    assert c.interleave == c.slots_per_shard == 16
+    np.testing.assert_array_equal(np.asarray(slot_positions(c, 2)), np.arange(32, 48))
     rr = KVLayout.create(8, 4, 1)
-    np.testing.assert_array_equal(np.asarray(rr.slot_positions(1)), [1, 5])
+    np.testing.assert_array_equal(np.asarray(slot_positions(rr, 1)), [1, 5])
 
 
 def test_traced_matches_host():
     lay = KVLayout.create(96, 3, 4)
-    f = jax.jit(lambda n, r: (lay.local_length(n, r), lay.slot_positions(r)))
+    f = jax.jit(lambda n, r: (lay.local_length(n, r), slot_positions(lay, r, jnp)))
     for n in (0, 1, 5, 13, 96):
         for r in range(3):
             got, pos = f(jnp.int32(n), jnp.int32(r))
             assert int(got) == lay.local_length(n, r)
-            np.testing.assert_array_equal(pos, lay.slot_positions(r))
+            np.testing.assert_array_equal(pos, slot_positions(lay, r))
 
 
 @pytest.mark.parametrize("kw", [dict(num_shards=0, interleave=1, max_seq_len=8),
@@ -96,7 +102,7 @@ def test_paged_matches_dense_brute_force(n, i, p):
     assert len(triples) == length
     full = block < length // paged.tokens_per_block
     assert full.sum() == (length // paged.tokens_per_block) * n * p
-    np.testing.assert_array_equal(paged.position_of(rank, block, pslot), t)
+    np.testing.assert_array_equal(paged.slice_positions(rank).at(block * p + pslot), t)
     # a block's page holds the same tokens on every rank's side: block b covers [b·p·n, (b+1)·p·n)
     for b in range(paged.blocks_for(length)):
         sel = t[block == b]
@@ -138,20 +144,23 @@ def test_paged_capacity_counts_every_shard():
     assert paged.blocks_for(33) == 2
 
 
-def test_paged_pool_slot_through_table():
+def test_paged_page_through_table():
     paged = PagedLayout(2, 2, 4)  # 8 tokens per block
     row = np.array([5, 2, 9, 0], np.int32)
     t = np.arange(24)
-    got = paged.pool_slot(row, t)
-    np.testing.assert_array_equal(got // 4, row[t // 8])
-    np.testing.assert_array_equal(got % 4, paged.page_slot_of(t))
+    np.testing.assert_array_equal(paged.page_of(row, t), row[t // 8])
+    np.testing.assert_array_equal(paged.page_slot_of(t), paged.local_slot_of(t) % 4)
+    # past the table's blocks, or not valid: the missing page (such a write is dropped)
+    past = np.array([31, 32, 40])
+    np.testing.assert_array_equal(paged.page_of(row, past, missing=-1), [0, -1, -1])
+    np.testing.assert_array_equal(paged.page_of(row, t, valid=t < 3, missing=-1)[:4], [5, 5, 5, -1])
 
 
 def test_paged_traced_matches_host():
     paged = PagedLayout(3, 2, 4)
     row = jnp.array([7, 1, 4, 2], jnp.int32)
     f = jax.jit(lambda t, n, r: (paged.block_of(t), paged.rank_of(t), paged.page_slot_of(t),
-                                 paged.blocks_for(n), paged.local_length(n, r), paged.pool_slot(row, t)))
+                                 paged.blocks_for(n), paged.local_length(n, r), paged.page_of(row, t)))
     t = np.arange(40)
     for n in (0, 1, 11, 12, 13, 40):
         for r in range(3):
@@ -159,7 +168,7 @@ def test_paged_traced_matches_host():
             np.testing.assert_array_equal(b, paged.block_of(t))
             np.testing.assert_array_equal(rk, paged.rank_of(t))
             np.testing.assert_array_equal(ps, paged.page_slot_of(t))
-            np.testing.assert_array_equal(ix, paged.pool_slot(np.asarray(row), t))
+            np.testing.assert_array_equal(ix, paged.page_of(np.asarray(row), t))
             assert int(nb) == paged.blocks_for(n) and int(ll) == paged.local_length(n, r)
 
 

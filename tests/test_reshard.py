@@ -1,5 +1,6 @@
 """The reshard plan of prefill/decode disaggregation (dcp_jax.layout.reshard_plan) against brute force:
-every (rank, block, page slot) of both placements enumerated through `position_of`, joined on position."""
+every (rank, block, page slot) of both placements enumerated through the kernels' view of a slice
+(`slice_positions`), joined on position."""
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ def brute_force(lay: PagedLayout, length: int) -> dict[int, tuple[int, int, int]
     for rank in range(lay.num_shards):
         for block in range(lay.blocks_for(length)):
             for s in range(lay.page_size):
-                t = int(lay.position_of(rank, block, s))
+                t = int(lay.slice_positions(rank).at(block * lay.page_size + s))
                 if t < length:
                     assert t not in where, "two slots hold one position"
                     where[t] = (rank, block, s)
@@ -31,28 +32,43 @@ def brute_force(lay: PagedLayout, length: int) -> dict[int, tuple[int, int, int]
 @settings(max_examples=120, deadline=None)
 @given(paged(), paged(), st.integers(0, 150))
 def test_plan_matches_brute_force(src, dst, length):
+    # every token < length goes once, from the source rank that holds it (at the block and page slot
+    # the layout says) to the destination rank that owns it, and lands on a slot of its own there
     plan = reshard_plan(src, dst, length)
     s, d = brute_force(src, length), brute_force(dst, length)
     assert sorted(s) == sorted(d) == list(range(length))  # every token once, nothing past length
-    for t in range(length):
-        assert (plan.src_rank[t], plan.src_block[t], plan.src_page_slot[t]) == s[t]
-        assert (plan.dst_rank[t], plan.dst_block[t], plan.dst_page_slot[t]) == d[t]
-    np.testing.assert_array_equal(plan.src_counts(), src.local_lengths(length))
-    np.testing.assert_array_equal(plan.dst_counts(), dst.local_lengths(length))
-    # staging rows stay inside the source's [N · blocks] pages; destination slots are distinct
-    assert length == 0 or plan.src_row.max() < src.num_shards * plan.src_blocks
-    pages, slots = plan.dst_pool_index(np.arange(1, plan.dst_blocks + 1), pages_per_rank=plan.dst_blocks + 1)
-    assert len(set(zip(pages.tolist(), slots.tolist()))) == length
+    sent = {}
+    for i, row in enumerate(plan.piece_positions()):
+        for j, piece in enumerate(row):
+            for t in piece[piece < length].tolist():
+                assert t not in sent, "a token in two pieces"
+                sent[t] = (i, j)
+    assert sorted(sent) == list(range(length))
+    table = np.arange(1, int(dst.blocks_for(length)) + 1)  # any distinct pages
+    landed = set()
+    for t, (i, j) in sent.items():
+        assert (i, j) == (s[t][0], d[t][0])
+        assert (int(src.block_of(t)), int(src.page_slot_of(t))) == s[t][1:]
+        assert (int(dst.block_of(t)), int(dst.page_slot_of(t))) == d[t][1:]
+        landed.add((j, int(dst.page_of(table, t)), int(dst.page_slot_of(t))))
+    assert len(landed) == length  # distinct destination slots
+    sizes = np.array([[int((p < length).sum()) for p in row] for row in plan.piece_positions()])
+    np.testing.assert_array_equal(sizes.sum(axis=1), src.local_lengths(length))  # what each sends
+    np.testing.assert_array_equal(sizes.sum(axis=0), dst.local_lengths(length))  # what each keeps
 
 
 def test_partial_last_page_and_examples():
     # 1 shard, pages of 4 -> 4 shards, interleave 2, pages of 2 (a block = 8 tokens): 11 tokens
-    plan = reshard_plan(PagedLayout(1, 1, 4), PagedLayout(4, 2, 2), 11)
-    assert plan.src_blocks == 3 and plan.dst_blocks == 2
-    assert plan.dst_rank.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 0, 0, 1]
-    assert plan.dst_block.tolist() == [0] * 8 + [1] * 3
-    assert plan.src_counts().tolist() == [11] and plan.dst_counts().tolist() == [4, 3, 2, 2]
-    assert len(plan.src_rank) == 11  # the last source page's 12th slot is not in the plan
+    src, dst = PagedLayout(1, 1, 4), PagedLayout(4, 2, 2)
+    plan = reshard_plan(src, dst, 11)
+    assert plan.src_blocks == 3 and dst.blocks_for(11) == 2 and plan.staged_tokens == 12
+    t = np.arange(11)
+    assert dst.rank_of(t).tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 0, 0, 1]
+    assert dst.block_of(t).tolist() == [0] * 8 + [1] * 3
+    # the last source page's 12th slot (position 11) is padding, sent to its owner and dropped there
+    pieces = [p.tolist() for p in plan.piece_positions()[0]]
+    assert pieces == [[0, 1, 8, 9], [2, 3, 10, 11], [4, 5], [6, 7]]
+    assert plan.piece_sizes().tolist() == [[4, 4, 2, 2]]
     with pytest.raises(ValueError, match="length must be an integer >= 0"):
         reshard_plan(PagedLayout(1, 1, 4), PagedLayout(1, 1, 4), -1)
 
@@ -64,8 +80,8 @@ def test_kv_head_sources():
 
 def every_slot(lay: PagedLayout, blocks: int) -> dict[int, int]:
     """position -> rank over every slot of `blocks` blocks (past any length), walking the pages."""
-    return {int(lay.position_of(r, b, s)): r for r in range(lay.num_shards) for b in range(blocks)
-            for s in range(lay.page_size)}
+    return {int(lay.slice_positions(r).at(b * lay.page_size + s)): r for r in range(lay.num_shards)
+            for b in range(blocks) for s in range(lay.page_size)}
 
 
 @settings(max_examples=120, deadline=None)

@@ -19,7 +19,9 @@ from dcp_jax.layout import PagedLayout
 
 # Prompt tokens per prefill chunk when none is given. CPU: measured (scripts/bench_decode.py). GPU: the
 # query-tiled kernel keeps shared memory independent of the chunk, so larger chunks only amortise the
-# weight reads; 2048 is not yet measured: scripts/gpu_check.sh sweeps 512-4096 and prints the fastest.
+# weight reads. 2048 is not chosen by a measurement yet: the first GPU run (docs/PERFORMANCE.md, one
+# H100) prefilled with it (TTFT 1.97 s at batch 4 x 32K) but recorded no sweep of the chunk;
+# scripts/gpu_check.sh sweeps 512-4096 and prints the fastest.
 DEFAULT_PREFILL_CHUNK = {"cpu": 256, "gpu": 2048}
 DEFAULT_PAGE_SIZE = 64  # slots per page; a block-table entry covers page_size · dcp tokens
 

@@ -70,10 +70,6 @@ class SchedulePlan:
     def num_prefill_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.prefills)
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.prefills and not self.decode_slots
-
     def decode_rows(self, advance: int = 0) -> list[tuple[int, Request, int]]:
         """(slot, request, position + `advance`) of each decoding slot: the decode loop's rows."""
         return [(slot, r, int(self.decode_positions[slot]) + advance)

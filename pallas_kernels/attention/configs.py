@@ -12,8 +12,9 @@ phase and widest head dim, the query block, the KV block, Triton's warps and pip
   latency with several resident programs, not with one program's deep pipeline.
 - Occupancy: `ctas_per_sm` counts the programs one SM holds at once, from shared memory (the SM's,
   less the 1 KiB the runtime reserves per block) and warps (64 per SM). The float32 accumulator must
-  also stay in registers: `acc_regs_per_thread` (query rows × Dv over the program's threads) is kept
-  within `MAX_ACC_REGS` by every entry, so 128-row-wide MLA tiles use 8 warps.
+  also stay in registers: every entry keeps it (query rows × Dv over the program's threads) within
+  128 of a thread's 255 registers, the rest holding scores and addresses (tests/test_kernels.py
+  checks the table), so 128-row-wide MLA tiles use 8 warps.
 - KV splits come from the waves the grid takes: a grid of `programs × splits` fills
   `SMs × ctas_per_sm` slots per wave, and a call's time goes as (waves) × (KV blocks per split);
   `num_splits` picks the split count that minimises that product (the fewest splits on a tie), each
@@ -21,9 +22,11 @@ phase and widest head dim, the query block, the KV block, Triton's warps and pip
   shares out the visible ones), at most `MAX_SPLITS`. A prefill call already has many query blocks
   and gets one split (no cross-split merge).
 
-The entries are starting points chosen by that arithmetic, not GPU measurements: `scripts/sweep_kernel.py`
+The entries are starting points chosen by that arithmetic, not by a sweep: `scripts/sweep_kernel.py`
 runs the paged kernel at the engine's page sizes over head dims 64/128/256 and MLA 576/512 on a GPU
-and prints the rows to put here.
+and prints the rows to put here, and has not run yet. The first GPU run (docs/PERFORMANCE.md, one
+H100) timed these entries: the decode kernel at 8 x 8K keys (d 128, bf16) reads at 86% of a device
+copy, 0.108 ms against cuDNN's 0.105; MLA's 128-head decode at 8K at 12% of copy.
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ SMEM_PER_SM = 233472
 SMEM_RESERVED_PER_CTA = 1024
 WARPS_PER_SM = 64
 MAX_CTAS_PER_SM = 32
-MAX_ACC_REGS = 128  # float32 accumulator registers per thread (of 255): the rest hold scores and addresses
 DEFAULT_NUM_SMS = 132
 DECODE_READS = 2  # a decode call reads each KV tile at most this often (its query blocks)
 MAX_SPLITS = 32
@@ -117,11 +119,6 @@ def num_sms() -> int:
     except RuntimeError:
         pass
     return DEFAULT_NUM_SMS
-
-
-def acc_regs_per_thread(cfg: KernelConfig, dv: int) -> float:
-    """32-bit registers per thread that the float32 output accumulator [block_q, Dv] takes."""
-    return cfg.block_q * dv / (cfg.num_warps * 32)
 
 
 def ctas_per_sm(cfg: KernelConfig, dk: int, dv: int, itemsize: int, shared_v: bool = False) -> int:
