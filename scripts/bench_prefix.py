@@ -159,13 +159,13 @@ def run_working_set(checkpoint: str, size: dict, seed: int, vocab: int, mode: st
     run([int(t) for t in rng.integers(3, vocab, 2 * size["question"])])  # warm-up: every program once
     for d in docs:  # each document read once (not timed): the pool can keep one of them
         run(d + [3])
-    before = sched.stats() | server.copier.counts
+    before = sched.stats() | server.runner.copier.counts
     ttft, tokens = [], []
     for d, q in questions:
         t, out = run(docs[d] + q)
         ttft.append(t)
         tokens.append(out)
-    after = server.stats() | server.copier.counts
+    after = server.stats() | server.runner.copier.counts
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in (
         "prefix_query_tokens", "prefix_hit_tokens", "host_hit_tokens", "host_bytes_to_device", "host_copy_s")}
     sched.check()

@@ -169,15 +169,16 @@ def test_a_failed_copy_back_fails_its_request_and_nothing_stale_is_served(after_
     want = serve_waves(llm.engine_with(max_model_len=64, prefill_chunk=8, num_pages=pages), waves, max_tokens)
     server = llm.engine_with(max_model_len=64, prefill_chunk=8, num_pages=pages, host_blocks=64)
     serve_waves(server, waves[:4], max_tokens)  # every document read: three of them now on the host
-    real = server.copier.restore
+    copier = server.runner.copier
+    real = copier.restore
 
-    def failing(blocks, pages_):
-        server.copier.restore = real  # fails once
+    def failing(caches, blocks, pages_):
+        copier.restore = real  # fails once
         if after_write:
-            real(blocks, pages_)
+            real(caches, blocks, pages_)  # (the pools donated to it: lost, as a failed write leaves them)
         raise RuntimeError("injected copy failure")
 
-    server.copier.restore = failing
+    copier.restore = failing
     reqs = [Request(f"a{i}", p, max_tokens=max_tokens, ignore_eos=True) for i, p in enumerate(waves[4])]
     run_requests(server, reqs)
     assert reqs[0].finish_reason == "error" and reqs[0].error_retryable and "injected copy failure" in reqs[0].error
