@@ -294,9 +294,10 @@ class LLM:
 
     def compile(self) -> float:
         """Compile every program the engine may run (the decode or verify program, the ragged step
-        of each step size, with a host tier its copies) and allocate the pool, as `load` does by
-        default and a server before it serves; without it `generate` compiles a step size the first
-        time a step needs it (`dcp_jax.compilation.compile_engine`). Returns the seconds spent."""
+        of each step size, the history fills, with a host tier its copies) and allocate the pool,
+        as `load` does by default and a server before it serves; without it `generate` compiles a
+        step size the first time a step needs it (`dcp_jax.compilation.compile_engine`). Returns
+        the seconds spent."""
         from dcp_jax.compilation import compile_engine
 
         return compile_engine(self.engine.runner)

@@ -64,6 +64,10 @@ def test_second_question_about_a_document_compiles_nothing():
     assert (len(runner.compiled), runner.compile_s) == (compiled, compile_s)
     assert one.stats["new_compilations"] == two.stats["new_compilations"] == 0
     assert first == [] and second == []
+    with backend_compiles() as third:  # penalties: the cached tokens go into the slot's history
+        three = llm.generate(second_q, max_new_tokens=4, repetition_penalty=1.3)
+    assert three.stats["prefix_hit_tokens"] > 0 and three.stats["new_compilations"] == 0
+    assert third == []
 
 
 def test_lazy_load_compiles_nothing_until_a_request():
