@@ -301,7 +301,8 @@ def test_one_engine_for_the_life_of_an_llm():
     # the same tokens as with caching off
     cold = load("llama-gqa", 1, 2, page_size=2, max_model_len=128, enable_prefix_caching=False)
     assert cold.generate([doc + [9, 8, 7, 6, 5, 4, 3, 2, 1]], max_new_tokens=6, ignore_eos=True).tokens == second.tokens
-    assert llm.compile() > 0 and len(engine.runner.compiled) == 1 + len(llm.config.step_sizes)
+    assert llm.compile() > 0  # (and the history fills, `dcp_jax.compilation.compile_history_fills`)
+    assert len([k for k in engine.runner.compiled if k[0] != "history"]) == 1 + len(llm.config.step_sizes)
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, secs, **kw: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
