@@ -44,12 +44,15 @@ def default_dir() -> Path:
 
 def resolve(setting=None) -> str | None:
     """The directory a setting names (None: off). `setting`: a path, "off" or False, or None for the
-    default (`DCP_JAX_CACHE_DIR`, else a cache the user gave JAX, else `default_dir()`)."""
+    default (`DCP_JAX_CACHE_DIR`, else a cache the user gave JAX, else `default_dir()`; off when
+    the user turned JAX's cache off: JAX_ENABLE_COMPILATION_CACHE=false)."""
     import jax
 
     if setting is None:
         setting = os.environ.get(ENV)
         if setting is None:
+            if os.environ.get("JAX_ENABLE_COMPILATION_CACHE", "").lower() in ("0", "false"):
+                return None  # the user turned JAX's cache off
             own = jax.config.jax_compilation_cache_dir
             return own or os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(default_dir())
     if setting is False or (isinstance(setting, str) and setting.strip().lower() in OFF):
@@ -111,8 +114,8 @@ def check_mode(compile: str) -> str:
 def compile_engine(runner, workers: int | None = None) -> float:
     """Compile every program `runner` (a `ModelRunner`) may run: `runner.compile_all()` and the
     history fills (`compile_history_fills`), with the step program and the ragged step sizes on
-    `workers` threads (default COMPILE_WORKERS, at most
-    the CPUs). `runner.compile_s` grows by the wall time spent (not the threads' sum), returned."""
+    `workers` threads (default COMPILE_WORKERS, at most the CPUs). `runner.compile_s` grows by the
+    wall time spent (not the threads' sum), returned."""
     workers = min(workers or COMPILE_WORKERS, os.cpu_count() or 1)
     before, t = runner.compile_s, time.perf_counter()
     sizes = runner.config.step_sizes

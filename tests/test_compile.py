@@ -1,7 +1,7 @@
 """No request waits for a compile: `LLM.load` compiles every program a request may run (the notebook
 case: a second question about a document hits the prefix cache with no compile inside the call), and
 JAX's persistent compilation cache (dcp_jax.compilation) lets a second process load what the first
-compiled. No test asserts a time: they count compilations (the runner's table and JAX's own events)."""
+compiled. No test asserts a time: they count compilations (the runner's table, JAX's own events)."""
 
 from __future__ import annotations
 
@@ -20,14 +20,14 @@ from dcp_jax.errors import UserError
 
 FIX = Path(__file__).parent / "fixtures"
 ROOT = Path(__file__).parent.parent
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # every XLA compile (cache hit or not)
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # every XLA compile (or cache hit)
 DOCUMENT = ("The lighthouse keeper wrote down the weather every morning: wind, rain, the colour of "
             "the sea and the ships that passed the point. ") * 2
 
 
 @contextlib.contextmanager
 def backend_compiles():
-    """The XLA compilations (including loads from the persistent cache) inside the block, by name."""
+    """The XLA compilations (loads from the persistent cache too) inside the block, by name."""
     seen: list[str] = []
 
     def listener(event, duration, **kw):
@@ -139,6 +139,9 @@ def test_where_the_cache_goes(monkeypatch, tmp_path):
         assert compilation.resolve() == str(tmp_path / "dcp_jax" / "xla")  # none configured
     finally:
         jax.config.update("jax_compilation_cache_dir", own)
+    monkeypatch.setenv("JAX_ENABLE_COMPILATION_CACHE", "false")
+    assert compilation.resolve() is None and compilation.resolve(tmp_path) == str(tmp_path)
+    monkeypatch.delenv("JAX_ENABLE_COMPILATION_CACHE")
     monkeypatch.setenv(compilation.ENV, "OFF")
     assert compilation.resolve() is None
     monkeypatch.setenv(compilation.ENV, str(tmp_path / "env"))
