@@ -258,6 +258,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs_help: str = "req
                    default=None, metavar="F",
                    help="GPU only: size the KV pool to this fraction of each GPU's memory, less what is in use")
     add_speculative_args(p)
+    p.add_argument("--compilation-cache", default=None, metavar="DIR|off",
+                   help="JAX's persistent compilation cache: a later run loads the programs this one "
+                        "compiles (default: $DCP_JAX_CACHE_DIR, else a cache configured in JAX, else "
+                        "~/.cache/dcp_jax/xla; 'off': none)")
 
 
 def mesh_shape(args) -> tuple[int | None, int | None]:
@@ -277,5 +281,5 @@ def engine_kwargs(args) -> dict:
                 decode_steps=args.decode_steps, enable_prefix_caching=args.enable_prefix_caching,
                 scan_layers=args.scan_layers, kv_cache_memory=args.kv_cache_memory,
                 gpu_memory_utilization=args.gpu_memory_utilization, kv_host_memory=args.kv_host_memory,
-                kv_cache_dtype=args.kv_cache_dtype,
+                kv_cache_dtype=args.kv_cache_dtype, compilation_cache=args.compilation_cache,
                 **speculative_kwargs(args))

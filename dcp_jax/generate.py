@@ -148,8 +148,10 @@ def run(argv=None) -> int:
             engine_kw["max_model_len"] = DEFAULT_MAX_SEQ_LEN
         # no more decode slots than prompts: an idle slot still costs its rows in every decode step
         max_num_seqs = args.max_num_seqs or max(1, min(8, len(prompts)))
+        # one run compiles what it needs as it needs it (a server compiles every program first)
         llm = LLM.load(model_dir, tp=tp, dcp=dcp, interleave=args.interleave, impl=args.impl,
-                       max_num_seqs=max_num_seqs, dist_timeout=args.dist_timeout, **engine_kw)
+                       compile="lazy", max_num_seqs=max_num_seqs, dist_timeout=args.dist_timeout,
+                       **engine_kw)
         if args.save:
             step = llm.save(args.save)
             print(f"loaded {llm.source}; saved orbax checkpoint {args.save} (step {step})")

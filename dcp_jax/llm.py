@@ -141,14 +141,26 @@ class LLM:
     def load(cls, model_dir, *, tp: int = 1, dcp: int = 1, interleave: int | str = 1, dtype: str = "auto",
              impl: str | None = None, devices=None, scan_layers: bool = True, speculative: str | None = None,
              num_speculative_tokens: int = 4, draft_model=None, coordinator: str | None = None,
-             num_processes: int | None = None, process_id: int | None = None, **engine_kw) -> "LLM":
+             num_processes: int | None = None, process_id: int | None = None, compile: str = "all",
+             compilation_cache=None, **engine_kw) -> "LLM":
         """Load a Hugging Face or orbax checkpoint onto a (tp, dcp) mesh. `engine_kw`: the constructor's
         (max_model_len, kv_cache_memory, page_size, max_num_seqs, prefill_chunk, dist_timeout, ...).
         `speculative`: None, "ngram" (prompt lookup) or "draft" (with `draft_model`, a checkpoint directory
         with the same vocabulary, loaded on the same mesh); `num_speculative_tokens` drafts per verify step.
         `coordinator` ("host:port"), `num_processes`, `process_id`: join `jax.distributed` first (every
-        process makes the same calls, as `python -m dcp_jax.generate --coordinator ...`; docs/MULTIHOST.md)."""
+        process makes the same calls, as `python -m dcp_jax.generate --coordinator ...`;
+        docs/MULTIHOST.md). `compile`: "all" (the default) compiles every program a request may run
+        before returning (`compile()`), so no request waits for a compile; "lazy" compiles the decode
+        program and the first step's size at the first `generate`, and each other step size when a
+        step first needs it (a one-shot run's choice). `compilation_cache`: the directory of JAX's
+        persistent compilation cache, or "off"; default `$DCP_JAX_CACHE_DIR`, else a cache configured
+        in JAX, else ~/.cache/dcp_jax/xla (dcp_jax.compilation): a second process loads the programs
+        the first compiled."""
+        from dcp_jax import compilation
         from dcp_jax.weights import load_any, resolve_dtype
+
+        compilation.check_mode(compile)
+        compilation.configure(compilation_cache)  # before this process compiles what it should keep
 
         if coordinator is not None or (num_processes or 1) > 1:
             join_runtime(coordinator, num_processes, process_id, tp * dcp,
@@ -167,8 +179,11 @@ class LLM:
         if speculative is not None:
             draft = None if draft_model is None else load_any(draft_model, mesh, dtype, scan_layers=scan_layers)[0]
             spec = SpeculativeConfig(speculative, num_speculative_tokens, draft=draft)
-        return cls(model, mesh, tokenizer, interleave=interleave, impl=impl, source=source, speculative=spec,
-                   **engine_kw)
+        llm = cls(model, mesh, tokenizer, interleave=interleave, impl=impl, source=source,
+                  speculative=spec, **engine_kw)
+        if compile == "all":
+            llm.compile()
+        return llm
 
     # --- sizes ---------------------------------------------------------------------------------------
     def paged_layout(self) -> PagedLayout:
@@ -293,13 +308,14 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     def compile(self) -> float:
-        """Compile every program the engine may run (the decode or verify program and the ragged step of
-        each step size) and allocate the pool, as a server does before it serves; `generate` otherwise
-        compiles a step size the first time a step needs it. Returns the seconds spent compiling."""
-        runner = self.engine.runner
-        before = runner.compile_s
-        runner.compile_all()
-        return runner.compile_s - before
+        """Compile every program the engine may run (the decode or verify program, the ragged step
+        of each step size, the history fills, with a host tier its copies) and allocate the pool,
+        as `load` does by default and a server before it serves; without it `generate` compiles a
+        step size the first time a step needs it (`dcp_jax.compilation.compile_engine`). Returns
+        the seconds spent."""
+        from dcp_jax.compilation import compile_engine
+
+        return compile_engine(self.engine.runner)
 
     def requests(self, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, top_logprobs: int = 0,

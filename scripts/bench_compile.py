@@ -6,14 +6,30 @@ run. Prints a table, or one JSON object with --json.
 
     python scripts/bench_compile.py                   # 4 vs 32 layers, Llama-3.1-8B width, 1 x 2 mesh
     python scripts/bench_compile.py --quick --json    # the tiny width; the decode comparison on 2 layers
+
+`--notebook`: what a user of `LLM.load` waits for instead (dcp_jax.compilation), each figure from a
+fresh process: the llama fixture on 1 x 2 asked about a 3,000-token document, then a second question
+about it: the second question's TTFT with prefix caching and without (and with caching but
+`compile="lazy"`, the step size a cache hit needs compiled inside the request, as before `load`
+compiled every program); then `LLM.load`'s load + compile time in a first and a second process
+sharing a fresh persistent compilation cache.
+
+    python scripts/bench_compile.py --notebook [--document 3000] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = ROOT / "tests" / "fixtures" / "llama-tokenizer"
 
 WIDTHS = {
     "llama-3.1-8b": dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
@@ -94,6 +110,90 @@ def decode_speed(context: int, new_tokens: int, repeats: int, layers: int = 8) -
             for engine, scan in runs]
 
 
+def notebook_child(spec: dict) -> dict:
+    """In a fresh process: the notebook case with `spec`'s caching and compile mode; or with
+    spec["startup"], only `LLM.load` (its default compile) timed."""
+    t0 = time.perf_counter()
+    import jax
+
+    from dcp_jax.llm import LLM
+    from dcp_jax.mesh import ensure_cpu_devices
+
+    counts = {"hits": 0, "misses": 0}
+
+    def on(event, **kw):
+        for name in counts:
+            counts[name] += event == "/jax/compilation_cache/cache_" + name
+
+    jax.monitoring.register_event_listener(on)
+    ensure_cpu_devices(2)
+    t = time.perf_counter()
+    llm = LLM.load(FIXTURE, tp=1, dcp=2, max_model_len=spec["document"] + 256,
+                   compile=spec["compile"], enable_prefix_caching=spec["caching"],
+                   compilation_cache=spec["cache"])
+    out = dict(spec, load_s=time.perf_counter() - t, import_s=t - t0, cache_hits=counts["hits"],
+               cache_misses=counts["misses"], programs=len(llm.engine.runner.compiled))
+    if spec.get("startup"):
+        return out
+    document = llm.encode((ROOT / "README.md").read_text() * 4)[:spec["document"]]
+
+    def ask(question: str):  # the document's tokens, then the question's
+        ids = llm.tokenizer.encode(question, add_special_tokens=False).ids
+        return llm.generate(document + ids, max_new_tokens=8)
+
+    # 3,000 tokens: the first question's last chunk is a step of 128, the second's tail (past the
+    # document's full blocks) one of 64: a size the first never ran
+    first, second = ask(" Question: what does the document say about DCP?"), ask(" Why?")
+    return dict(out, first_ttft_s=first.stats["ttft_s"], second_ttft_s=second.stats["ttft_s"],
+                second_new_compilations=second.stats["new_compilations"],
+                second_compile_s=second.stats["compile_s"],
+                second_prefix_hit_tokens=second.stats["prefix_hit_tokens"])
+
+
+def run_child(spec: dict) -> dict:
+    """`notebook_child(spec)` in a fresh Python process (2 simulated CPU devices without a GPU)."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
+    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"the child process failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def notebook(document: int) -> dict:
+    """The notebook case (three fresh processes, no persistent cache: what a first run sees) and the
+    first vs second process's load + compile time with one fresh persistent cache."""
+    base = dict(document=document, cache="off")
+    runs = {name: run_child(dict(base, caching=caching, compile=mode)) for name, caching, mode in (
+        ("caching", True, "all"), ("no_caching", False, "all"), ("caching_lazy", True, "lazy"))}
+    with tempfile.TemporaryDirectory(prefix="dcp_jax-bench-xla-") as cache:
+        spec = dict(document=document, cache=cache, caching=True, compile="all", startup=True)
+        first, second = run_child(spec), run_child(spec)
+    ratio = runs["no_caching"]["second_ttft_s"] / runs["caching"]["second_ttft_s"]
+    return dict(runs, first_process=first, second_process=second,
+                ttft_no_caching_over_caching=ratio,
+                load_second_over_first=second["load_s"] / first["load_s"])
+
+
+def print_notebook(out: dict) -> None:
+    print(f"notebook case: llama fixture on 1 x 2, a {out['caching']['document']:,}-token "
+          "document, a second question about it (fresh process each, no persistent cache)")
+    for name in ("caching", "no_caching", "caching_lazy"):
+        r = out[name]
+        print(f"  {name:>12}: second question TTFT {r['second_ttft_s']:.3f} s "
+              f"(first {r['first_ttft_s']:.3f} s), {r['second_new_compilations']} compile(s) in it "
+              f"({r['second_compile_s']:.1f} s), {r['second_prefix_hit_tokens']:,} prefix-hit "
+              f"tokens; load {r['load_s']:.1f} s with {r['programs']} programs")
+    print(f"  TTFT without caching / with: {out['ttft_no_caching_over_caching']:.1f}x")
+    print("load + compile with one fresh persistent compilation cache:")
+    for name in ("first_process", "second_process"):
+        r = out[name]
+        print(f"  {name:>14}: LLM.load {r['load_s']:.1f} s ({r['programs']} programs; cache "
+              f"{r['cache_hits']} hits, {r['cache_misses']} misses), imports {r['import_s']:.1f} s")
+    print(f"  second / first: {out['load_second_over_first']:.2f}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--width", choices=sorted(WIDTHS), default="llama-3.1-8b")
@@ -102,7 +202,21 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny width, one repeat")
     p.add_argument("--context", type=int, default=4096, help="prompt tokens of the decode-speed comparison")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--notebook", action="store_true",
+                   help="the notebook case's TTFTs, a first vs second process's load (see above)")
+    p.add_argument("--document", type=int, default=3000, help="--notebook: the document's tokens")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.child is not None:
+        print(json.dumps(notebook_child(json.loads(args.child))))
+        return 0
+    if args.notebook:
+        out = notebook(args.document)
+        if args.json:
+            print(json.dumps(out))
+        else:
+            print_notebook(out)
+        return 0
     if args.quick:
         args.width, args.repeats, args.context = "tiny", 1, 256
 

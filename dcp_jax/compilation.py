@@ -1,0 +1,154 @@
+"""Compile time out of the requests' way: JAX's persistent compilation cache for users, and an
+engine's programs compiled before it serves.
+
+The cache: `LLM.load` points JAX's persistent compilation cache at `$XDG_CACHE_HOME/dcp_jax/xla`
+(`~/.cache/dcp_jax/xla`) before it compiles anything, so a second process loads the programs the
+first compiled instead of compiling them again. Where it goes, by precedence:
+`LLM.load(compilation_cache=DIR | "off")` (the CLIs' `--compilation-cache`), the environment
+variable `DCP_JAX_CACHE_DIR` (a directory or "off"), a cache the user gave JAX itself
+(`JAX_COMPILATION_CACHE_DIR`, `jax.config`), the default directory. When dcp_jax picks the
+directory it keeps every program (JAX's default keeps only those that took a second to compile:
+most CPU programs are quicker) and bounds the directory at `MAX_BYTES` (least recently used entries
+go), unless the user set those thresholds through JAX's environment. Entries are keyed by the
+program, the JAX version and the devices, so a stale one is never used. The cache is trusted code:
+keep it in a directory only you can write (JAX's own warning).
+
+Compiling ahead: `compile_engine(runner)` is `ModelRunner.compile_all()` and the token history's
+fill programs (a prefix hit of a request with penalties runs one), timed as the wall time;
+`workers=N` compiles the independent programs (the decode or verify program and the ragged step of
+every step size) on N threads (XLA compiles without the GIL). Serial by default: on a 2-core
+machine 4 threads were slower than one (41 s against 27 s for the llama fixture's 8 programs; XLA's
+CPU compiler already uses the cores), and no larger machine has been measured.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+
+ENV = "DCP_JAX_CACHE_DIR"
+OFF = ("off", "none", "")  # settings that turn the cache off (case-insensitive)
+MAX_BYTES = 4 << 30  # the default directory's bound
+COMPILE_MODES = ("all", "lazy")
+COMPILE_WORKERS = 1  # threads compiling an engine's programs at once (see the module docstring)
+
+
+def default_dir() -> Path:
+    """`$XDG_CACHE_HOME/dcp_jax/xla`, or `~/.cache/dcp_jax/xla`."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dcp_jax" / "xla"
+
+
+def resolve(setting=None) -> str | None:
+    """The directory a setting names (None: off). `setting`: a path, "off" or False, or None for the
+    default (`DCP_JAX_CACHE_DIR`, else a cache the user gave JAX, else `default_dir()`; off when
+    the user turned JAX's cache off: JAX_ENABLE_COMPILATION_CACHE=false)."""
+    import jax
+
+    if setting is None:
+        setting = os.environ.get(ENV)
+        if setting is None:
+            if os.environ.get("JAX_ENABLE_COMPILATION_CACHE", "").lower() in ("0", "false"):
+                return None  # the user turned JAX's cache off
+            own = jax.config.jax_compilation_cache_dir
+            return own or os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(default_dir())
+    if setting is False or (isinstance(setting, str) and setting.strip().lower() in OFF):
+        return None
+    if not isinstance(setting, (str, os.PathLike)):
+        from dcp_jax.errors import UserError
+
+        raise UserError(f"compilation_cache must be a directory or 'off', got {setting!r}")
+    return str(Path(setting).expanduser())
+
+
+def configure(setting=None) -> str | None:
+    """Point JAX's persistent compilation cache where `setting` says (see the module docstring) and
+    return the directory in use (None: off). Call it before the process compiles what it should
+    keep: a program compiled before is not written. Moving a cache already in use opens the new
+    one."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    path = resolve(setting)
+    current = jax.config.jax_compilation_cache_dir
+    if path is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+        cc.reset_cache()  # a cache already opened is closed (the flag is read when one opens)
+        return None
+    jax.config.update("jax_enable_compilation_cache", True)
+    if path == current:
+        return path
+    if current:  # another directory was in use: open the new one
+        cc.reset_cache()
+    Path(path).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ and _has_filelock():
+        jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+    return path
+
+
+def _has_filelock() -> bool:
+    """Whether JAX can bound the cache (its LRU eviction locks the directory with `filelock`)."""
+    try:
+        import filelock  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def check_mode(compile: str) -> str:
+    """`compile` if it is one of COMPILE_MODES, else UserError."""
+    if compile not in COMPILE_MODES:
+        from dcp_jax.errors import UserError
+
+        modes = ", ".join(map(repr, COMPILE_MODES))
+        raise UserError(f"compile must be one of {modes}, got {compile!r}")
+    return compile
+
+
+def compile_engine(runner, workers: int | None = None) -> float:
+    """Compile every program `runner` (a `ModelRunner`) may run: `runner.compile_all()` and the
+    history fills (`compile_history_fills`), with the step program and the ragged step sizes on
+    `workers` threads (default COMPILE_WORKERS, at most the CPUs). `runner.compile_s` grows by the
+    wall time spent (not the threads' sum), returned."""
+    workers = min(workers or COMPILE_WORKERS, os.cpu_count() or 1)
+    before, t = runner.compile_s, time.perf_counter()
+    sizes = runner.config.step_sizes
+    jobs = [runner.step_program] + [partial(runner.ragged_program, n) for n in sizes]
+    if workers > 1:
+        with ThreadPoolExecutor(workers, thread_name_prefix="dcp_jax-compile") as pool:
+            for future in [pool.submit(job) for job in jobs]:
+                future.result()  # a compile error raises here
+    runner.compile_all()  # what is left (serially: the host tier's copies, the pools)
+    compile_history_fills(runner)
+    runner.compile_s = before + time.perf_counter() - t
+    return runner.compile_s - before
+
+
+class _Zeros:
+    """A stand-in request whose tokens are zeros (what a freshly allocated history row holds)."""
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        return [0] * (end - start)
+
+
+def compile_history_fills(runner) -> None:
+    """Compile `runner.fill_history`'s program for every size it pads to (powers of two from 16, and
+    the context), which a request whose sampling reads its earlier tokens (penalties, bad words)
+    runs when it brings cached tokens into its slot (a prefix hit). Each writes zeros into row 0
+    of a fresh history (no change) and leaves the row unowned, as it was."""
+    runner.allocate()
+    if runner.history_owner[0] is not None:  # a row in use: compile when needed instead
+        return
+    length, count = runner.config.max_model_len, 16
+    while True:
+        runner.fill_history(0, _Zeros(), min(count, length))
+        runner.history_owner[0] = None
+        if count >= length:
+            return
+        count *= 2
