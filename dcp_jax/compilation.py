@@ -13,10 +13,10 @@ go), unless the user set those thresholds through JAX's environment. Entries are
 program, the JAX version and the devices, so a stale one is never used. The cache is trusted code:
 keep it in a directory only you can write (JAX's own warning).
 
-Compiling ahead: `compile_engine(runner)` is `ModelRunner.compile_all()` and the token history's
-fill programs (a prefix hit of a request with penalties runs one), timed as the wall time;
-`workers=N` compiles the independent programs (the decode or verify program and the ragged step of
-every step size) on N threads (XLA compiles without the GIL). Serial by default: on a 2-core
+Compiling ahead: `compile_engine(runner)` is `ModelRunner.compile_all()` (the step program, every
+ragged step size, the token history's fill programs that a prefix hit of a request with penalties
+runs, the host tier's copies), timed as the wall time; `workers=N` compiles them on N threads
+(XLA compiles without the GIL). Serial by default: on a 2-core
 machine 4 threads were slower than one (41 s against 27 s for the llama fixture's 8 programs; XLA's
 CPU compiler already uses the cores), and no larger machine has been measured.
 """
@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 
 ENV = "DCP_JAX_CACHE_DIR"
@@ -112,43 +110,10 @@ def check_mode(compile: str) -> str:
 
 
 def compile_engine(runner, workers: int | None = None) -> float:
-    """Compile every program `runner` (a `ModelRunner`) may run: `runner.compile_all()` and the
-    history fills (`compile_history_fills`), with the step program and the ragged step sizes on
-    `workers` threads (default COMPILE_WORKERS, at most the CPUs). `runner.compile_s` grows by the
-    wall time spent (not the threads' sum), returned."""
+    """Compile every program `runner` (a `ModelRunner`) may run (`ModelRunner.compile_all`: the step
+    program, every ragged step size, the history fills, the host tier's copies) on `workers`
+    threads (default COMPILE_WORKERS, at most the CPUs). Returns the wall time spent."""
     workers = min(workers or COMPILE_WORKERS, os.cpu_count() or 1)
-    before, t = runner.compile_s, time.perf_counter()
-    sizes = runner.config.step_sizes
-    jobs = [runner.step_program] + [partial(runner.ragged_program, n) for n in sizes]
-    if workers > 1:
-        with ThreadPoolExecutor(workers, thread_name_prefix="dcp_jax-compile") as pool:
-            for future in [pool.submit(job) for job in jobs]:
-                future.result()  # a compile error raises here
-    runner.compile_all()  # what is left (serially: the host tier's copies, the pools)
-    compile_history_fills(runner)
-    runner.compile_s = before + time.perf_counter() - t
-    return runner.compile_s - before
-
-
-class _Zeros:
-    """A stand-in request whose tokens are zeros (what a freshly allocated history row holds)."""
-
-    def token_ids(self, start: int, end: int) -> list[int]:
-        return [0] * (end - start)
-
-
-def compile_history_fills(runner) -> None:
-    """Compile `runner.fill_history`'s program for every size it pads to (powers of two from 16, and
-    the context), which a request whose sampling reads its earlier tokens (penalties, bad words)
-    runs when it brings cached tokens into its slot (a prefix hit). Each writes zeros into row 0
-    of a fresh history (no change) and leaves the row unowned, as it was."""
-    runner.allocate()
-    if runner.history_owner[0] is not None:  # a row in use: compile when needed instead
-        return
-    length, count = runner.config.max_model_len, 16
-    while True:
-        runner.fill_history(0, _Zeros(), min(count, length))
-        runner.history_owner[0] = None
-        if count >= length:
-            return
-        count *= 2
+    t = time.perf_counter()
+    runner.compile_all(workers=workers)
+    return time.perf_counter() - t

@@ -260,31 +260,41 @@ class LLM:
             max_model_len = fits
         return max_model_len, pages
 
-    def build_engine(self, config: ServingConfig, speculative: SpeculativeConfig | None = None) -> ServingEngine:
-        """A `ServingEngine` for this model and mesh with `config`'s sizes. The LLM's own is `self.engine`;
-        another (e.g. a benchmark's pool of other sizes) has its own pool and programs."""
+    def build_engine(self, config: ServingConfig, speculative: SpeculativeConfig | None = None,
+                     lockstep: Lockstep | None = None) -> ServingEngine:
+        """A `ServingEngine` for this model and mesh with `config`'s sizes. The LLM's own is
+        `self.engine`; another (e.g. a benchmark's pool of other sizes) has its own pool and programs.
+        `lockstep`: the engine's side of a lockstep of one's own (default: this LLM's `lockstep`)."""
         self.engines_built += 1
-        lockstep = None
-        if isinstance(self.lockstep, Lockstep):
-            lockstep = self.lockstep if self.engines_built == 1 else None
-        elif jax.process_count() > 1:
-            # a server: process 0 leads and the others follow its commands (`launch.follow`); else every
-            # process makes the same calls and their plans are checked against process 0's
-            serve = self.lockstep == "serve" and self.engines_built == 1
-            lockstep = Lockstep.of_runtime(self.dist_timeout, **(
-                {} if serve else dict(spmd=True, name=f"llm{self.engines_built}")))
+        lockstep = lockstep or self.engine_lockstep()
         return ServingEngine(self.model, self.mesh, config, interleave=self.paged_layout().interleave,
                              impl=self.impl, detokenize=None if self.tokenizer is None else self.decode,
                              speculative=speculative or self.speculative, tokenizer=self.tokenizer,
                              lockstep=lockstep)
 
-    def engine_with(self, speculative: SpeculativeConfig | None = None, **sizes) -> ServingEngine:
+    def engine_lockstep(self) -> Lockstep | None:
+        """The lockstep side of the engine being built: this LLM's own `Lockstep` for its first engine;
+        on several processes, a server's (process 0 leads, the others follow its commands:
+        `launch.follow`) for its first engine, else one in which every process makes the same calls
+        and their plans are checked against process 0's."""
+        first = self.engines_built == 1
+        if isinstance(self.lockstep, Lockstep):
+            return self.lockstep if first else None
+        if jax.process_count() == 1:
+            return None
+        if self.lockstep == "serve" and first:
+            return Lockstep.of_runtime(self.dist_timeout)
+        return Lockstep.of_runtime(self.dist_timeout, spmd=True, name=f"llm{self.engines_built}")
+
+    def engine_with(self, speculative: SpeculativeConfig | None = None, lockstep: Lockstep | None = None,
+                    **sizes) -> ServingEngine:
         """A new `ServingEngine` whose `ServingConfig` is this LLM's with `sizes` replaced (num_pages,
         max_model_len, prefill_chunk, max_num_seqs, ...), for tests and benchmarks of other pools;
-        `speculative` in place of this LLM's (e.g. with a proposer of one's own)."""
+        `speculative` in place of this LLM's (e.g. with a proposer of one's own), `lockstep` its side
+        of a lockstep of one's own."""
         import dataclasses
 
-        return self.build_engine(dataclasses.replace(self.config, **sizes), speculative)
+        return self.build_engine(dataclasses.replace(self.config, **sizes), speculative, lockstep)
 
     # --- the API -------------------------------------------------------------------------------------
     def save(self, path) -> int:

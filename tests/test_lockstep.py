@@ -15,10 +15,12 @@ from dcp_jax.serving.request import Request
 from tests.util import FIXTURES
 
 
-def engines(**kw):
+def engines(*locksteps, **kw):
+    """A leader and a follower engine, each with its lockstep side (given at construction)."""
     llm = LLM.load(FIXTURES / "llama-gqa", tp=1, dcp=2, page_size=2, max_num_seqs=3, decode_steps=3,
-                   enable_prefix_caching=True, max_model_len=64)
-    return [llm.engine_with(max_model_len=64, prefill_chunk=8, **kw) for _ in range(2)]
+                   enable_prefix_caching=True, max_model_len=64, compile="lazy")
+    locksteps = locksteps or (None, None)
+    return [llm.engine_with(max_model_len=64, prefill_chunk=8, lockstep=ls, **kw) for ls in locksteps]
 
 
 def requests():
@@ -33,9 +35,10 @@ def requests():
 
 
 def test_a_follower_takes_the_leaders_steps_and_gets_the_same_tokens():
-    leader, follower = engines(num_pages=1 + 10)  # tight: requests are preempted and recomputed
     store = LocalStore()
-    leader.lockstep, follower.lockstep = Lockstep(store, 0, timeout_s=60), Lockstep(store, 1, timeout_s=60)
+    # tight: requests are preempted and recomputed
+    leader, follower = engines(Lockstep(store, 0, timeout_s=60), Lockstep(store, 1, timeout_s=60),
+                               num_pages=1 + 10)
     done = {}
 
     def follow():
@@ -64,9 +67,8 @@ def test_a_follower_takes_the_leaders_steps_and_gets_the_same_tokens():
 
 
 def test_a_plan_that_differs_from_the_leaders_is_an_error():
-    leader, follower = engines(num_pages=64)
     store = LocalStore()
-    leader.lockstep, follower.lockstep = Lockstep(store, 0), Lockstep(store, 1, timeout_s=30)
+    leader, follower = engines(Lockstep(store, 0), Lockstep(store, 1, timeout_s=30), num_pages=64)
     follower.scheduler.add_request(Request("stray", [1, 2, 3], max_tokens=2))  # only the follower has it
     leader.add_request(Request("a", [4, 5, 6], max_tokens=2))
     leader.step()
@@ -81,9 +83,8 @@ def test_a_silent_leader_ends_a_follower_in_bounded_time():
 
 
 def test_an_idle_leader_sends_heartbeats_and_a_failed_step_is_fatal(monkeypatch):
-    leader, _ = engines(num_pages=64)
     store = LocalStore()
-    leader.lockstep = Lockstep(store, 0, timeout_s=40)
+    leader, _ = engines(Lockstep(store, 0, timeout_s=40), None, num_pages=64)
     leader.lockstep.heartbeat()
     assert leader.lockstep.messages == 0  # not yet due: due 10 s (timeout / 4) after the last message
     leader.lockstep.last_sent -= 10
@@ -95,7 +96,7 @@ def test_an_idle_leader_sends_heartbeats_and_a_failed_step_is_fatal(monkeypatch)
     def broken(*a, **kw):
         raise RuntimeError("Gloo all-reduce failed: Connection reset by peer")
 
-    monkeypatch.setattr(leader, "run", broken)
+    monkeypatch.setattr(leader.runner, "execute", broken)
     with pytest.raises(LockstepError, match="step 1 failed on process 0"):
         leader.step()
     assert leader.scheduler.pop_finished()[0].error_retryable  # its requests fail as the server's fault
@@ -117,8 +118,7 @@ def test_abort_reaches_a_request_held_outside_the_scheduler():
 
     from dcp_jax.serving.async_engine import AsyncEngine, _Tracked
 
-    leader, _ = engines(num_pages=64)
-    leader.lockstep = Lockstep(LocalStore(), 0)
+    leader, _ = engines(Lockstep(LocalStore(), 0), None, num_pages=64)
     runner = AsyncEngine(leader)
     held = Request("held", [1, 2, 3], max_tokens=2)  # never added to the scheduler
     loop = asyncio.new_event_loop()
@@ -141,10 +141,9 @@ def test_spmd_processes_check_each_plan_against_process_0s():
             out["error"] = e
 
     for differ in (False, True):
-        leader, follower = engines(num_pages=64)
         store = LocalStore()
-        leader.lockstep = Lockstep(store, 0, spmd=True, name="llm1")
-        follower.lockstep = Lockstep(store, 1, timeout_s=30, spmd=True, name="llm1")
+        leader, follower = engines(Lockstep(store, 0, spmd=True, name="llm1"),
+                                   Lockstep(store, 1, timeout_s=30, spmd=True, name="llm1"), num_pages=64)
         mine, theirs = requests()[:3], requests()[:3]
         if differ:
             theirs = theirs[::-1]

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import jax
 import numpy as np
@@ -331,7 +333,7 @@ class ModelRunner:
             if self._history_owner[slot] is r:
                 continue
             if count:
-                n = min(pow2(count, 16), self.config.max_model_len)
+                n = min(pow2(count, 16), self.config.max_model_len)  # (one of `history_sizes`)
                 ids = np.zeros(n, np.int32)
                 ids[:count] = r.token_ids(0, count)
                 self._history = self.programs.history_program(n)(self._history, np.int32(slot), ids,
@@ -372,18 +374,36 @@ class ModelRunner:
             out["draft_kv_bytes_per_device"] = draft["kv_bytes_per_device"]
         return out
 
-    def compile_all(self, step_sizes=None, decode: bool = True) -> None:
+    def compile_all(self, step_sizes=None, decode: bool = True, workers: int = 1) -> None:
         """Compile the decode (or verify) program (unless not `decode`: a prefill-only role) and the
-        ragged step of each of `step_sizes` (default: every size, what a server does before it
-        serves, and then, with a host tier, its copies of up to a sequence's blocks), and allocate
-        the pools."""
-        if decode:
-            self.step_program()
-        for n in self.config.step_sizes if step_sizes is None else step_sizes:
-            self.programs.ragged_program(n)
+        ragged step of each of `step_sizes`; by default every program a request may run (what
+        `LLM.load` and a server do before they serve): every step size, the history fills of every
+        size and, with a host tier, its copies of up to a sequence's blocks. `workers` threads
+        compile at once. Allocates the pools."""
+        programs = self.programs
+        jobs = [self.step_program] if decode else []
+        jobs += [partial(programs.ragged_program, n)
+                 for n in (self.config.step_sizes if step_sizes is None else step_sizes)]
+        if step_sizes is None:
+            jobs += [partial(programs.history_program, n) for n in self.history_sizes()]
+        if workers > 1:
+            with ThreadPoolExecutor(workers, thread_name_prefix="dcp_jax-compile") as pool:
+                for future in [pool.submit(job) for job in jobs]:
+                    future.result()  # a compile error raises here
+        for job in jobs:
+            job()  # (compiled already: a lookup)
         if self.config.host_blocks and step_sizes is None:
-            self.copier.compile_all(self.programs.max_blocks_per_seq)
+            self.copier.compile_all(programs.max_blocks_per_seq)
         self.allocate()
+
+    def history_sizes(self) -> list[int]:
+        """The sizes `fill_history` pads a request's tokens to: powers of two from 16, capped at the
+        context."""
+        length, n, out = self.config.max_model_len, 16, []
+        while n < length:
+            out.append(n)
+            n *= 2
+        return out + [length]
 
 
 def tops_on_host(requests, top, steps: int | None):
