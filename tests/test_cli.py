@@ -56,14 +56,14 @@ def test_sampling_flags_are_generate_arguments(capsys):
 
 def test_request_surface_flags_are_generate_arguments(capsys, tmp_path):
     # each flag reaches LLM.generate: what the CLI prints is what the call gives with the same keywords
-    from dcp_jax import LLM
+    from dcp_jax import LLM, SamplingParams
 
     code, out, err = cli(capsys, "--model", LLAMA, "--prompt-ids", "5,6,7,8", "--max-new-tokens", "4", "--ignore-eos",
                          "--logit-bias", "9=100", "--prompt-logprobs", "2", "--json")
     assert code == 0, err
     obj = json.loads(out)
     assert obj["tokens"] == [[9, 9, 9, 9]]  # the bias wins every greedy choice
-    ref = LLM.load(LLAMA).generate([[5, 6, 7, 8]], max_new_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    ref = LLM.load(LLAMA).generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=2))
     assert obj["prompt_logprobs"] == ref.prompt_logprobs and len(obj["prompt_logprobs"][0]) == 4
     assert obj["prompt_top_logprobs"] == json.loads(json.dumps(ref.prompt_top_logprobs))
     # EOS (id 2) pushed up, held back for --min-tokens; n samples with their own seeds, allowed ids only
@@ -76,8 +76,15 @@ def test_request_surface_flags_are_generate_arguments(capsys, tmp_path):
     assert code == 0, err
     tokens = json.loads(out)["tokens"]
     assert len(tokens) == 3 and len({tuple(t) for t in tokens}) > 1 and set(sum(tokens, [])) <= {11, 12, 13}
-    assert tokens == LLM.load(LLAMA).generate([[5, 6, 7, 8]], max_new_tokens=6, ignore_eos=True, n=3,
-                                              allowed_token_ids=[11, 12, 13], temperature=1.0, seed=4).tokens
+    assert tokens == LLM.load(LLAMA).generate([[5, 6, 7, 8]], SamplingParams(
+        max_tokens=6, ignore_eos=True, n=3, allowed_token_ids=[11, 12, 13], temperature=1.0, seed=4)).tokens
+    # --stop-token-ids: the output ends at the first one (greedy: the same tokens up to it)
+    code, out, err = cli(capsys, "--model", LLAMA, "--prompt-ids", "5,6,7,8", "--max-new-tokens", "6", "--json")
+    greedy = json.loads(out)["tokens"][0]
+    code, out, err = cli(capsys, "--model", LLAMA, "--prompt-ids", "5,6,7,8", "--max-new-tokens", "6", "--json",
+                         "--stop-token-ids", str(greedy[2]))
+    assert code == 0, err
+    assert json.loads(out)["tokens"][0] == greedy[:greedy.index(greedy[2]) + 1]
     # structured outputs: a choice, a schema given as a file
     tok = FIX / "llama-tokenizer"
     code, out, err = cli(capsys, "--model", tok, "--prompt", "Answer:", "--choice", "yes", "--choice", "no", "--json")
