@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-ids", action="append", type=token_ids_arg, default=[],
                    help="prompt token ids, e.g. 1,2,3 (repeat for a batch)")
     add_sampling_args(p, helps=dict(
-        max_tokens=f"tokens to generate at most (default 32; {DEFAULT_NEW_TOKENS} for the default run)",
+        max_tokens=f"tokens to generate at most (default 32; {DEFAULT_NEW_TOKENS} for the default "
+                   "run)",
         temperature="0 = greedy (the default, but 0.7 with top-k 20 for the default run)"))
     p.add_argument("--impl", choices=("reference", "pallas", "pallas_interpret"), default=None,
                    help="attention kernel (default: Pallas on GPU, jnp reference on CPU)")
@@ -147,8 +148,9 @@ def load(args, given_mesh, engine_kw: dict):
 
 
 def print_results(args, params, llm, out, *, streamed: bool) -> int:
-    """Print what the run gave (one JSON object with --json; else each output, the asked logprobs and
-    the report, the text unless `streamed`); the exit status (RUN_ERROR when a prompt failed; the others are reported first)."""
+    """Print what the run gave (one JSON object with --json; else each output, unless `streamed`,
+    the logprobs asked and the report); the exit status (RUN_ERROR when a prompt failed, after the
+    others are reported)."""
     failed = [(i, e) for i, e in enumerate(out.errors or []) if e is not None]
     for i, e in failed:  # the others ran: report them, then fail
         print(f"error: prompt {i}: {e}", file=sys.stderr)

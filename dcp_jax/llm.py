@@ -31,7 +31,7 @@ from dcp_jax.errors import UserError
 from dcp_jax.layout import PagedLayout
 from dcp_jax.model import CausalLM
 from dcp_jax.outputs import Generation, generation, request_stats
-from dcp_jax.sampling import SamplingParams
+from dcp_jax.sampling_params import SamplingParams
 from dcp_jax.serving.config import (DEFAULT_PAGE_SIZE, KV_CACHE_DTYPES, ServingConfig, default_prefill_chunk,
                                     parse_bytes)
 from dcp_jax.serving.engine import ServingEngine, run_requests
@@ -285,10 +285,11 @@ class LLM:
         runner.compile_all()
         return runner.compile_s - before
 
-    def requests(self, prompts, sampling_params=None, *, prefix: str = "r", **keywords) -> list[Request]:
-        """`generate`'s arguments checked and made into requests (ids `prefix`0, `prefix`1, ...; prompt i's
-        sample j is `prefix`i.j when n > 1). UserError names a bad one; a prompt that cannot fit fails alone
-        when it is added."""
+    def requests(self, prompts, sampling_params=None, *, prefix: str = "r",
+                 **keywords) -> list[Request]:
+        """`generate`'s arguments checked and made into requests (ids `prefix`0, `prefix`1, ...;
+        prompt i's sample j is `prefix`i.j when n > 1) by `make_requests`. UserError names a bad
+        one; a prompt that cannot fit fails alone when it is added."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         ids = [self.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
@@ -296,51 +297,54 @@ class LLM:
             raise UserError("no prompt given")
         if isinstance(sampling_params, (list, tuple)):
             if keywords:
-                raise UserError(f"give SamplingParams or keywords ({', '.join(sorted(keywords))}), not both")
+                raise UserError(f"give SamplingParams or keywords ({', '.join(sorted(keywords))}), "
+                                "not both")
             if len(sampling_params) != len(ids):
-                raise UserError(f"{len(sampling_params)} SamplingParams for {len(ids)} prompts: give one per prompt "
-                                "(or one for all)")
+                raise UserError(f"{len(sampling_params)} SamplingParams for {len(ids)} prompts: "
+                                "give one per prompt (or one for all)")
             params = [SamplingParams.of(p) for p in sampling_params]
         else:
             params = [SamplingParams.of(sampling_params, **keywords)] * len(ids)
+        encode = None if self.tokenizer is None else self.encode_words
         return [r for i, (p, sp) in enumerate(zip(ids, params))
-                for r in make_requests(f"{prefix}{i}", p, sp, encode=self.encode_words if self.tokenizer else None)]
+                for r in make_requests(f"{prefix}{i}", p, sp, encode=encode)]
 
     def encode_words(self, text: str) -> list[int]:
-        """Token ids of `text` without special tokens (bad words); UserError without a tokenizer."""
-        if self.tokenizer is None:
-            raise UserError("bad_words as text needs a tokenizer: give them as token id lists", field="bad_words")
+        """Token ids of `text` without special tokens (as bad words are encoded)."""
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def bad_words(self, words) -> tuple:
         """`bad_words` (text, or token id lists) as the token sequences a request bans."""
-        return resolve_bad_words(words or (), self.encode_words if self.tokenizer is not None else None)
+        return resolve_bad_words(words or (), None if self.tokenizer is None else self.encode_words)
 
-    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+    def generate(self, prompts,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  on_chunk=None, on_token=None, **keywords) -> Generation:
-        """`prompts`: a string, a list of strings, a list of ids, or a list of id lists; `sampling_params`:
-        one `SamplingParams` for every prompt, or a list of one per prompt (as vLLM's `LLM.generate`);
-        None: `SamplingParams()` (greedy, 16 tokens). `keywords`: SamplingParams' fields instead of one
-        (and `max_new_tokens` for max_tokens), the older form.
+        """`prompts`: a string, a list of strings, a list of ids, or a list of id lists;
+        `sampling_params`: one `SamplingParams` for every prompt, or a list of one per prompt (as
+        vLLM's `LLM.generate`); None: `SamplingParams()` (greedy, 16 tokens). `keywords`:
+        SamplingParams' fields instead of one (and `max_new_tokens` for max_tokens), the older form.
 
-        The requests go to this LLM's engine: admitted while pages and slots are free, prefilled in
-        chunks (after any cached prefix), decoded together, preempted and recomputed when pages run out.
-        Returns a `Generation` with `tokens` and `logprobs` (per request), `text` (None without a
-        tokenizer), `finish_reasons`, `errors` (per request, None when it ran) and `stats` (this call's);
-        with `top_logprobs=N` (up to 20), `top_logprobs`: each generated token's N most likely (id,
-        logprob) pairs under the model, computed on the device from the logits it was sampled from.
-        `n` samples per prompt come prompt-major (prompt i's sample j is entry i·n + j), sample j drawn
-        with seed + j; with prefix caching the first sample's prefill fills the prompt's full blocks and
-        the others share them (one prefill, pages by reference count). `prompt_logprobs=N` (0..20):
-        `prompt_logprobs` and `prompt_top_logprobs`, each prompt token's log-probability given the ones
-        before it and its N most likely alternatives (None for the first token); such a request computes
-        its whole prompt (no prefix cache hit), as vLLM's does. `structured`: what the output must
-        match, one of {"json": schema}, {"json_object": True}, {"regex": r}, {"choice": [...]},
-        {"grammar": lark} (vLLM's structured_outputs; llguidance masks each token on the device).
-        The other parameters: `SamplingParams`.
-        A request that can never run fails alone; if every one fails, UserError. `on_chunk(done, total)`
-        reports prefill tokens; `on_token(step, tokens [B])` receives new tokens as they come (-1 for
-        requests with none at that step).
+        The requests go to this LLM's engine: admitted while pages and slots are free, prefilled
+        in chunks (after any cached prefix), decoded together, preempted and recomputed when pages
+        run out. Returns a `Generation` with `tokens` and `logprobs` (per request), `text` (None
+        without a tokenizer; cut before a stop string), `finish_reasons`, `errors` (per request,
+        None when it ran) and `stats` (this call's); with top_logprobs N (up to 20),
+        `top_logprobs`: each generated token's N most likely (id, logprob) pairs under the model,
+        computed on the device from the logits it was sampled from. `n` samples per prompt come
+        prompt-major (prompt i's sample j is entry i·n + j), sample j drawn with seed + j; with
+        prefix caching the first sample's prefill fills the prompt's full blocks and the others
+        share them (one prefill, pages by reference count). With prompt_logprobs N (0..20):
+        `prompt_logprobs` and `prompt_top_logprobs`, each prompt token's log-probability given the
+        ones before it and its N most likely alternatives (None for the first token); such a
+        request computes its whole prompt (no prefix cache hit), as vLLM's does. `structured`:
+        what the output must match, one of {"json": schema}, {"json_object": True}, {"regex": r},
+        {"choice": [...]}, {"grammar": lark} (vLLM's structured_outputs; llguidance masks each
+        token on the device). The other parameters: `SamplingParams`.
+
+        A request that can never run fails alone; if every one fails, UserError.
+        `on_chunk(done, total)` reports prefill tokens; `on_token(step, tokens [B])` receives new
+        tokens as they come (-1 for requests with none at that step).
         """
         requests = self.requests(prompts, sampling_params, **keywords)
         server = self.engine

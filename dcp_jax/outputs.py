@@ -61,6 +61,7 @@ def generation(requests, stats: dict, detokenize=None) -> Generation:
         out.prompt_logprobs = [list(lps) for lps, _, _ in scores]
         out.prompt_top_logprobs = [list(tops) for _, _, tops in scores]
     # the request's own text where it has one (cut before a stop string, special tokens as it asked)
-    out.text = None if detokenize is None else [r.text if r.text is not None else r.decode(detokenize, r.output_token_ids)
-                                                for r in requests]
+    if detokenize is not None:
+        out.text = [r.decode(detokenize, r.output_token_ids) if r.text is None else r.text
+                    for r in requests]
     return out

@@ -15,7 +15,8 @@ import pytest
 
 from dcp_jax import LLM
 from dcp_jax.errors import UserError
-from dcp_jax.sampling import MAX_LISTED, RULES, SamplingParams, SamplingRows
+from dcp_jax.sampling import SamplingRows
+from dcp_jax.sampling_params import MAX_LISTED, RULES, SamplingParams
 from dcp_jax.serving.request import Request, make_requests
 from tests.util import FIXTURES
 

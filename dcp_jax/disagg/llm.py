@@ -78,16 +78,17 @@ class DisaggregatedLLM:
         return self.decode_llm.decode(ids)
 
     def generate(self, prompts, sampling_params=None, **keywords) -> Generation:
-        """As `LLM.generate` (a `SamplingParams`, one per prompt, or its keywords; not prompt_logprobs,
-        whose prompt scores stay on the prefill side); `stats` adds transfer_bytes (what the transfers
-        delivered), transfer_s (time in the pulls), stage_s (gathering the KV pieces on the prefill
-        side), write_s (writing the KV into the decode pool), max_device_bytes (the most KV bytes one
-        decode device held for one request's handoff) and both sides' meshes; ttft_s counts until a
-        request's KV is in the decode pool (its first token is then emitted)."""
+        """As `LLM.generate` (a `SamplingParams`, one per prompt, or its keywords; not
+        prompt_logprobs, whose prompt scores stay on the prefill side); `stats` adds transfer_bytes
+        (what the transfers delivered), transfer_s (time in the pulls), stage_s (gathering the KV
+        pieces on the prefill side), write_s (writing the KV into the decode pool),
+        max_device_bytes (the most KV bytes one decode device held for one request's handoff) and
+        both sides' meshes; ttft_s counts until a request's KV is in the decode pool (its first
+        token is then emitted)."""
         requests = self.decode_llm.requests(prompts, sampling_params, **keywords)
         if any(r.sampling.prompt_logprobs is not None for r in requests):
-            raise UserError("prompt_logprobs is not supported by a disaggregated pair: score prompts on one LLM",
-                            field="prompt_logprobs")
+            raise UserError("prompt_logprobs is not supported by a disaggregated pair: score "
+                            "prompts on one LLM", field="prompt_logprobs")
         pre, dec = self.prefill, self.decode_instance
         eng, sched = dec.engine, dec.engine.scheduler
         tc = time.perf_counter()

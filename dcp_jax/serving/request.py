@@ -11,7 +11,8 @@ import random
 from collections.abc import Callable, Sequence
 
 from dcp_jax.errors import UserError
-from dcp_jax.sampling import MAX_BANNED, RULES, SEED_LIMIT, SamplingParams
+from dcp_jax.sampling import MAX_BANNED
+from dcp_jax.sampling_params import RULES, SEED_LIMIT, SamplingParams
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -260,31 +261,37 @@ class Request:
 
 
 def make_requests(request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                  encode: Callable | None = None, arrival_time: float | None = None) -> list[Request]:
-    """The `params.n` requests (samples) of one prompt: ids `request_id` (`request_id`.j when n > 1),
-    sample j seeded seed + j (a random seed when params.seed is None) and following sample 0, whose
-    prefill the others share. The one place a `SamplingParams` becomes `Request`s: `LLM.generate`,
-    the CLI, the disaggregated pair and the server build theirs here. `encode(text) -> ids` (no
-    special tokens) makes bad words given as text token sequences (UserError without it).
-    The prompt's length and ids are checked where it meets a model (`Request.problem`)."""
+                  encode: Callable | None = None,
+                  arrival_time: float | None = None) -> list[Request]:
+    """The `params.n` requests (samples) of one prompt: ids `request_id` (`request_id`.j when
+    n > 1), sample j seeded seed + j (a random seed when params.seed is None) and following sample
+    0, whose prefill the others share. The one place a `SamplingParams` becomes `Request`s:
+    `LLM.generate`, the CLI, the disaggregated pair and the server build theirs here.
+    `encode(text) -> ids` (no special tokens) makes bad words given as text token sequences
+    (UserError without it). The prompt's length and ids are checked where it meets a model
+    (`Request.problem`)."""
     if params.bad_words:
-        words = resolve_bad_words(params.bad_words, encode)
-        params = dataclasses.replace(params, bad_words=(), bad_words_ids=params.bad_words_ids + words)
+        words = params.bad_words_ids + resolve_bad_words(params.bad_words, encode)
+        params = dataclasses.replace(params, bad_words=(), bad_words_ids=words)
     seed = random.getrandbits(31) if params.seed is None else params.seed
     return Request.samples(request_id, prompt_token_ids, params.n, seed=seed, sampling=params,
-                           max_tokens=params.max_tokens, min_tokens=params.min_tokens, ignore_eos=params.ignore_eos,
-                           stop=params.stop, stop_token_ids=params.stop_token_ids,
+                           max_tokens=params.max_tokens, min_tokens=params.min_tokens,
+                           ignore_eos=params.ignore_eos, stop=params.stop,
+                           stop_token_ids=params.stop_token_ids,
                            include_stop_str_in_output=params.include_stop_str_in_output,
-                           skip_special_tokens=params.skip_special_tokens, arrival_time=arrival_time)
+                           skip_special_tokens=params.skip_special_tokens,
+                           arrival_time=arrival_time)
 
 
 def resolve_bad_words(words, encode: Callable | None) -> tuple[tuple[int, ...], ...]:
-    """Bad words as token sequences: text through `encode` (vLLM's rule, `penalties.bad_words_ids`),
-    token id lists as they are."""
+    """Bad words as token sequences: text through `encode` (vLLM's rule,
+    `penalties.bad_words_ids`), token id lists as they are."""
     from dcp_jax.penalties import bad_words_ids
 
     words = (words,) if isinstance(words, str) else tuple(words)
     texts = [w for w in words if isinstance(w, str)]
     if texts and encode is None:
-        raise UserError("bad_words as text needs a tokenizer: give them as token id lists", field="bad_words")
-    return (bad_words_ids(encode, texts) if texts else ()) + tuple(tuple(w) for w in words if not isinstance(w, str))
+        raise UserError("bad_words as text needs a tokenizer: give them as token id lists",
+                        field="bad_words")
+    ids = tuple(tuple(w) for w in words if not isinstance(w, str))
+    return (bad_words_ids(encode, texts) if texts else ()) + ids
