@@ -353,13 +353,10 @@ def structured(args) -> dict | None:
 
 
 def sampling_kwargs(args) -> dict:
-    """`SamplingParams`' keywords from the flags of `add_sampling_args`: the numbers given (the
-    others keep SamplingParams' defaults) and the rest."""
-    from dcp_jax.sampling_params import RULES
+    """`SamplingParams`' keywords from the flags of `add_sampling_args`: every flag whose dest is a
+    field's name and that was given (the others keep SamplingParams' defaults), with --logit-bias
+    (the last bias of a repeated id) and the structured-output flags made into their fields."""
+    from dcp_jax.sampling_params import SamplingParams
 
-    kw = {name: getattr(args, name) for name in RULES if getattr(args, name) is not None}
-    kw.update(ignore_eos=args.ignore_eos, stop=tuple(args.stop),
-              stop_token_ids=tuple(args.stop_token_ids or ()),
-              bad_words=tuple(args.bad_words), logit_bias=dict(args.logit_bias),
-              allowed_token_ids=args.allowed_token_ids, structured=structured(args))
-    return kw
+    return dict(SamplingParams.fields_of(args), logit_bias=dict(args.logit_bias),
+                structured=structured(args))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -299,6 +300,23 @@ class SamplingParams:
         if bad := sorted(set(kw) - {f.name for f in dataclasses.fields(cls)}):
             raise TypeError(f"SamplingParams has no parameter {', '.join(bad)}")
         return cls(**{k: v for k, v in kw.items() if v is not None or k in ("max_tokens", "seed")})
+
+    @classmethod
+    def fields_of(cls, source) -> dict:
+        """The values `source` (a mapping, or an object: an HTTP body, parsed flags) gives under
+        SamplingParams' field names, None ones left out: a field added here reaches every source
+        that names it the same."""
+        if isinstance(source, Mapping):
+            return {f.name: source[f.name] for f in dataclasses.fields(cls)
+                    if source.get(f.name) is not None}
+        return {f.name: v for f in dataclasses.fields(cls)
+                if (v := getattr(source, f.name, None)) is not None}
+
+    @classmethod
+    def from_fields(cls, source, /, **overrides) -> "SamplingParams":
+        """One made from `fields_of(source)`, then `overrides` (the values a source names
+        otherwise: an HTTP body's max_completion_tokens, its response_format, ...)."""
+        return cls(**{**cls.fields_of(source), **overrides})
 
     @property
     def listed_ids(self) -> tuple[int, ...]:

@@ -250,6 +250,18 @@ def test_the_keyword_form_is_the_same_request():
         SamplingParams.of(colour=1)
 
 
+def test_params_from_a_source_that_names_their_fields():
+    # an HTTP body or parsed flags: what they give under the fields' names (None left out), overrides
+    body = types.SimpleNamespace(temperature=0.5, top_k=None, stop=["x"], n=2, model="m", top_logprobs=3)
+    params = SamplingParams.from_fields(body, top_logprobs=1, max_tokens=None)
+    assert (params.temperature, params.top_k, params.stop, params.n) == (0.5, 0, ("x",), 2)
+    assert params.top_logprobs == 1 and params.max_tokens is None
+    assert SamplingParams.from_fields({"min_p": 0.5, "colour": 1}).min_p == 0.5
+    with pytest.raises(UserError) as e:
+        SamplingParams.from_fields({"top_p": 2})
+    assert e.value.field == "top_p"
+
+
 def test_make_requests_is_the_one_builder():
     params = SamplingParams(max_tokens=7, min_tokens=2, n=3, seed=2**32 - 1, stop=["\n"], stop_token_ids=[4],
                             ignore_eos=True, include_stop_str_in_output=True, skip_special_tokens=False,
