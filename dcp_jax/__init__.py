@@ -19,7 +19,7 @@ _EXPORTS = {
     "KVLayout": "dcp_jax.layout",
     "PagedLayout": "dcp_jax.layout",
     "kv_cache_bytes": "dcp_jax.layout",
-    "SamplingParams": "dcp_jax.sampling",
+    "SamplingParams": "dcp_jax.sampling_params",
     "Generation": "dcp_jax.outputs",
     "dcp_attention": "dcp_jax.attention",
     "SpeculativeConfig": "dcp_jax.spec.proposers",

@@ -1,7 +1,9 @@
 """Command-line helpers shared by `python -m dcp_jax.generate`, `python -m dcp_jax.serve` and the
 disaggregated roles: the one-line usage errors, the argument types, the flags every entry point takes
 to build an `LLM`, and their mapping to `LLM.load`'s keywords (one place: a flag added here reaches
-every entry point).
+every entry point); and the flags of a `SamplingParams` (`add_sampling_args`: one per row of
+`dcp_jax.sampling_params.RULES`, whose type and range it takes: a numeric parameter needs no flag
+code).
 """
 
 from __future__ import annotations
@@ -283,3 +285,82 @@ def engine_kwargs(args) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization, kv_host_memory=args.kv_host_memory,
                 kv_cache_dtype=args.kv_cache_dtype, compilation_cache=args.compilation_cache,
                 **speculative_kwargs(args))
+
+
+# the flags of a RULES row whose name is not its flag (the first one names it in errors)
+SAMPLING_FLAGS = {"max_tokens": ("--max-new-tokens", "--max-tokens")}
+
+
+def rule_arg(flag: str, name: str):
+    """An argparse type for the flag of `SamplingParams`' `name`: its `RULES` row's type and
+    range."""
+    from dcp_jax.sampling_params import RULES
+
+    rule = RULES[name]
+
+    def parse(text):
+        try:
+            value = rule.kind(text)
+        except ValueError:
+            what = "an integer" if rule.kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{flag} must be {what}, got {text!r}") from None
+        if not rule.ok(value, optional=False):
+            raise argparse.ArgumentTypeError(f"{flag} must be {rule.describe(optional=False)}, "
+                                             f"got {text}")
+        return value
+    return parse
+
+
+def add_sampling_args(p: argparse.ArgumentParser, helps: dict | None = None) -> None:
+    """The flags of a `SamplingParams`: one per `RULES` row (--top-k for top_k; default None: not
+    given), and the parameters that are not numbers. `helps`: an entry point's own help by name."""
+    from dcp_jax.sampling_params import RULES
+
+    g = p.add_argument_group("sampling (SamplingParams)")
+    for name, rule in RULES.items():
+        flags = SAMPLING_FLAGS.get(name, ("--" + name.replace("_", "-"),))
+        g.add_argument(*flags, dest=name, type=rule_arg(flags[0], name), default=None,
+                       help=(helps or {}).get(name, rule.help))
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at the end-of-sequence token")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop before this text (repeat for more; needs a tokenizer)")
+    g.add_argument("--stop-token-ids", type=token_ids("--stop-token-ids"), default=None,
+                   metavar="IDS",
+                   help="stop at any of these token ids, e.g. 5,6")
+    g.add_argument("--bad-word", dest="bad_words", action="append", default=[], metavar="TEXT",
+                   help="a word never generated (repeat for more; vLLM's bad_words)")
+    g.add_argument("--logit-bias", action="append", type=logit_bias_arg, default=[],
+                   metavar="ID=BIAS",
+                   help="added to token ID's logit before sampling ([-100, 100]; repeat for more)")
+    g.add_argument("--allowed-token-ids", type=token_ids("--allowed-token-ids"), default=None,
+                   metavar="IDS",
+                   help="the only token ids that may be generated, e.g. 5,6,7")
+    s = g.add_mutually_exclusive_group()
+    s.add_argument("--json-schema", type=json_or_file("--json-schema"), default=None,
+                   metavar="SCHEMA",
+                   help="the output is JSON valid under this schema (JSON text or a file)")
+    s.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    s.add_argument("--regex", default=None, help="the output matches this regular expression")
+    s.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                   help="the output is one of these (repeat the flag for each)")
+    s.add_argument("--grammar", type=text_or_file("--grammar"), default=None,
+                   help="the output follows this Lark grammar (text or a file)")
+
+
+def structured(args) -> dict | None:
+    """The structured-output flag given (at most one: argparse checks), as SamplingParams'
+    `structured`."""
+    spec = dict(json=args.json_schema, json_object=args.json_object or None, regex=args.regex,
+                choice=args.choice, grammar=args.grammar)
+    return {k: v for k, v in spec.items() if v is not None} or None
+
+
+def sampling_kwargs(args) -> dict:
+    """`SamplingParams`' keywords from the flags of `add_sampling_args`: every flag whose dest is a
+    field's name and that was given (the others keep SamplingParams' defaults), with --logit-bias
+    (the last bias of a repeated id) and the structured-output flags made into their fields."""
+    from dcp_jax.sampling_params import SamplingParams
+
+    return dict(SamplingParams.fields_of(args), logit_bias=dict(args.logit_bias),
+                structured=structured(args))

@@ -21,22 +21,15 @@ from dcp_jax.cli import (
     CliParser,
     UsageError,
     add_engine_args,
-    alternatives,
+    add_sampling_args,
     engine_kwargs,
     interleave_arg,
-    json_or_file,
-    logit_bias_arg,
     mesh_shape,
-    non_negative_float,
-    non_negative_int,
-    penalty_arg,
-    positive_float,
-    positive_int,
-    text_or_file,
-    token_ids,
+    sampling_kwargs,
+    structured,  # noqa: F401  (its older home)
     token_ids_arg,
-    top_logprobs_arg,
 )
+from dcp_jax.errors import UserError
 from dcp_jax.processes import add_distributed_args, check_distributed_args, is_multi, start
 
 DEFAULT_PROMPT = ASSETS / "default_prompt.txt"
@@ -58,53 +51,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
     p.add_argument("--prompt-ids", action="append", type=token_ids_arg, default=[],
                    help="prompt token ids, e.g. 1,2,3 (repeat for a batch)")
-    p.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=None,
-                   help=f"default 32 ({DEFAULT_NEW_TOKENS} for the default run)")
-    p.add_argument("--temperature", type=non_negative_float("--temperature"), default=None,
-                   help="0 = greedy (the default, but 0.7 with top-k 20 for the default run)")
-    p.add_argument("--top-k", type=non_negative_int("--top-k"), default=None)
-    p.add_argument("--top-p", type=positive_float("--top-p", 1.0), default=1.0)
-    p.add_argument("--seed", type=non_negative_int("--seed"), default=0)
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    add_sampling_args(p, helps=dict(
+        max_tokens=f"tokens to generate at most (default 32; {DEFAULT_NEW_TOKENS} for the default "
+                   "run)",
+        temperature="0 = greedy (the default, but 0.7 with top-k 20 for the default run)"))
     p.add_argument("--impl", choices=("reference", "pallas", "pallas_interpret"), default=None,
                    help="attention kernel (default: Pallas on GPU, jnp reference on CPU)")
     p.add_argument("--logprobs", action="store_true", help="report the log-probability of each token")
-    p.add_argument("--top-logprobs", type=top_logprobs_arg, default=0, metavar="N",
-                   help="report each token's N most likely alternatives and their log-probabilities (0-20)")
-    p.add_argument("--min-p", type=non_negative_float("--min-p", 1), default=0.0,
-                   help="drop tokens less likely than this times the most likely one (0 = off)")
-    p.add_argument("--presence-penalty", type=penalty_arg("--presence-penalty"), default=0.0,
-                   help="subtracted from a token's logit once it occurs in the output ([-2, 2])")
-    p.add_argument("--frequency-penalty", type=penalty_arg("--frequency-penalty"), default=0.0,
-                   help="subtracted from a token's logit per occurrence in the output ([-2, 2])")
-    p.add_argument("--repetition-penalty", type=positive_float("--repetition-penalty"), default=1.0,
-                   help="divides the positive logits (multiplies the negative) of tokens in the prompt or "
-                        "output (> 0; 1 = off)")
-    p.add_argument("--bad-word", action="append", default=[], metavar="TEXT",
-                   help="a word never generated (repeat for more; vLLM's bad_words)")
-    p.add_argument("--min-tokens", type=non_negative_int("--min-tokens"), default=0,
-                   help="no end-of-sequence (or stop) token before this many tokens")
-    p.add_argument("--logit-bias", action="append", type=logit_bias_arg, default=[], metavar="ID=BIAS",
-                   help="added to token ID's logit before sampling ([-100, 100]; repeat for more)")
-    p.add_argument("--allowed-token-ids", type=token_ids("--allowed-token-ids"), default=None, metavar="IDS",
-                   help="the only token ids that may be generated, e.g. 5,6,7")
-    p.add_argument("--n", type=positive_int("--n"), default=1,
-                   help="samples per prompt (sample j draws with seed + j; they share the prompt's prefill)")
-    p.add_argument("--prompt-logprobs", type=alternatives("--prompt-logprobs"), default=None, metavar="N",
-                   help="report each prompt token's log-probability and its N most likely alternatives (0-20)")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--json-schema", type=json_or_file("--json-schema"), default=None, metavar="SCHEMA",
-                   help="the output is JSON valid under this schema (JSON text or a file)")
-    g.add_argument("--json-object", action="store_true", help="the output is a JSON object")
-    g.add_argument("--regex", default=None, help="the output matches this regular expression")
-    g.add_argument("--choice", action="append", default=None, metavar="TEXT",
-                   help="the output is one of these (repeat the flag for each)")
-    g.add_argument("--grammar", type=text_or_file("--grammar"), default=None,
-                   help="the output follows this Lark grammar (text or a file)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_distributed_args(p)
     return p
+
+
+def sampling_params(args, default_run: bool):
+    """The run's `SamplingParams`: the flags given, and the defaults of this CLI (32 new tokens; the
+    default run's 96, sampled at temperature 0.7 with top-k 20 unless either is given)."""
+    from dcp_jax.sampling import SamplingParams
+
+    kw = sampling_kwargs(args)
+    kw.setdefault("max_tokens", DEFAULT_NEW_TOKENS if default_run else 32)
+    if default_run and "temperature" not in kw and "top_k" not in kw:
+        kw.update(DEFAULT_SAMPLING)
+    return SamplingParams(**kw)
 
 
 def run(argv=None) -> int:
@@ -116,109 +85,105 @@ def run(argv=None) -> int:
             raise UsageError("no prompt: give --prompt TEXT or --prompt-ids 1,2,3")
         engine_kw = engine_kwargs(args)
         check_distributed_args(args)
-    except UsageError as e:
+        params = sampling_params(args, default_run)
+    except (UsageError, UserError) as e:
         print(f"error: {e}", file=sys.stderr)
         return USAGE_ERROR
 
-    multi = is_multi(args)
     if (status := start("dcp_jax.generate", argv, args, (given_mesh[0] or 1) * (given_mesh[1] or 1)
                         if any(given_mesh) else None)) is not None:
         return status
     try:
-        import jax
-
-        from dcp_jax import mesh as mesh_lib
-        from dcp_jax.llm import LLM
-
-        model_dir = Path(args.model) if args.model else DEFAULT_MODEL
-        if any(given_mesh):
-            tp, dcp = given_mesh[0] or 1, given_mesh[1] or 1
-        elif default_run:
-            tp, dcp = mesh_lib.local_mesh_shape(max_tp=2)
-            note = mesh_lib.local_mesh_note(tp, dcp, jax.local_devices()[0].platform)
-            if note:
-                print(note, file=sys.stderr)
-        else:
-            tp, dcp = 1, 1
-        prompts = list(args.prompt) + list(args.prompt_ids)
-        if default_run and not prompts and not args.save:
-            prompts = [DEFAULT_PROMPT.read_text()]
-        if default_run and engine_kw["max_model_len"] is None:
-            # the default run reserves a whole 16K-token context, which is what its KV report measures
-            engine_kw["max_model_len"] = DEFAULT_MAX_SEQ_LEN
-        # no more decode slots than prompts: an idle slot still costs its rows in every decode step
-        max_num_seqs = args.max_num_seqs or max(1, min(8, len(prompts)))
-        # one run compiles what it needs as it needs it (a server compiles every program first)
-        llm = LLM.load(model_dir, tp=tp, dcp=dcp, interleave=args.interleave, impl=args.impl,
-                       compile="lazy", max_num_seqs=max_num_seqs, dist_timeout=args.dist_timeout,
-                       **engine_kw)
-        if args.save:
-            step = llm.save(args.save)
-            print(f"loaded {llm.source}; saved orbax checkpoint {args.save} (step {step})")
+        llm, prompts = load(args, given_mesh, engine_kw)
         if not prompts:
             return 0
-        new_tokens = args.max_new_tokens or (DEFAULT_NEW_TOKENS if default_run else 32)
-        leader = not multi or jax.process_index() == 0  # only process 0 reports
+        import jax
+
+        leader = not is_multi(args) or jax.process_index() == 0  # only process 0 reports
         show = _Display(llm, quiet=args.json or args.quiet or not leader,
-                        stream=leader and not args.json and len(prompts) == 1 and args.n == 1)
-        if show.stream and default_run and not args.prompt:
+                        stream=leader and not args.json and len(prompts) == 1 and params.n == 1)
+        if show.stream and args.model is None and not args.prompt:
             print(f"prompt ({len(prompts[0]):,} bytes of Python's documentation, held out from training):\n"
                   f"{prompts[0]}", end="", flush=True)
-        sampled = default_run and args.temperature is None and args.top_k is None
-        temperature = DEFAULT_SAMPLING["temperature"] if sampled else (args.temperature or 0.0)
-        top_k = DEFAULT_SAMPLING["top_k"] if sampled else (args.top_k or 0)
-        out = llm.generate(prompts, max_new_tokens=new_tokens, temperature=temperature, top_k=top_k,
-                           top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
-                           top_logprobs=args.top_logprobs, min_p=args.min_p, presence_penalty=args.presence_penalty,
-                           frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
-                           bad_words=args.bad_word, min_tokens=args.min_tokens,
-                           logit_bias=dict(args.logit_bias), allowed_token_ids=args.allowed_token_ids, n=args.n,
-                           prompt_logprobs=args.prompt_logprobs, structured=structured(args),
-                           on_chunk=show.prefill, on_token=show.token)
+        out = llm.generate(prompts, params, on_chunk=show.prefill, on_token=show.token)
         show.close()
     except ValueError as e:  # UserError and the library's own ValueErrors (bad mesh, bad sizes)
         print(f"error: {e}", file=sys.stderr)
         return RUN_ERROR
+    return print_results(args, params, llm, out, streamed=show.stream) if leader else 0
 
-    if not leader:
-        return 0
+
+def load(args, given_mesh, engine_kw: dict):
+    """The `LLM` the flags describe (saved first with --save) and the prompts to run on it."""
+    import jax
+
+    from dcp_jax import mesh as mesh_lib
+    from dcp_jax.llm import LLM
+
+    default_run = args.model is None
+    model_dir = Path(args.model) if args.model else DEFAULT_MODEL
+    if any(given_mesh):
+        tp, dcp = given_mesh[0] or 1, given_mesh[1] or 1
+    elif default_run:
+        tp, dcp = mesh_lib.local_mesh_shape(max_tp=2)
+        note = mesh_lib.local_mesh_note(tp, dcp, jax.local_devices()[0].platform)
+        if note:
+            print(note, file=sys.stderr)
+    else:
+        tp, dcp = 1, 1
+    prompts = list(args.prompt) + list(args.prompt_ids)
+    if default_run and not prompts and not args.save:
+        prompts = [DEFAULT_PROMPT.read_text()]
+    if default_run and engine_kw["max_model_len"] is None:
+        # the default run reserves a whole 16K-token context, which is what its KV report measures
+        engine_kw["max_model_len"] = DEFAULT_MAX_SEQ_LEN
+    # no more decode slots than prompts: an idle slot still costs its rows in every decode step
+    max_num_seqs = args.max_num_seqs or max(1, min(8, len(prompts)))
+    # one run compiles what it needs as it needs it (a server compiles every program first)
+    llm = LLM.load(model_dir, tp=tp, dcp=dcp, interleave=args.interleave, impl=args.impl,
+                   compile="lazy", max_num_seqs=max_num_seqs, dist_timeout=args.dist_timeout,
+                   **engine_kw)
+    if args.save:
+        step = llm.save(args.save)
+        print(f"loaded {llm.source}; saved orbax checkpoint {args.save} (step {step})")
+    return llm, prompts
+
+
+def print_results(args, params, llm, out, *, streamed: bool) -> int:
+    """Print what the run gave (one JSON object with --json; else each output, unless `streamed`,
+    the logprobs asked and the report); the exit status (RUN_ERROR when a prompt failed, after the
+    others are reported)."""
     failed = [(i, e) for i, e in enumerate(out.errors or []) if e is not None]
     for i, e in failed:  # the others ran: report them, then fail
         print(f"error: prompt {i}: {e}", file=sys.stderr)
+    status = RUN_ERROR if failed else 0
     if args.json:
         obj = {"tokens": out.tokens}
         if out.text is not None:
             obj["text"] = out.text
         if args.logprobs:
             obj["logprobs"] = out.logprobs
-        if args.top_logprobs:
+        if params.top_logprobs:
             obj["top_logprobs"] = out.top_logprobs
-        if args.prompt_logprobs is not None:
+        if params.prompt_logprobs is not None:
             obj["prompt_logprobs"], obj["prompt_top_logprobs"] = out.prompt_logprobs, out.prompt_top_logprobs
         obj["stats"] = dict(out.stats, model=llm.source)
         print(json.dumps(obj))
-        return RUN_ERROR if failed else 0
-    if not show.stream:
+        return status
+    if not streamed:
         for i, toks in enumerate(out.tokens):
             print(f"[{i}] {out.text[i] if out.text is not None else toks}")
     if args.logprobs:
         for i, lp in enumerate(out.logprobs):
             print(f"logprobs [{i}]: {[round(x, 4) for x in lp]}")
-    if args.top_logprobs:
+    if params.top_logprobs:
         for i, tops in enumerate(out.top_logprobs):
             print(f"top logprobs [{i}]: {[[(t, round(x, 4)) for t, x in alts] for alts in tops]}")
-    if args.prompt_logprobs is not None:
+    if params.prompt_logprobs is not None:
         for i, lp in enumerate(out.prompt_logprobs):
             print(f"prompt logprobs [{i}]: {[None if x is None else round(x, 4) for x in lp]}")
     print(report(out.stats, llm.model.config.num_kv_heads, llm.source))
-    return RUN_ERROR if failed else 0
-
-
-def structured(args) -> dict | None:
-    """The structured-output flag given (at most one: argparse checks), as LLM.generate's `structured`."""
-    spec = dict(json=args.json_schema, json_object=args.json_object or None, regex=args.regex,
-                choice=args.choice, grammar=args.grammar)
-    return {k: v for k, v in spec.items() if v is not None} or None
+    return status
 
 
 def report(s: dict, kv_heads: int, source: str) -> str:

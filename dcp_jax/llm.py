@@ -1,7 +1,7 @@
 """`LLM`: the notebook API. One model on one mesh, served for the life of the object by ONE engine.
 
 >>> llm = LLM.load("path/to/hf_checkpoint_or_orbax_dir", tp=2, dcp=4)
->>> out = llm.generate(["Hello"], max_new_tokens=16)
+>>> out = llm.generate(["Hello"], SamplingParams(max_tokens=16))
 >>> out.text, out.tokens, out.stats["kv_bytes_per_device"], out.stats["kv_capacity_tokens"]
 
 As vLLM's `LLM` and SGLang's `Engine`: the context length (`max_model_len`) and the KV pool are fixed
@@ -31,14 +31,13 @@ from dcp_jax.errors import UserError
 from dcp_jax.layout import PagedLayout
 from dcp_jax.model import CausalLM
 from dcp_jax.outputs import Generation, generation, request_stats
-from dcp_jax.penalties import bad_words_ids
-from dcp_jax.sampling import SamplingParams, check_seed
+from dcp_jax.sampling_params import SamplingParams
 from dcp_jax.serving.config import (DEFAULT_PAGE_SIZE, KV_CACHE_DTYPES, ServingConfig, default_prefill_chunk,
                                     parse_bytes)
 from dcp_jax.serving.engine import ServingEngine, run_requests
 from dcp_jax.serving.lockstep import Lockstep
-from dcp_jax.serving.request import Request
 from dcp_jax.serving.programs import draft_layout
+from dcp_jax.serving.request import Request, make_requests, resolve_bad_words
 from dcp_jax.serving.runner import gpu_budget, page_bytes_per_device
 from dcp_jax.spec.proposers import SpeculativeConfig, check_draft
 
@@ -327,77 +326,68 @@ class LLM:
 
         return compile_engine(self.engine.runner)
 
-    def requests(self, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, top_logprobs: int = 0,
-                 min_p: float = 0.0, logit_bias=None, allowed_token_ids=None, n: int = 1,
-                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                 bad_words=None, min_tokens: int = 0, prompt_logprobs: int | None = None, structured=None,
-                 prefix: str = "r") -> list[Request]:
-        """`generate`'s arguments checked and made into requests (ids `prefix`0, `prefix`1, ...).
-        UserError names a bad one; a prompt that cannot fit fails alone when it is added."""
+    def requests(self, prompts, sampling_params=None, *, prefix: str = "r",
+                 **keywords) -> list[Request]:
+        """`generate`'s arguments checked and made into requests (ids `prefix`0, `prefix`1, ...;
+        prompt i's sample j is `prefix`i.j when n > 1) by `make_requests`. UserError names a bad
+        one; a prompt that cannot fit fails alone when it is added."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         ids = [self.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
         if not ids:
             raise UserError("no prompt given")
-        _positive_int("max_new_tokens", max_new_tokens)
-        if (problem := check_seed(seed)) is not None:
-            raise UserError(problem)
-        _positive_int("n", n)
-        sampling = SamplingParams(temperature, top_k, top_p, top_logprobs, min_p, logit_bias or (), allowed_token_ids,
-                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                  repetition_penalty=repetition_penalty, bad_words_ids=self.bad_words(bad_words),
-                                  prompt_logprobs=prompt_logprobs, structured=structured)
-        return [r for i, p in enumerate(ids) for r in Request.samples(
-            f"{prefix}{i}", p, n, seed=seed, sampling=sampling, max_tokens=max_new_tokens, ignore_eos=ignore_eos,
-            min_tokens=min_tokens)]
+        if isinstance(sampling_params, (list, tuple)):
+            if keywords:
+                raise UserError(f"give SamplingParams or keywords ({', '.join(sorted(keywords))}), "
+                                "not both")
+            if len(sampling_params) != len(ids):
+                raise UserError(f"{len(sampling_params)} SamplingParams for {len(ids)} prompts: "
+                                "give one per prompt (or one for all)")
+            params = [SamplingParams.of(p) for p in sampling_params]
+        else:
+            params = [SamplingParams.of(sampling_params, **keywords)] * len(ids)
+        encode = None if self.tokenizer is None else self.encode_words
+        return [r for i, (p, sp) in enumerate(zip(ids, params))
+                for r in make_requests(f"{prefix}{i}", p, sp, encode=encode)]
+
+    def encode_words(self, text: str) -> list[int]:
+        """Token ids of `text` without special tokens (as bad words are encoded)."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def bad_words(self, words) -> tuple:
-        """`bad_words` as token sequences: strings through the tokenizer (vLLM's rule,
-        `dcp_jax.sampling.bad_words_ids`), id lists as they are."""
-        if not words:
-            return ()
-        if isinstance(words, str) or all(isinstance(w, str) for w in words):
-            if self.tokenizer is None:
-                raise UserError("bad_words as text needs a tokenizer: give them as token id lists")
-            return bad_words_ids(lambda text: self.tokenizer.encode(text, add_special_tokens=False).ids, words)
-        return tuple(words)
+        """`bad_words` (text, or token id lists) as the token sequences a request bans."""
+        return resolve_bad_words(words or (), None if self.tokenizer is None else self.encode_words)
 
-    def generate(self, prompts, *, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, top_logprobs: int = 0,
-                 min_p: float = 0.0, logit_bias: dict | None = None, allowed_token_ids=None, n: int = 1,
-                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                 bad_words=None, min_tokens: int = 0, prompt_logprobs: int | None = None, structured=None,
-                 on_chunk=None, on_token=None) -> Generation:
-        """`prompts`: a string, a list of strings, a list of ids, or a list of id lists.
+    def generate(self, prompts,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 on_chunk=None, on_token=None, **keywords) -> Generation:
+        """`prompts`: a string, a list of strings, a list of ids, or a list of id lists;
+        `sampling_params`: one `SamplingParams` for every prompt, or a list of one per prompt (as
+        vLLM's `LLM.generate`); None: `SamplingParams()` (greedy, 16 tokens). `keywords`:
+        SamplingParams' fields instead of one (and `max_new_tokens` for max_tokens), the older form.
 
-        The requests go to this LLM's engine: admitted while pages and slots are free, prefilled in
-        chunks (after any cached prefix), decoded together, preempted and recomputed when pages run out.
-        Returns a `Generation` with `tokens` and `logprobs` (per request), `text` (None without a
-        tokenizer), `finish_reasons`, `errors` (per request, None when it ran) and `stats` (this call's);
-        with `top_logprobs=N` (up to 20), `top_logprobs`: each generated token's N most likely (id,
-        logprob) pairs under the model, computed on the device from the logits it was sampled from.
-        `min_p`, `logit_bias` ({token id: bias in [-100, 100]}) and `allowed_token_ids` as vLLM's. `n`:
-        samples per prompt (results prompt-major: prompt i's sample j is entry i·n + j), sample j drawn
-        with seed + j; with prefix caching the first sample's prefill fills the prompt's full blocks and
-        the others share them (one prefill, pages by reference count). `presence_penalty`,
-        `frequency_penalty` (in [-2, 2]), `repetition_penalty` (> 0, 1 = off), `bad_words` (strings, or
-        token id lists) and `min_tokens` (no EOS before it) as vLLM's. `prompt_logprobs=N` (0..20):
-        `prompt_logprobs` and `prompt_top_logprobs`, each prompt token's log-probability given the ones
-        before it and its N most likely alternatives (None for the first token); such a request computes
-        its whole prompt (no prefix cache hit), as vLLM's does. `structured`: what the output must
-        match, one of {"json": schema}, {"json_object": True}, {"regex": r}, {"choice": [...]},
-        {"grammar": lark} (vLLM's structured_outputs; llguidance masks each token on the device).
-        A request that can never run fails alone; if every one fails, UserError. `on_chunk(done, total)`
-        reports prefill tokens; `on_token(step, tokens [B])` receives new tokens as they come (-1 for
-        requests with none at that step).
+        The requests go to this LLM's engine: admitted while pages and slots are free, prefilled
+        in chunks (after any cached prefix), decoded together, preempted and recomputed when pages
+        run out. Returns a `Generation` with `tokens` and `logprobs` (per request), `text` (None
+        without a tokenizer; cut before a stop string), `finish_reasons`, `errors` (per request,
+        None when it ran) and `stats` (this call's); with top_logprobs N (up to 20),
+        `top_logprobs`: each generated token's N most likely (id, logprob) pairs under the model,
+        computed on the device from the logits it was sampled from. `n` samples per prompt come
+        prompt-major (prompt i's sample j is entry i·n + j), sample j drawn with seed + j; with
+        prefix caching the first sample's prefill fills the prompt's full blocks and the others
+        share them (one prefill, pages by reference count). With prompt_logprobs N (0..20):
+        `prompt_logprobs` and `prompt_top_logprobs`, each prompt token's log-probability given the
+        ones before it and its N most likely alternatives (None for the first token); such a
+        request computes its whole prompt (no prefix cache hit), as vLLM's does. `structured`:
+        what the output must match, one of {"json": schema}, {"json_object": True}, {"regex": r},
+        {"choice": [...]}, {"grammar": lark} (vLLM's structured_outputs; llguidance masks each
+        token on the device). The other parameters: `SamplingParams`.
+
+        A request that can never run fails alone; if every one fails, UserError.
+        `on_chunk(done, total)` reports prefill tokens; `on_token(step, tokens [B])` receives new
+        tokens as they come (-1 for requests with none at that step).
         """
-        requests = self.requests(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                 top_p=top_p, seed=seed, ignore_eos=ignore_eos, top_logprobs=top_logprobs,
-                                 min_p=min_p, logit_bias=logit_bias, allowed_token_ids=allowed_token_ids, n=n,
-                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                 repetition_penalty=repetition_penalty, bad_words=bad_words, min_tokens=min_tokens,
-                                 prompt_logprobs=prompt_logprobs, structured=structured)
+        requests = self.requests(prompts, sampling_params, **keywords)
         server = self.engine
         if not server.lock.acquire(blocking=False):
             raise UserError("this LLM's engine is in use (a server or another generate call drives it): wait for "

@@ -60,5 +60,8 @@ def generation(requests, stats: dict, detokenize=None) -> Generation:
         scores = [r.prompt_scores() or ([], [], []) for r in requests]
         out.prompt_logprobs = [list(lps) for lps, _, _ in scores]
         out.prompt_top_logprobs = [list(tops) for _, _, tops in scores]
-    out.text = None if detokenize is None else [detokenize(r.output_token_ids) for r in requests]
+    # the request's own text where it has one (cut before a stop string, special tokens as it asked)
+    if detokenize is not None:
+        out.text = [r.decode(detokenize, r.output_token_ids) if r.text is None else r.text
+                    for r in requests]
     return out

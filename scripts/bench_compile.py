@@ -76,7 +76,7 @@ def decode_speed(context: int, new_tokens: int, repeats: int, layers: int = 8) -
     layers scanned and with one stack per layer; alternating, best of `repeats`."""
     import numpy as np
 
-    from dcp_jax import make_mesh
+    from dcp_jax import SamplingParams, make_mesh
     from dcp_jax.config import ModelConfig
     from dcp_jax.dense import Engine
     from dcp_jax.llm import LLM
@@ -93,7 +93,8 @@ def decode_speed(context: int, new_tokens: int, repeats: int, layers: int = 8) -
         # one request: a one-slot pool for its whole context (as generate sized it per call before)
         llm = LLM(model, mesh, max_model_len=context + new_tokens, max_num_seqs=1)
         dense = Engine(model, mesh)
-        runs[("paged", scan)] = lambda llm=llm: llm.generate([prompt], max_new_tokens=new_tokens, ignore_eos=True)
+        runs[("paged", scan)] = lambda llm=llm: llm.generate(
+            [prompt], SamplingParams(max_tokens=new_tokens, ignore_eos=True))
         runs[("dense", scan)] = lambda dense=dense: dense.generate([prompt], max_new_tokens=new_tokens,
                                                                      ignore_eos=True)
     best: dict = {}

@@ -31,7 +31,7 @@ KINDS = ("auto", "int8", "fp8")
 
 
 def fixture_rows(names):
-    from dcp_jax import LLM
+    from dcp_jax import LLM, SamplingParams
 
     rows = []
     for name in names:
@@ -41,9 +41,9 @@ def fixture_rows(names):
         for kind in KINDS:
             llm = LLM.load(FIXTURES / name, tp=1, dcp=2, page_size=4, kv_cache_dtype=kind, max_model_len=128,
                            impl="reference")
-            out = llm.generate(seqs, max_new_tokens=1, prompt_logprobs=0)
+            out = llm.generate(seqs, SamplingParams(max_tokens=1, prompt_logprobs=0))
             lps[kind] = np.concatenate([np.asarray(x[1:], np.float64) for x in out.prompt_logprobs])
-            greedy[kind] = llm.generate(exp["prompts"], max_new_tokens=16, ignore_eos=True, top_logprobs=2)
+            greedy[kind] = llm.generate(exp["prompts"], SamplingParams(max_tokens=16, ignore_eos=True, top_logprobs=2))
             kv[kind] = llm.engine.kv_bytes()["kv_bytes_per_device"]
         for kind in KINDS[1:]:
             d = np.abs(lps[kind] - lps["auto"])
@@ -69,7 +69,7 @@ def first_flip_gap(ref, out) -> float | None:
 def held_out_losses(windows: int) -> dict:
     import corpus
 
-    from dcp_jax import LLM
+    from dcp_jax import LLM, SamplingParams
     from dcp_jax.cli import DEFAULT_MODEL
 
     _, held = corpus.split()
@@ -79,10 +79,11 @@ def held_out_losses(windows: int) -> dict:
     for kind in KINDS:
         llm = LLM.load(DEFAULT_MODEL, tp=1, dcp=2, kv_cache_dtype=kind, max_model_len=256, max_num_seqs=16,
                        impl="reference")
-        gen = llm.generate(texts, max_new_tokens=1, prompt_logprobs=0)
+        gen = llm.generate(texts, SamplingParams(max_tokens=1, prompt_logprobs=0))
         out[kind] = -float(np.mean(np.concatenate([np.asarray(x[1:], np.float64) for x in gen.prompt_logprobs])))
         # greedy continuations of each window's first 160 bytes (as the default run's prompt)
-        greedy[kind] = llm.generate([t[:160] for t in texts], max_new_tokens=16, ignore_eos=True, top_logprobs=2)
+        greedy[kind] = llm.generate([t[:160] for t in texts], SamplingParams(max_tokens=16, ignore_eos=True,
+                                                                             top_logprobs=2))
     same = {k: sum(a == b for a, b in zip(greedy["auto"].tokens, greedy[k].tokens)) for k in KINDS[1:]}
     gaps = {k: first_flip_gap(greedy["auto"], greedy[k]) for k in KINDS[1:]}
     return dict(loss=out, greedy16_same=same, flip_gap=gaps, windows=len(texts))

@@ -96,14 +96,16 @@ def main(argv=None) -> int:
     per_token = model_cfg.num_layers * 2 * model_cfg.num_kv_heads * model_cfg.head_dim * 4
     per_device = args.decode["dcp"] * min(args.decode["tp"], model_cfg.num_kv_heads)  # devices sharing the KV
     rng = np.random.default_rng(0)
+    from dcp_jax import SamplingParams
+
     kw = dict(ignore_eos=True)
 
     # --- handoff per prompt length -----------------------------------------------------------------
     handoff = []
     for n in cfg["lengths"]:
         prompt = [int(t) for t in rng.integers(3, vocab, n)]
-        pair.generate([prompt], max_new_tokens=2, **kw)  # compile this shape
-        s = pair.generate([prompt], max_new_tokens=2, **kw).stats
+        pair.generate([prompt], SamplingParams(max_tokens=2, **kw))  # compile this shape
+        s = pair.generate([prompt], SamplingParams(max_tokens=2, **kw)).stats
         kv = n * per_token
         row = dict(prompt_tokens=n, stage_ms=s["stage_s"] * 1e3, transfer_ms=s["transfer_s"] * 1e3,
                    write_ms=s["write_s"] * 1e3, handoff_ms=(s["stage_s"] + s["transfer_s"] + s["write_s"]) * 1e3,
@@ -121,7 +123,7 @@ def main(argv=None) -> int:
     before = len(stager.compiled)
     t0 = time.perf_counter()
     for n in new_lengths:
-        pair.generate([[int(t) for t in rng.integers(3, vocab, n)]], max_new_tokens=2, **kw)
+        pair.generate([[int(t) for t in rng.integers(3, vocab, n)]], SamplingParams(max_tokens=2, **kw))
     first_use = dict(prompt_lengths=len(new_lengths), block_counts=len(new_lengths),  # one length per block count
                      gathers_compiled=len(stager.compiled) - before, wall_s=time.perf_counter() - t0)
     log(f"{len(new_lengths)} new lengths: {first_use['gathers_compiled']} gathers compiled")

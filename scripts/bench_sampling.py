@@ -82,8 +82,10 @@ def decode_ms(llm, prompts, steps: int, **kw) -> tuple[float, float]:
             fill[0] += time.perf_counter() - t
 
         grammars.fill = timed.__get__(grammars)
+    from dcp_jax import SamplingParams
+
     try:
-        llm.generate(prompts, max_new_tokens=steps, **kw)
+        llm.generate(prompts, SamplingParams(max_tokens=steps, **kw))
     finally:
         if grammars is not None:
             del grammars.fill
@@ -130,7 +132,7 @@ def main(argv=None) -> int:
         f"top-20 K={k}": (many, dict(ignore_eos=True, top_logprobs=20), f"plain K={k}"),
     }
     for llm, kw, _ in configs.values():  # compile and warm every program outside the clock
-        llm.generate(prompts, max_new_tokens=4, **kw)
+        llm.generate(prompts, dcp_jax.SamplingParams(max_tokens=4, **kw))
     best: dict[str, tuple[float, float]] = {}
     prefill: dict[str, float] = {}
     for _ in range(repeats):
@@ -140,7 +142,7 @@ def main(argv=None) -> int:
                 best[name] = (ms, fill)
         for name, kw in (("prefill", {}), ("prefill + prompt lp", dict(prompt_logprobs=5))):
             many.reset_prefix_cache()
-            out = many.generate(prompts, max_new_tokens=1, ignore_eos=True, **kw)
+            out = many.generate(prompts, dcp_jax.SamplingParams(max_tokens=1, ignore_eos=True, **kw))
             prefill[name] = min(prefill.get(name, 1e9), 1000 * out.stats["prefill_s"])
     table = []
     for name, (llm, kw, ref) in configs.items():

@@ -62,7 +62,9 @@ def doc_prompts(n: int, size: int) -> list[str]:
 
 def measure(llm, prompts, new_tokens: int) -> dict:
     """One greedy generate; the figures of its decode phase."""
-    out = llm.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)
+    from dcp_jax import SamplingParams
+
+    out = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
     server = llm.engine
     s = out.stats
     steps = max(s["decode_steps"], 1)  # decode steps of the batch, or verify steps

@@ -845,8 +845,10 @@ class E2E:
 
     def run(self, b: int, chunk: int, copy_gbs: float | None) -> dict:
         t = time.perf_counter()
+        from dcp_jax import SamplingParams
+
         out = self.llm_for(b, chunk).generate([row.tolist() for row in self.ids[:b]],
-                                              max_new_tokens=self.new_tokens, ignore_eos=True)
+                                              SamplingParams(max_tokens=self.new_tokens, ignore_eos=True))
         row = _e2e_row(out.stats, b, self.prompt_len, self.new_tokens, chunk, copy_gbs)
         row["wall_s"] = time.perf_counter() - t
         self.tokens[b] = out.tokens
@@ -941,7 +943,7 @@ def stage_scan_cost(rec: dict, budget_s: float, save, ckpt: Path, batch: int = 1
     weights dominate each step."""
     import numpy as np
 
-    from dcp_jax import LLM
+    from dcp_jax import LLM, SamplingParams
 
     t_end = time.perf_counter() + budget_s
     ids = None
@@ -958,8 +960,9 @@ def stage_scan_cost(rec: dict, budget_s: float, save, ckpt: Path, batch: int = 1
         if ids is None:
             vocab = llm.model.config.vocab_size
             ids = np.random.default_rng(1).integers(min(3, vocab - 1), vocab, size=(batch, prompt_len)).tolist()
-        llm.generate(ids, max_new_tokens=new_tokens, ignore_eos=True)  # compile + first execution
-        out = llm.generate(ids, max_new_tokens=new_tokens, ignore_eos=True)
+        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+        llm.generate(ids, params)  # compile + first execution
+        out = llm.generate(ids, params)
         rec["runs"]["scanned" if scan else "per_layer"] = dict(
             decode_tokens_per_s=out.stats["decode_tokens_per_s"], ttft_s=out.stats["ttft_s"],
             load_s=load_s)

@@ -1,6 +1,8 @@
 """End-to-end generation against transformers' greedy ids and logprobs (tests/fixtures, made by
 scripts/make_fixtures.py), across meshes, interleaves and prefill chunk sizes."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -135,14 +137,20 @@ def test_streaming_in_segments_gives_every_token_once(interval):
 def test_python_api_text_and_sampling():
     exp = expected("llama-tokenizer")
     llm = LLM.load(FIXTURES / "llama-tokenizer", tp=2, dcp=4)
-    out = llm.generate(exp["prompt_texts"], max_new_tokens=8, ignore_eos=True)
+    out = llm.generate(exp["prompt_texts"], SamplingParams(max_tokens=8, ignore_eos=True))
     assert [llm.encode(t) for t in exp["prompt_texts"]] == exp["prompts"]
     assert out.tokens == exp["greedy"]
     assert out.text == [llm.decode(t) for t in exp["greedy"]]
-    a = llm.generate(exp["prompt_texts"][0], max_new_tokens=8, temperature=1.5, seed=1, ignore_eos=True)
-    b = llm.generate(exp["prompt_texts"][0], max_new_tokens=8, temperature=1.5, seed=1, ignore_eos=True)
-    c = llm.generate(exp["prompt_texts"][0], max_new_tokens=8, temperature=1.5, seed=2, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=8, temperature=1.5, ignore_eos=True)
+    a = llm.generate(exp["prompt_texts"][0], dataclasses.replace(sampled, seed=1))
+    b = llm.generate(exp["prompt_texts"][0], dataclasses.replace(sampled, seed=1))
+    c = llm.generate(exp["prompt_texts"][0], dataclasses.replace(sampled, seed=2))
     assert a.tokens == b.tokens and a.tokens != c.tokens
+    # a stop string (a SamplingParams field like any other): the text ends before its first occurrence
+    text = out.text[0]
+    stop = text[-3:]
+    stopped = llm.generate(exp["prompt_texts"][0], SamplingParams(max_tokens=8, ignore_eos=True, stop=[stop]))
+    assert stopped.text[0] == text[:text.find(stop)] and stopped.finish_reasons == ["stop"]
 
 
 def test_sampling_filters():

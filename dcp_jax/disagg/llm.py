@@ -1,7 +1,7 @@
 """`DisaggregatedLLM`: a prefill instance and a decode instance in one process, each on its own devices.
 
 >>> pair = DisaggregatedLLM.load(model_dir, prefill=dict(tp=1, dcp=2), decode=dict(tp=1, dcp=4))
->>> out = pair.generate(["Hello"], max_new_tokens=16)
+>>> out = pair.generate(["Hello"], SamplingParams(max_tokens=16))
 >>> out.tokens, out.stats["transfer_bytes"], out.stats["transfer_s"]
 
 The KV moves through `jax.experimental.transfer` exactly as between two processes (each side has its
@@ -77,18 +77,18 @@ class DisaggregatedLLM:
     def decode(self, ids) -> str | None:
         return self.decode_llm.decode(ids)
 
-    def generate(self, prompts, *, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, **sampling) -> Generation:
-        """As `LLM.generate` (`sampling`: its other sampling keywords, min_p to min_tokens; not
-        prompt_logprobs, whose prompt scores stay on the prefill side); `stats` adds transfer_bytes (what the transfers delivered), transfer_s (time
-        in the pulls), stage_s (gathering the KV pieces on the prefill side), write_s (writing the KV
-        into the decode pool), max_device_bytes (the most KV bytes one decode device held for one
-        request's handoff) and both sides' meshes; ttft_s counts until a request's KV is in the
-        decode pool (its first token is then emitted)."""
-        if sampling.get("prompt_logprobs") is not None:
-            raise UserError("prompt_logprobs is not supported by a disaggregated pair: score prompts on one LLM")
-        requests = self.decode_llm.requests(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                            top_k=top_k, top_p=top_p, seed=seed, ignore_eos=ignore_eos, **sampling)
+    def generate(self, prompts, sampling_params=None, **keywords) -> Generation:
+        """As `LLM.generate` (a `SamplingParams`, one per prompt, or its keywords; not
+        prompt_logprobs, whose prompt scores stay on the prefill side); `stats` adds transfer_bytes
+        (what the transfers delivered), transfer_s (time in the pulls), stage_s (gathering the KV
+        pieces on the prefill side), write_s (writing the KV into the decode pool),
+        max_device_bytes (the most KV bytes one decode device held for one request's handoff) and
+        both sides' meshes; ttft_s counts until a request's KV is in the decode pool (its first
+        token is then emitted)."""
+        requests = self.decode_llm.requests(prompts, sampling_params, **keywords)
+        if any(r.sampling.prompt_logprobs is not None for r in requests):
+            raise UserError("prompt_logprobs is not supported by a disaggregated pair: score "
+                            "prompts on one LLM", field="prompt_logprobs")
         pre, dec = self.prefill, self.decode_instance
         eng, sched = dec.engine, dec.engine.scheduler
         tc = time.perf_counter()

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import random
 from collections.abc import Callable, Sequence
 
-from dcp_jax.sampling import MAX_BANNED, SEED_LIMIT, SamplingParams, check_seed
+from dcp_jax.errors import UserError
+from dcp_jax.sampling import MAX_BANNED
+from dcp_jax.sampling_params import RULES, SEED_LIMIT, SamplingParams
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -225,7 +228,8 @@ class Request:
     def problem(self, cfg, usable_pages: int, can_detokenize: bool) -> str | None:
         """Why this request can never run on a scheduler with `cfg` (a SchedulerConfig) and a pool of
         `usable_pages` (one line, with the fix), or None. Every value that becomes a device array is
-        checked here or in `SamplingParams`."""
+        checked here or in `SamplingParams` (by the same `RULES` for the request's own numbers: a
+        `Request` may be built without one)."""
         n, vocab = self.num_prompt_tokens, cfg.vocab_size
         if n == 0:
             return "the prompt is empty: give at least one token"
@@ -237,12 +241,9 @@ class Request:
         if n >= cfg.max_model_len:
             return (f"the prompt has {n} tokens but the model context (max_model_len) is {cfg.max_model_len}: "
                     f"shorten the prompt to at most {cfg.max_model_len - 1} tokens or raise max_model_len")
-        if (problem := check_seed(self.seed)) is not None:
-            return problem
-        if self.max_tokens is not None and not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
-            return f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}"
-        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            return f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
+        for name, optional in (("seed", False), ("max_tokens", None), ("min_tokens", None)):
+            if (problem := RULES[name].problem(name, getattr(self, name), optional)) is not None:
+                return problem
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             return f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
         if self.min_tokens and len(self.banned_ids(cfg.eos_token_ids)) > MAX_BANNED:
@@ -257,3 +258,40 @@ class Request:
                     f"{lay.tokens_per_block} tokens but the whole pool has {usable_pages}: lower max_tokens, "
                     "shorten the prompt or give the KV cache more pages")
         return None
+
+
+def make_requests(request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                  encode: Callable | None = None,
+                  arrival_time: float | None = None) -> list[Request]:
+    """The `params.n` requests (samples) of one prompt: ids `request_id` (`request_id`.j when
+    n > 1), sample j seeded seed + j (a random seed when params.seed is None) and following sample
+    0, whose prefill the others share. The one place a `SamplingParams` becomes `Request`s:
+    `LLM.generate`, the CLI, the disaggregated pair and the server build theirs here.
+    `encode(text) -> ids` (no special tokens) makes bad words given as text token sequences
+    (UserError without it). The prompt's length and ids are checked where it meets a model
+    (`Request.problem`)."""
+    if params.bad_words:
+        words = params.bad_words_ids + resolve_bad_words(params.bad_words, encode)
+        params = dataclasses.replace(params, bad_words=(), bad_words_ids=words)
+    seed = random.getrandbits(31) if params.seed is None else params.seed
+    return Request.samples(request_id, prompt_token_ids, params.n, seed=seed, sampling=params,
+                           max_tokens=params.max_tokens, min_tokens=params.min_tokens,
+                           ignore_eos=params.ignore_eos, stop=params.stop,
+                           stop_token_ids=params.stop_token_ids,
+                           include_stop_str_in_output=params.include_stop_str_in_output,
+                           skip_special_tokens=params.skip_special_tokens,
+                           arrival_time=arrival_time)
+
+
+def resolve_bad_words(words, encode: Callable | None) -> tuple[tuple[int, ...], ...]:
+    """Bad words as token sequences: text through `encode` (vLLM's rule,
+    `penalties.bad_words_ids`), token id lists as they are."""
+    from dcp_jax.penalties import bad_words_ids
+
+    words = (words,) if isinstance(words, str) else tuple(words)
+    texts = [w for w in words if isinstance(w, str)]
+    if texts and encode is None:
+        raise UserError("bad_words as text needs a tokenizer: give them as token id lists",
+                        field="bad_words")
+    ids = tuple(tuple(w) for w in words if not isinstance(w, str))
+    return (bad_words_ids(encode, texts) if texts else ()) + ids
