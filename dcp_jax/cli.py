@@ -261,9 +261,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs_help: str = "req
                    help="GPU only: size the KV pool to this fraction of each GPU's memory, less what is in use")
     add_speculative_args(p)
     p.add_argument("--compilation-cache", default=None, metavar="DIR|off",
-                   help="JAX's persistent compilation cache: a later run loads the programs this one "
-                        "compiles (default: $DCP_JAX_CACHE_DIR, else a cache configured in JAX, else "
-                        "~/.cache/dcp_jax/xla; 'off': none)")
+                   help="JAX's persistent compilation cache: a later run loads the programs this "
+                        "one compiles (default: $DCP_JAX_CACHE_DIR, else a cache configured in "
+                        "JAX, else ~/.cache/dcp_jax/xla; 'off': none)")
 
 
 def mesh_shape(args) -> tuple[int | None, int | None]:

@@ -59,12 +59,13 @@ class Rule:
     def describe(self, optional: bool | None = None) -> str:
         """What a valid value is, as a message says it: "an integer in [0, 20]", "in (0, 1]", ..."""
         what = "an integer" if self.kind is int else "a finite number"
+        num = (lambda x: str(int(x))) if self.kind is int else (lambda x: f"{x:g}")  # noqa: E731
         if self.low is not None and self.high is not None:
             left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
-            span = f"in {left}{self.low:g}, {self.high_text or f'{self.high:g}'}{right}"
+            span = f"in {left}{num(self.low)}, {self.high_text or num(self.high)}{right}"
             text = f"{what} {span}" if self.kind is int else span
         elif self.low is not None:
-            text = f"{what} {'>' if self.low_open else '>='} {self.low:g}"
+            text = f"{what} {'>' if self.low_open else '>='} {num(self.low)}"
         else:
             text = what
         text += f" ({self.note})" if self.note else ""

@@ -123,7 +123,8 @@ def main(argv=None) -> int:
     before = len(stager.compiled)
     t0 = time.perf_counter()
     for n in new_lengths:
-        pair.generate([[int(t) for t in rng.integers(3, vocab, n)]], SamplingParams(max_tokens=2, **kw))
+        pair.generate([[int(t) for t in rng.integers(3, vocab, n)]],
+                      SamplingParams(max_tokens=2, **kw))
     first_use = dict(prompt_lengths=len(new_lengths), block_counts=len(new_lengths),  # one length per block count
                      gathers_compiled=len(stager.compiled) - before, wall_s=time.perf_counter() - t0)
     log(f"{len(new_lengths)} new lengths: {first_use['gathers_compiled']} gathers compiled")

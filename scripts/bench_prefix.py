@@ -117,7 +117,8 @@ def run_side(checkpoint: str, size: dict, work: dict, caching: bool, tp: int, dc
                                hit_rate=hit_rate(turns))
     from dcp_jax import SamplingParams
 
-    gens = [llm.generate([work["call_doc"] + q], SamplingParams(max_tokens=size["output"], ignore_eos=True))
+    gens = [llm.generate([work["call_doc"] + q], SamplingParams(max_tokens=size["output"],
+                                                                ignore_eos=True))
             for q in work["call_questions"]]
     calls = [g.stats for g in gens]
     out["two_calls"] = dict(ttft_s=[c["ttft_s"] for c in calls], hit_tokens=[c["prefix_hit_tokens"] for c in calls],

@@ -142,7 +142,8 @@ def main(argv=None) -> int:
                 best[name] = (ms, fill)
         for name, kw in (("prefill", {}), ("prefill + prompt lp", dict(prompt_logprobs=5))):
             many.reset_prefix_cache()
-            out = many.generate(prompts, dcp_jax.SamplingParams(max_tokens=1, ignore_eos=True, **kw))
+            out = many.generate(prompts, dcp_jax.SamplingParams(max_tokens=1, ignore_eos=True,
+                                                                **kw))
             prefill[name] = min(prefill.get(name, 1e9), 1000 * out.stats["prefill_s"])
     table = []
     for name, (llm, kw, ref) in configs.items():

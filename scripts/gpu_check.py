@@ -848,7 +848,8 @@ class E2E:
         from dcp_jax import SamplingParams
 
         out = self.llm_for(b, chunk).generate([row.tolist() for row in self.ids[:b]],
-                                              SamplingParams(max_tokens=self.new_tokens, ignore_eos=True))
+                                              SamplingParams(max_tokens=self.new_tokens,
+                                                             ignore_eos=True))
         row = _e2e_row(out.stats, b, self.prompt_len, self.new_tokens, chunk, copy_gbs)
         row["wall_s"] = time.perf_counter() - t
         self.tokens[b] = out.tokens

@@ -63,7 +63,8 @@ def test_request_surface_flags_are_generate_arguments(capsys, tmp_path):
     assert code == 0, err
     obj = json.loads(out)
     assert obj["tokens"] == [[9, 9, 9, 9]]  # the bias wins every greedy choice
-    ref = LLM.load(LLAMA).generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=2))
+    ref = LLM.load(LLAMA).generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True,
+                                                                  prompt_logprobs=2))
     assert obj["prompt_logprobs"] == ref.prompt_logprobs and len(obj["prompt_logprobs"][0]) == 4
     assert obj["prompt_top_logprobs"] == json.loads(json.dumps(ref.prompt_top_logprobs))
     # EOS (id 2) pushed up, held back for --min-tokens; n samples with their own seeds, allowed ids only
@@ -77,11 +78,14 @@ def test_request_surface_flags_are_generate_arguments(capsys, tmp_path):
     tokens = json.loads(out)["tokens"]
     assert len(tokens) == 3 and len({tuple(t) for t in tokens}) > 1 and set(sum(tokens, [])) <= {11, 12, 13}
     assert tokens == LLM.load(LLAMA).generate([[5, 6, 7, 8]], SamplingParams(
-        max_tokens=6, ignore_eos=True, n=3, allowed_token_ids=[11, 12, 13], temperature=1.0, seed=4)).tokens
+        max_tokens=6, ignore_eos=True, n=3, allowed_token_ids=[11, 12,
+                                                               13], temperature=1.0, seed=4)).tokens
     # --stop-token-ids: the output ends at the first one (greedy: the same tokens up to it)
-    code, out, err = cli(capsys, "--model", LLAMA, "--prompt-ids", "5,6,7,8", "--max-new-tokens", "6", "--json")
+    code, out, err = cli(capsys, "--model", LLAMA, "--prompt-ids", "5,6,7,8", "--max-new-tokens",
+                         "6", "--json")
     greedy = json.loads(out)["tokens"][0]
-    code, out, err = cli(capsys, "--model", LLAMA, "--prompt-ids", "5,6,7,8", "--max-new-tokens", "6", "--json",
+    code, out, err = cli(capsys, "--model", LLAMA, "--prompt-ids", "5,6,7,8", "--max-new-tokens",
+                         "6", "--json",
                          "--stop-token-ids", str(greedy[2]))
     assert code == 0, err
     assert json.loads(out)["tokens"][0] == greedy[:greedy.index(greedy[2]) + 1]
@@ -169,35 +173,46 @@ USAGE = [
     (["--model", LLAMA, "--prompt-ids", "1", "--kv-cache-memory", "1MiB", "--gpu-memory-utilization", "0.5"],
      "not both"),
     (["--model", LLAMA, "--prompt-ids", "1", "--kv-host-memory", "0"], "--kv-host-memory: memory size '0'"),
-    (["--model", LLAMA, "--prompt-ids", "1", "--top-logprobs", "21"], "--top-logprobs must be an integer in [0, 20], got 21"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--top-logprobs", "21"],
+     "--top-logprobs must be an integer in [0, 20], got 21"),
     (["--model", LLAMA, "--prompt-ids", "1", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be"),
     (["--model", LLAMA, "--prompt-ids", "1", "--presence-penalty", "3"], "--presence-penalty must be in [-2, 2], got 3"),
     (["--model", LLAMA, "--prompt-ids", "1", "--frequency-penalty", "x"], "--frequency-penalty must be a number"),
-    (["--model", LLAMA, "--prompt-ids", "1", "--repetition-penalty", "0"], "--repetition-penalty must be a finite number > 0"),
-    (["--model", LLAMA, "--prompt-ids", "1", "--repetition-penalty", "-1"], "--repetition-penalty must be a finite number > 0 (1 = off), got -1"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--repetition-penalty", "0"],
+     "--repetition-penalty must be a finite number > 0"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--repetition-penalty", "-1"],
+     "--repetition-penalty must be a finite number > 0 (1 = off), got -1"),
     (["--model", LLAMA, "--prompt-ids", "1", "--min-p", "2"], "--min-p must be in [0, 1]"),
     (["--model", LLAMA, "--prompt-ids", "1", "--page-size", "0"], "--page-size must be >= 1"),
-    (["--model", LLAMA, "--prompt-ids", "1", "--temperature", "-1"], "--temperature must be a finite number >= 0"),
-    (["--model", LLAMA, "--prompt-ids", "1", "--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--temperature", "-1"],
+     "--temperature must be a finite number >= 0"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--temperature", "nan"],
+     "--temperature must be a finite number >= 0, got nan"),
     (["--model", LLAMA, "--prompt-ids", "1", "--dtype", "int8"], "invalid choice"),
     (["--model", LLAMA, "--prompt-ids", "1", "--interleave", "0"], "--interleave must be >= 1"),
     (["--model", LLAMA, "--prompt-ids", "1", "--bogus"], "unrecognized arguments: --bogus"),
     (["--model", LLAMA, "--prompt-ids", "1", "--logit-bias", "5"], "--logit-bias takes ID=BIAS"),
     (["--model", LLAMA, "--prompt-ids", "1", "--logit-bias", "5=101"], "with a bias in [-100, 100], got '5=101'"),
     (["--model", LLAMA, "--prompt-ids", "1", "--allowed-token-ids", "a"], "--allowed-token-ids takes comma-separated"),
-    (["--model", LLAMA, "--prompt-ids", "1", "--min-tokens", "-1"], "--min-tokens must be an integer >= 0, got -1"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--min-tokens", "-1"],
+     "--min-tokens must be an integer >= 0, got -1"),
     (["--model", LLAMA, "--prompt-ids", "1", "--n", "0"], "--n must be an integer >= 1"),
-    (["--model", LLAMA, "--prompt-ids", "1", "--prompt-logprobs", "21"], "--prompt-logprobs must be an integer in [0, 20]"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--prompt-logprobs", "21"],
+     "--prompt-logprobs must be an integer in [0, 20]"),
     (["--model", LLAMA, "--prompt-ids", "1", "--regex", "a", "--choice", "b"], "--choice: not allowed with"),
     (["--model", LLAMA, "--prompt-ids", "1", "--json-schema", "/no/schema.json"], "--json-schema takes JSON or a file"),
     (["--model", LLAMA, "--prompt-ids", "1", "--json-schema", "{oops"], "--json-schema is not valid JSON"),
-    (["--model", LLAMA, "--prompt-ids", "1", "--seed", str(2**32)], "--seed must be an integer in [0, 2**32)"),
-    (["--model", LLAMA, "--prompt-ids", "1", "--top-k", "2.5"], "--top-k must be an integer, got '2.5'"),
-    (["--model", LLAMA, "--prompt-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1,"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--seed", str(2**32)],
+     "--seed must be an integer in [0, 2**32)"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--top-k", "2.5"],
+     "--top-k must be an integer, got '2.5'"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--max-new-tokens", "0"],
+     "--max-new-tokens must be an integer >= 1,"),
     # a rule between two flags is SamplingParams' (checked before the model loads)
     (["--model", LLAMA, "--prompt-ids", "1", "--max-new-tokens", "2", "--min-tokens", "3"],
      "min_tokens (3) must be at most max_tokens (2)"),
-    (["--model", LLAMA, "--prompt-ids", "1", "--stop", ""], "stop takes at most 16 non-empty strings"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--stop", ""],
+     "stop takes at most 16 non-empty strings"),
 ]
 
 

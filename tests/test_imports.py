@@ -62,9 +62,6 @@ def import_graph() -> dict[str, set[str]]:
 # top-level package); a name ending in "/" is a whole package; a bare file name after `dir/file.py`
 # in the same row is in `dir/` too (`serving/config.py`, `request.py`: dcp_jax/serving/request.py).
 
-# TEMPORARY: table entries for modules that other branches of issue 44 add, absent until they are
-# merged. The merger empties this set once they exist; any other entry naming no module fails.
-PENDING_ENTRIES = {"dcp_jax.server", "dcp_jax.compilation", "dcp_jax.serving.programs"}
 
 
 def layer_table(text: str | None = None) -> list[tuple[str, list[str]]]:
@@ -133,7 +130,7 @@ def test_layer_table_names_every_module_and_nothing_else():
     doc = ARCHITECTURE.relative_to(ROOT)
     assert not unlisted, (f"modules in no row of the layer table of {doc}: {unlisted}; add each to "
                           "the row of its layer")
-    stale = sorted(n for n in set(entries) - PENDING_ENTRIES if n not in mods)
+    stale = sorted(n for n in set(entries) if n not in mods)
     assert not stale, f"the layer table names modules that do not exist: {stale}; fix the table"
 
 
@@ -253,13 +250,6 @@ KERNEL_EXCEPTIONS = {
         "the kernel's call: folds rows, picks blocks and splits, builds the grid's BlockSpecs for "
         "the paged, layered and 8-bit layouts, and merges the splits",
 }
-# TEMPORARY: functions over the limit that other branches of issue 44 are splitting. The merger
-# removes each entry once its function is split (an entry whose function is short fails the test).
-BEING_SPLIT = {
-    name: "being split in issue 44 (merge pending)"
-    for name in ("dcp_jax.generate.run", "dcp_jax.serving.openai.create_app",
-                 "dcp_jax.serving.scheduler.Scheduler.schedule")
-}
 
 
 def function_lengths(name: str, path: Path) -> dict[str, int]:
@@ -283,7 +273,7 @@ def function_lengths(name: str, path: Path) -> dict[str, int]:
 def test_no_function_over_80_lines():
     assert all(n.startswith("pallas_kernels.") for n in KERNEL_EXCEPTIONS), \
         "KERNEL_EXCEPTIONS is for kernels (pallas_kernels/) only"
-    allowed = {**KERNEL_EXCEPTIONS, **BEING_SPLIT}
+    allowed = dict(KERNEL_EXCEPTIONS)
     lengths = {q: n for m, p in modules().items() for q, n in function_lengths(m, p).items()}
     long = {q: n for q, n in lengths.items() if n > MAX_FUNCTION_LINES and q not in allowed}
     assert not long, (f"functions over {MAX_FUNCTION_LINES} lines: {long}; split each along its "

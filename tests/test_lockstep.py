@@ -20,7 +20,8 @@ def engines(*locksteps, **kw):
     llm = LLM.load(FIXTURES / "llama-gqa", tp=1, dcp=2, page_size=2, max_num_seqs=3, decode_steps=3,
                    enable_prefix_caching=True, max_model_len=64, compile="lazy")
     locksteps = locksteps or (None, None)
-    return [llm.engine_with(max_model_len=64, prefill_chunk=8, lockstep=ls, **kw) for ls in locksteps]
+    return [llm.engine_with(max_model_len=64, prefill_chunk=8, lockstep=ls,
+                            **kw) for ls in locksteps]
 
 
 def requests():
@@ -143,7 +144,8 @@ def test_spmd_processes_check_each_plan_against_process_0s():
     for differ in (False, True):
         store = LocalStore()
         leader, follower = engines(Lockstep(store, 0, spmd=True, name="llm1"),
-                                   Lockstep(store, 1, timeout_s=30, spmd=True, name="llm1"), num_pages=64)
+                                   Lockstep(store, 1, timeout_s=30, spmd=True,
+                                            name="llm1"), num_pages=64)
         mine, theirs = requests()[:3], requests()[:3]
         if differ:
             theirs = theirs[::-1]

@@ -20,7 +20,8 @@ from tests.util import FIXTURES, expected
 def test_top_logprobs_match_transformers(name, tp, dcp):
     exp = expected(name)
     llm = LLM.load(FIXTURES / name, tp=tp, dcp=dcp, page_size=4, decode_steps=3)
-    out = llm.generate(exp["prompts"], SamplingParams(max_tokens=8, ignore_eos=True, top_logprobs=5))
+    out = llm.generate(exp["prompts"], SamplingParams(max_tokens=8, ignore_eos=True,
+                                                      top_logprobs=5))
     assert out.tokens == exp["greedy"]
     for first, tops, toks, lps in zip(exp["first_logprobs"], out.top_logprobs, out.tokens, out.logprobs):
         ref = np.asarray(first)
@@ -60,11 +61,13 @@ def test_top_logprobs_under_speculation(method):
     # verify steps report the same alternatives as plain decoding, for every token they accept
     exp = expected("llama-gqa")
     base = LLM.load(FIXTURES / "llama-gqa", tp=1, dcp=2, page_size=4)
-    want = base.generate(exp["prompts"], SamplingParams(max_tokens=8, ignore_eos=True, top_logprobs=4))
+    want = base.generate(exp["prompts"], SamplingParams(max_tokens=8, ignore_eos=True,
+                                                        top_logprobs=4))
     extra = dict(draft_model=FIXTURES / "llama-gqa") if method == "draft" else {}
     spec = LLM.load(FIXTURES / "llama-gqa", tp=1, dcp=2, page_size=4, speculative=method, num_speculative_tokens=3,
                     **extra)
-    got = spec.generate(exp["prompts"], SamplingParams(max_tokens=8, ignore_eos=True, top_logprobs=4))
+    got = spec.generate(exp["prompts"], SamplingParams(max_tokens=8, ignore_eos=True,
+                                                       top_logprobs=4))
     assert got.tokens == want.tokens
     for a, b in zip(got.top_logprobs, want.top_logprobs):
         assert [[i for i, _ in t] for t in a] == [[i for i, _ in t] for t in b]
@@ -82,7 +85,8 @@ def test_prompt_logprobs_match_transformers(tp, dcp):
     plain = llm.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True))
     assert plain.prompt_logprobs is None
     hits = llm.engine.stats()["prefix_hit_tokens"]
-    out = llm.generate([prompt, [5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=5))
+    out = llm.generate([prompt, [5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True,
+                                                           prompt_logprobs=5))
     assert llm.engine.stats()["prefix_hit_tokens"] == hits  # (the cached blocks were not taken)
     assert out.tokens[0] == plain.tokens[0]
     lps, tops = out.prompt_logprobs[0], out.prompt_top_logprobs[0]
@@ -100,7 +104,8 @@ def test_prompt_logprobs_ranks_and_n_samples():
     ref = json.loads((FIXTURES / "llama-gqa" / "processors.json").read_text())["prompt_scores"]
     prompt = ref["prompt"]
     llm = LLM.load(FIXTURES / "llama-gqa", tp=1, dcp=2, page_size=4, prefill_chunk=16, max_model_len=128)
-    requests = llm.requests([prompt], SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=20, n=3,
+    requests = llm.requests([prompt], SamplingParams(max_tokens=2, ignore_eos=True,
+                                                     prompt_logprobs=20, n=3,
                                                    temperature=1.0))
     from dcp_jax.serving.engine import run_requests
 

@@ -1,10 +1,10 @@
-"""logit_bias, allowed_token_ids, min_p, the presence / frequency / repetition penalties, bad words and
-min_tokens (vLLM's and OpenAI's request parameters), per row on the device: greedy tokens against
-transformers' own logits processors (tests/fixtures/llama-gqa/processors.json, made by
+"""logit_bias, allowed_token_ids, min_p, the presence / frequency / repetition penalties, bad words
+and min_tokens (vLLM's and OpenAI's request parameters), per row on the device: greedy tokens
+against transformers' own logits processors (tests/fixtures/llama-gqa/processors.json, made by
 scripts/make_processor_fixture.py), on several meshes, under speculation, with prefix hits and
 preemption; min_p's support checked on the tokens it samples; every rule's range checks (each row of
-`RULES` and each other parameter's error names its field); `LLM.generate` with one SamplingParams per
-prompt; the device rows filled from the parameters they name."""
+`RULES` and each other parameter's error names its field); `LLM.generate` with one SamplingParams
+per prompt; the device rows filled from the parameters they name."""
 
 import dataclasses
 import json
@@ -29,13 +29,16 @@ def test_logit_bias_and_allowed_ids_match_transformers_processors(tp, dcp, spec)
     llm = LLM.load(FIXTURES / "llama-gqa", tp=tp, dcp=dcp, page_size=4, decode_steps=3, **extra)
     for case in CASES:  # each prompt alone, as the reference ran them
         kw = dict(max_tokens=8, ignore_eos=True)
-        biased = llm.generate([case["prompt"]], SamplingParams(logit_bias=dict(case["logit_bias"]), **kw))
+        biased = llm.generate([case["prompt"]], SamplingParams(logit_bias=dict(case["logit_bias"]),
+                                                               **kw))
         assert biased.tokens[0] == case["biased"]
-        allowed = llm.generate([case["prompt"]], SamplingParams(allowed_token_ids=case["allowed_token_ids"], **kw))
+        allowed = llm.generate([case["prompt"]],
+                               SamplingParams(allowed_token_ids=case["allowed_token_ids"], **kw))
         assert allowed.tokens[0] == case["allowed"]
     # the rules are per row: a batch mixing them gives each request its own tokens
     mixed = llm.generate([c["prompt"] for c in CASES],
-                         SamplingParams(max_tokens=8, ignore_eos=True, logit_bias=dict(CASES[0]["logit_bias"])))
+                         SamplingParams(max_tokens=8, ignore_eos=True,
+                                        logit_bias=dict(CASES[0]["logit_bias"])))
     assert mixed.tokens[0] == CASES[0]["biased"]
 
 
@@ -46,8 +49,10 @@ def test_min_p_keeps_sampled_tokens_within_its_support():
     out = llm.generate(prompts, SamplingParams(min_p=0.2, **kw))
     for lps, tops in zip(out.logprobs, out.top_logprobs):  # at temperature 1: p >= 0.2 p_max
         assert all(lp >= alts[0][1] + np.log(0.2) - 1e-5 for lp, alts in zip(lps, tops))
-    assert llm.generate(prompts, SamplingParams(min_p=0.2, **kw)).tokens == out.tokens  # seeded: the same draw
-    free = llm.generate(prompts, SamplingParams(**kw))  # without it the same seeds wander below 0.2 p_max somewhere
+    assert llm.generate(prompts, SamplingParams(min_p=0.2,
+                                                **kw)).tokens == out.tokens  # seeded: the same draw
+    # without it the same seeds wander below 0.2 p_max somewhere
+    free = llm.generate(prompts, SamplingParams(**kw))
     assert any(lp < alts[0][1] + np.log(0.2) for lps, tops in zip(free.logprobs, free.top_logprobs)
                for lp, alts in zip(lps, tops))
 
@@ -65,7 +70,8 @@ def test_penalties_bad_words_and_min_tokens_match_transformers(tp, dcp, spec):
             assert got.tokens[0] == pen["tokens"], pen
         banned = llm.generate([case["prompt"]], SamplingParams(bad_words=case["bad_words"], **kw))
         assert banned.tokens[0] == case["banned"]
-        early = llm.generate([case["prompt"]], SamplingParams(max_tokens=12, min_tokens=case["min_tokens"],
+        early = llm.generate([case["prompt"]], SamplingParams(max_tokens=12,
+                                                              min_tokens=case["min_tokens"],
                                                               logit_bias={case["eos"]: 100.0}))
         assert early.tokens[0] == case["min_tokens_tokens"] and early.finish_reasons == ["stop"]
     assert llm.engine.stats()["prefix_hit_tokens"] > 0
@@ -77,7 +83,8 @@ def test_penalties_bad_words_and_min_tokens_match_transformers(tp, dcp, spec):
 
 def test_penalties_are_per_row_through_preemption_and_sampling():
     # Every prompt with every rule in one batch, on a pool so small that requests are preempted and
-    # recomputed: each request gets its reference tokens. Sampled with penalties: a seed gives the same
+    # recomputed: each request gets its reference tokens. Sampled with penalties: a seed gives the
+    # same
     # tokens alone and in a mixed batch.
     from dcp_jax.serving.engine import run_requests
 
@@ -87,7 +94,8 @@ def test_penalties_are_per_row_through_preemption_and_sampling():
     jobs += [(c, {}, c["greedy12"]) for c in CASES]
     engine = llm.engine_with(num_pages=24)
     requests = [r for i, (c, params, _) in enumerate(jobs)
-                for r in llm.requests([c["prompt"]], SamplingParams(max_tokens=12, ignore_eos=True, **params),
+                for r in llm.requests([c["prompt"]], SamplingParams(max_tokens=12, ignore_eos=True,
+                                                                    **params),
                                       prefix=f"j{i}-")]
     run_requests(engine, requests)
     assert engine.stats()["preemptions"] > 0
@@ -102,7 +110,8 @@ def test_penalties_are_per_row_through_preemption_and_sampling():
 
 
 def test_history_counts_read_chunk_by_chunk(monkeypatch):
-    # counts over a history read in chunks of 3 (the last overlapping the one before), up to each row's
+    # counts over a history read in chunks of 3 (the last overlapping the one before), up to each
+    # row's
     # own length: the same as counting the whole history
     import jax.numpy as jnp
 
@@ -166,8 +175,10 @@ def test_ids_outside_the_vocabulary_fail_the_request():
 
 @pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 4)])
 def test_n_samples_share_one_prefill(tp, dcp):
-    # n = 4 seeded samples of one prompt: four distinct samples, sample j equal to seed + j sampled alone;
-    # the first one's prefill fills the prompt's full blocks and the others share them, so the pages in
+    # n = 4 seeded samples of one prompt: four distinct samples, sample j equal to seed + j sampled
+    # alone;
+    # the first one's prefill fills the prompt's full blocks and the others share them, so the pages
+    # in
     # use while they run stay under 4x one request's and the prompt is prefilled about once.
     from dcp_jax.serving.engine import run_requests
 
@@ -183,13 +194,15 @@ def test_n_samples_share_one_prefill(tp, dcp):
     run_requests(alone_engine, llm.requests([prompt], SamplingParams(**kw)))
     one = alone_engine.stats()["prefix_query_tokens"] - alone_engine.stats()["prefix_hit_tokens"]
     server, peak = llm.engine_with(max_model_len=128), []
-    run_requests(server, llm.requests([prompt], SamplingParams(n=4, **kw)), on_step=lambda plan: peak.append(
+    run_requests(server, llm.requests([prompt], SamplingParams(n=4, **kw)),
+                 on_step=lambda plan: peak.append(
         server.scheduler.stats()["pages_used"]))
     block = 4 * dcp
     single = -(-(len(prompt) + 6) // block)  # one request's pages
     assert max(peak) < 4 * single
     s = server.stats()
-    assert s["prefix_hit_tokens"] == 3 * ((len(prompt) - 1) // block * block)  # the others hit its full blocks
+    # the others hit its full blocks
+    assert s["prefix_hit_tokens"] == 3 * ((len(prompt) - 1) // block * block)
     assert s["prefix_query_tokens"] - s["prefix_hit_tokens"] < 2 * one
     with pytest.raises(UserError, match="n must be"):
         llm.generate([prompt], SamplingParams(n=0))
@@ -215,14 +228,17 @@ def test_each_rule_names_its_field(name):
     # every row of the table: a value outside it fails with a message starting with the parameter's
     # name and the error's field naming it (an HTTP 400's param); its edges pass
     rule = RULES[name]
-    fixed = dict(max_tokens=None) if name == "min_tokens" else {}  # (min_tokens <= max_tokens is its own rule)
+    # (min_tokens <= max_tokens is its own rule)
+    fixed = dict(max_tokens=None) if name == "min_tokens" else {}
     for value in _bad_values(rule):
         with pytest.raises(UserError) as e:
             SamplingParams(**{name: value}, **fixed)
-        assert e.value.field == name and str(e.value).startswith(f"{name} must be "), (value, e.value)
+        assert e.value.field == name, (value, e.value)
+        assert str(e.value).startswith(f"{name} must be "), (value, e.value)
         assert rule.describe() in str(e.value)
     for edge in (rule.low, rule.high):
-        if edge is not None and not (rule.low_open and edge == rule.low) and not (rule.high_open and edge == rule.high):
+        open_edge = (rule.low_open and edge == rule.low) or (rule.high_open and edge == rule.high)
+        if edge is not None and not open_edge:
             assert getattr(SamplingParams(**{name: rule.kind(edge)}, **fixed), name) == edge
 
 
@@ -241,7 +257,8 @@ def test_other_rules_name_their_field(kw, field):
 
 def test_the_keyword_form_is_the_same_request():
     # `SamplingParams.of`: the older keywords (max_new_tokens for max_tokens) make the same params
-    assert SamplingParams.of(max_new_tokens=5, top_k=3, logit_bias=None) == SamplingParams(max_tokens=5, top_k=3)
+    assert SamplingParams.of(max_new_tokens=5, top_k=3,
+                             logit_bias=None) == SamplingParams(max_tokens=5, top_k=3)
     one = SamplingParams(top_k=2)
     assert SamplingParams.of(one) is one
     with pytest.raises(UserError, match="not both"):
@@ -251,8 +268,10 @@ def test_the_keyword_form_is_the_same_request():
 
 
 def test_params_from_a_source_that_names_their_fields():
-    # an HTTP body or parsed flags: what they give under the fields' names (None left out), overrides
-    body = types.SimpleNamespace(temperature=0.5, top_k=None, stop=["x"], n=2, model="m", top_logprobs=3)
+    # an HTTP body or parsed flags: what they give under the fields' names (None left out),
+    # overrides
+    body = types.SimpleNamespace(temperature=0.5, top_k=None, stop=["x"], n=2, model="m",
+                                 top_logprobs=3)
     params = SamplingParams.from_fields(body, top_logprobs=1, max_tokens=None)
     assert (params.temperature, params.top_k, params.stop, params.n) == (0.5, 0, ("x",), 2)
     assert params.top_logprobs == 1 and params.max_tokens is None
@@ -263,11 +282,12 @@ def test_params_from_a_source_that_names_their_fields():
 
 
 def test_make_requests_is_the_one_builder():
-    params = SamplingParams(max_tokens=7, min_tokens=2, n=3, seed=2**32 - 1, stop=["\n"], stop_token_ids=[4],
-                            ignore_eos=True, include_stop_str_in_output=True, skip_special_tokens=False,
-                            bad_words=["ab", [9, 8]], top_k=5)
+    params = SamplingParams(max_tokens=7, min_tokens=2, n=3, seed=2**32 - 1, stop=["\n"],
+                            stop_token_ids=[4], ignore_eos=True, include_stop_str_in_output=True,
+                            skip_special_tokens=False, bad_words=["ab", [9, 8]], top_k=5)
     reqs = make_requests("q", [1, 2, 3], params, encode=lambda text: [ord(c) for c in text])
-    assert [r.request_id for r in reqs] == ["q.0", "q.1", "q.2"] and [r.seed for r in reqs] == [2**32 - 1, 0, 1]
+    assert [r.request_id for r in reqs] == ["q.0", "q.1",
+                                            "q.2"] and [r.seed for r in reqs] == [2**32 - 1, 0, 1]
     assert reqs[1].follows is reqs[0] and all(r.sampling.top_k == 5 for r in reqs)
     for r in reqs:
         assert (r.max_tokens, r.min_tokens, r.stop, r.stop_token_ids) == (7, 2, ("\n",), (4,))
@@ -286,9 +306,11 @@ def test_request_problem_uses_the_same_rules():
 
     assert check_seed(2**32) == "seed must be an integer in [0, 2**32), got 4294967296"
     assert check_seed(None) is not None  # a request's seed is never None
-    cfg = types.SimpleNamespace(vocab_size=None, max_model_len=100)  # (the checks before the pool's)
+    cfg = types.SimpleNamespace(vocab_size=None,
+                                max_model_len=100)  # (the checks before the pool's)
     assert Request("a", [1], seed=-1).problem(cfg, 10, True) == check_seed(-1)
-    assert Request("a", [1], max_tokens=0).problem(cfg, 10, True).startswith("max_tokens must be an integer >= 1")
+    problem = Request("a", [1], max_tokens=0).problem(cfg, 10, True)
+    assert problem.startswith("max_tokens must be an integer >= 1")
 
 
 def test_sampling_rows_fill_each_field_from_its_parameter():
@@ -320,7 +342,8 @@ def test_one_sampling_params_per_prompt():
     pb = SamplingParams(max_tokens=5, ignore_eos=True, allowed_token_ids=b["allowed_token_ids"])
     out = llm.generate([a["prompt"], b["prompt"]], [pa, pb])
     assert out.tokens == [a["biased"], b["allowed"][:5]]
-    assert out.tokens[0] != llm.generate([a["prompt"]], SamplingParams(max_tokens=8, ignore_eos=True)).tokens[0]
+    assert out.tokens[0] != llm.generate([a["prompt"]], SamplingParams(max_tokens=8,
+                                                                       ignore_eos=True)).tokens[0]
     with pytest.raises(UserError, match="1 SamplingParams for 2 prompts"):
         llm.generate([a["prompt"], b["prompt"]], [pa])
     with pytest.raises(UserError, match="not both"):

@@ -12,6 +12,7 @@ this server does not implement (refused by name, never silently ignored).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import random
@@ -22,7 +23,8 @@ from dcp_jax.errors import UserError
 from dcp_jax.penalties import bad_words_ids
 from dcp_jax.sampling import MAX_TOP_LOGPROBS, SamplingParams, check_seed
 from dcp_jax.server.protocol import UNSUPPORTED, APIError, RequestBody
-from dcp_jax.serving.request import Request
+from dcp_jax.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from dcp_jax.serving.request import Request, make_requests
 
 try:
     from fastapi.exceptions import RequestValidationError
@@ -32,7 +34,6 @@ except ImportError as e:  # pragma: no cover - the message names the fix
                       f"pip install 'dcp_jax[serve]' ({e})") from None
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
-MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 512  # stop strings per request, characters per stop string
 MAX_N = 16  # samples one request may ask for (`n`)
 
 
@@ -167,18 +168,15 @@ class Intake:
         if body.prompt_logprobs is not None and body.stream:
             raise APIError(400, "prompt_logprobs is not supported with stream: true",
                            param="prompt_logprobs")
-        sampling = self.sampling(body, top_logprobs, echo_logprobs)
+        sampling = self.sampling(body, top_logprobs, echo_logprobs, max_tokens=max_tokens,
+                                 seed=seed)
         stop = self.stop_strings(body)
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options needs stream: true", param="stream_options")
-        return Request.samples(f"{next(self.ids)}-{uuid.uuid4().hex[:12]}", prompt_ids, body.n,
-                               seed=seed, sampling=sampling, max_tokens=max_tokens,
-                               ignore_eos=body.ignore_eos, stop=stop,
-                               stop_token_ids=tuple(body.stop_token_ids or ()),
-                               min_tokens=body.min_tokens,
-                               include_stop_str_in_output=body.include_stop_str_in_output,
-                               skip_special_tokens=body.skip_special_tokens,
-                               arrival_time=time.monotonic())
+        # (the one place a SamplingParams becomes Requests, as for LLM.generate and the CLI)
+        return make_requests(f"{next(self.ids)}-{uuid.uuid4().hex[:12]}", prompt_ids,
+                             dataclasses.replace(sampling, stop=stop),
+                             arrival_time=time.monotonic())
 
     def check_lengths(self, body: RequestBody, prompt_ids: list[int], default_max: int | None):
         """The prompt, max_tokens and min_tokens against the context: the max_tokens to use."""
@@ -207,9 +205,10 @@ class Intake:
         return max_tokens
 
     def sampling(self, body: RequestBody, top_logprobs: tuple[str, int],
-                 echo_logprobs: int | None) -> SamplingParams:
-        """The body's SamplingParams (which owns the ranges); its UserError is a 400 naming the
-        field."""
+                 echo_logprobs: int | None, **given) -> SamplingParams:
+        """The body's SamplingParams (which owns the ranges), read by field name
+        (`SamplingParams.from_fields`), with `given` (the max_tokens and seed intake settled) and
+        what the body names otherwise; its UserError is a 400 naming the field."""
         scored = [k for k in (body.prompt_logprobs, echo_logprobs) if k is not None]
         structured, structured_field = structured_of(body)
         if body.bad_words and self.tokenizer is None:
@@ -217,13 +216,11 @@ class Intake:
         try:
             words = (bad_words_ids(lambda text: self.tokenize(text, False), body.bad_words)
                      if body.bad_words else ())
-            return SamplingParams(body.temperature, body.top_k, body.top_p, top_logprobs[1],
-                                  body.min_p, body.logit_bias or (), body.allowed_token_ids,
-                                  presence_penalty=body.presence_penalty,
-                                  frequency_penalty=body.frequency_penalty,
-                                  repetition_penalty=body.repetition_penalty, bad_words_ids=words,
-                                  prompt_logprobs=max(scored) if scored else None,
-                                  structured=structured)
+            return SamplingParams.from_fields(
+                body, **given, top_logprobs=top_logprobs[1], logit_bias=body.logit_bias or (),
+                bad_words=(), bad_words_ids=words, stop=(),
+                stop_token_ids=tuple(body.stop_token_ids or ()),
+                prompt_logprobs=max(scored) if scored else None, structured=structured)
         except UserError as e:  # the error names its field
             raise sampling_error(e, top_logprobs, structured_field) from None
 
