@@ -31,6 +31,7 @@ ENV = "DCP_JAX_CACHE_DIR"
 OFF = ("off", "none", "")  # settings that turn the cache off (case-insensitive)
 MAX_BYTES = 4 << 30  # the default directory's bound
 COMPILE_MODES = ("all", "lazy")
+MODE_ENV = "DCP_JAX_COMPILE"  # `LLM.load`'s default compile mode when set ("all" otherwise)
 COMPILE_WORKERS = 1  # threads compiling an engine's programs at once (see the module docstring)
 
 
@@ -97,6 +98,11 @@ def _has_filelock() -> bool:
     except ImportError:
         return False
     return True
+
+
+def default_mode() -> str:
+    """`LLM.load`'s compile mode when none is given: `$DCP_JAX_COMPILE`, else "all"."""
+    return os.environ.get(MODE_ENV) or "all"
 
 
 def check_mode(compile: str) -> str:

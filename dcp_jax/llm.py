@@ -1,20 +1,21 @@
 """`LLM`: the notebook API. One model on one mesh, served for the life of the object by ONE engine.
 
->>> llm = LLM.load("path/to/hf_checkpoint_or_orbax_dir", tp=2, dcp=4)
->>> out = llm.generate(["Hello"], SamplingParams(max_tokens=16))
->>> out.text, out.tokens, out.stats["kv_bytes_per_device"], out.stats["kv_capacity_tokens"]
+>>> llm = LLM.load("path/to/hf_checkpoint_or_orbax_dir", tp=2, dcp=4) >>> out =
+llm.generate(["Hello"], SamplingParams(max_tokens=16)) >>> out.text, out.tokens,
+out.stats["kv_bytes_per_device"], out.stats["kv_capacity_tokens"]
 
-As vLLM's `LLM` and SGLang's `Engine`: the context length (`max_model_len`) and the KV pool are fixed
-when the `LLM` is built, the programs compile once, and every `generate` call submits requests to the
-same `ServingEngine` and waits for them. So the prefix cache and the compiled programs live as long as
-the `LLM`: a second question about the same document reuses its cached blocks, whatever its length.
+As vLLM's `LLM` and SGLang's `Engine`: the context length (`max_model_len`) and the KV pool are
+fixed when the `LLM` is built, the programs compile once, and every `generate` call submits requests
+to the same `ServingEngine` and waits for them. So the prefix cache and the compiled programs live
+as long as the `LLM`: a second question about the same document reuses its cached blocks, whatever
+its length.
 
 The pool: `kv_cache_memory` (bytes per device) or `gpu_memory_utilization` (a fraction of each GPU's
 memory, less what is in use) when given; else 0.9 of each GPU on a GPU, and on CPU at most
-`CPU_KV_BUDGET` bytes for the whole pool (simulated devices share the host's memory) and no more than
-`max_num_seqs` sequences of `max_model_len` need. `max_model_len` defaults to the checkpoint's
-`max_position_embeddings` (and its sliding window), lowered to what the pool can hold with one `note:`
-line on stderr.
+`CPU_KV_BUDGET` bytes for the whole pool (simulated devices share the host's memory) and no more
+than `max_num_seqs` sequences of `max_model_len` need. `max_model_len` defaults to the checkpoint's
+`max_position_embeddings` (and its sliding window), lowered to what the pool can hold with one
+`note:` line on stderr.
 """
 
 from __future__ import annotations
@@ -64,14 +65,14 @@ class LLM:
     """A model and its tokenizer on a mesh, served by continuous batching over one paged,
     sequence-sharded KV pool (`dcp_jax.serving`); see the module docstring for how it is sized.
 
-    `page_size`: slots per page (one block-table entry covers page_size · dcp tokens); `max_num_seqs`:
-    requests decoding at once; `prefill_chunk`: prompt tokens per prefill program call; `speculative`: a
-    `SpeculativeConfig` (n-gram lookup or a draft model) or None; `num_pages`: the pool's pages per
-    context rank (the null page included), overriding the memory budget (as vLLM's
-    `num_gpu_blocks_override`: for tests and benchmarks of a given pool). `lockstep` (several
-    processes): "spmd", every process makes the same calls (this API); "serve", process 0 takes the
-    requests and the others follow its steps (a server: `dcp_jax.launch`); or a `Lockstep` of one's
-    own for this LLM's engine (e.g. over a `LocalStore`, in tests).
+    `page_size`: slots per page (one block-table entry covers page_size · dcp tokens);
+    `max_num_seqs`: requests decoding at once; `prefill_chunk`: prompt tokens per prefill program
+    call; `speculative`: a `SpeculativeConfig` (n-gram lookup or a draft model) or None;
+    `num_pages`: the pool's pages per context rank (the null page included), overriding the memory
+    budget (as vLLM's `num_gpu_blocks_override`: for tests and benchmarks of a given pool).
+    `lockstep` (several processes): "spmd", every process makes the same calls (this API); "serve",
+    process 0 takes the requests and the others follow its steps (a server: `dcp_jax.launch`); or a
+    `Lockstep` of one's own for this LLM's engine (e.g. over a `LocalStore`, in tests).
     """
 
     def __init__(self, model: CausalLM, mesh: Mesh, tokenizer=None, *, interleave: int | str = 1,
@@ -140,25 +141,26 @@ class LLM:
     def load(cls, model_dir, *, tp: int = 1, dcp: int = 1, interleave: int | str = 1, dtype: str = "auto",
              impl: str | None = None, devices=None, scan_layers: bool = True, speculative: str | None = None,
              num_speculative_tokens: int = 4, draft_model=None, coordinator: str | None = None,
-             num_processes: int | None = None, process_id: int | None = None, compile: str = "all",
+             num_processes: int | None = None, process_id: int | None = None, compile: str | None = None,
              compilation_cache=None, **engine_kw) -> "LLM":
-        """Load a Hugging Face or orbax checkpoint onto a (tp, dcp) mesh. `engine_kw`: the constructor's
-        (max_model_len, kv_cache_memory, page_size, max_num_seqs, prefill_chunk, dist_timeout, ...).
-        `speculative`: None, "ngram" (prompt lookup) or "draft" (with `draft_model`, a checkpoint directory
-        with the same vocabulary, loaded on the same mesh); `num_speculative_tokens` drafts per verify step.
-        `coordinator` ("host:port"), `num_processes`, `process_id`: join `jax.distributed` first (every
-        process makes the same calls, as `python -m dcp_jax.generate --coordinator ...`;
-        docs/MULTIHOST.md). `compile`: "all" (the default) compiles every program a request may run
-        before returning (`compile()`), so no request waits for a compile; "lazy" compiles the decode
-        program and the first step's size at the first `generate`, and each other step size when a
-        step first needs it (a one-shot run's choice). `compilation_cache`: the directory of JAX's
-        persistent compilation cache, or "off"; default `$DCP_JAX_CACHE_DIR`, else a cache configured
-        in JAX, else ~/.cache/dcp_jax/xla (dcp_jax.compilation): a second process loads the programs
-        the first compiled."""
+        """Load a Hugging Face or orbax checkpoint onto a (tp, dcp) mesh. `engine_kw`: the
+        constructor's (max_model_len, kv_cache_memory, page_size, max_num_seqs, prefill_chunk,
+        dist_timeout, ...). `speculative`: None, "ngram" (prompt lookup) or "draft" (with
+        `draft_model`, a checkpoint directory with the same vocabulary, loaded on the same mesh);
+        `num_speculative_tokens` drafts per verify step. `coordinator` ("host:port"),
+        `num_processes`, `process_id`: join `jax.distributed` first (every process makes the same
+        calls, as `python -m dcp_jax.generate --coordinator ...`; docs/MULTIHOST.md). `compile`:
+        "all" (the default; `$DCP_JAX_COMPILE` changes it) compiles every program a request may run
+        before returning (`compile()`), so no request waits for a compile; "lazy" compiles the
+        decode program and the first step's size at the first `generate`, and each other step size
+        when a step first needs it (a one-shot run's choice). `compilation_cache`: the directory of
+        JAX's persistent compilation cache, or "off"; default `$DCP_JAX_CACHE_DIR`, else a cache
+        configured in JAX, else ~/.cache/dcp_jax/xla (dcp_jax.compilation): a second process loads
+        the programs the first compiled."""
         from dcp_jax import compilation
         from dcp_jax.weights import load_any, resolve_dtype
 
-        compilation.check_mode(compile)
+        compile = compilation.check_mode(compile or compilation.default_mode())
         compilation.configure(compilation_cache)  # before this process compiles what it should keep
 
         if coordinator is not None or (num_processes or 1) > 1:
@@ -186,13 +188,14 @@ class LLM:
 
     # --- sizes ---------------------------------------------------------------------------------------
     def paged_layout(self) -> PagedLayout:
-        """Where the pool puts tokens on this mesh ("contiguous" interleave: whole pages of consecutive
-        tokens per rank)."""
+        """Where the pool puts tokens on this mesh ("contiguous" interleave: whole pages of
+        consecutive tokens per rank)."""
         interleave = self.page_size if self.interleave == "contiguous" else self.interleave
         return PagedLayout(mesh_lib.axis_size(self.mesh, self.model.context_axes), interleave, self.page_size)
 
     def page_bytes(self) -> int:
-        """KV bytes one page costs each device: the target's and, with a draft model, the draft's."""
+        """KV bytes one page costs each device: the target's and, with a draft model, the
+        draft's."""
         dtype = self.model.embed_tokens.get_value().dtype
         total = page_bytes_per_device(self.model, self.mesh, self.page_size, dtype,
                                       None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype)
@@ -203,8 +206,8 @@ class LLM:
         return total
 
     def host_blocks(self) -> int:
-        """Blocks `kv_host_memory` holds: each is this process's devices' shares of one page of every
-        pool array (their shards, so 1/dcp of the block's KV per context rank)."""
+        """Blocks `kv_host_memory` holds: each is this process's devices' shares of one page of
+        every pool array (their shards, so 1/dcp of the block's KV per context rank)."""
         if self.kv_host_memory is None:
             return 0
         if not self.enable_prefix_caching:
@@ -262,8 +265,9 @@ class LLM:
     def build_engine(self, config: ServingConfig, speculative: SpeculativeConfig | None = None,
                      lockstep: Lockstep | None = None) -> ServingEngine:
         """A `ServingEngine` for this model and mesh with `config`'s sizes. The LLM's own is
-        `self.engine`; another (e.g. a benchmark's pool of other sizes) has its own pool and programs.
-        `lockstep`: the engine's side of a lockstep of one's own (default: this LLM's `lockstep`)."""
+        `self.engine`; another (e.g. a benchmark's pool of other sizes) has its own pool and
+        programs. `lockstep`: the engine's side of a lockstep of one's own (default: this LLM's
+        `lockstep`)."""
         self.engines_built += 1
         lockstep = lockstep or self.engine_lockstep()
         return ServingEngine(self.model, self.mesh, config, interleave=self.paged_layout().interleave,
@@ -272,8 +276,8 @@ class LLM:
                              lockstep=lockstep)
 
     def engine_lockstep(self) -> Lockstep | None:
-        """The lockstep side of the engine being built: this LLM's own `Lockstep` for its first engine;
-        on several processes, a server's (process 0 leads, the others follow its commands:
+        """The lockstep side of the engine being built: this LLM's own `Lockstep` for its first
+        engine; on several processes, a server's (process 0 leads, the others follow its commands:
         `launch.follow`) for its first engine, else one in which every process makes the same calls
         and their plans are checked against process 0's."""
         first = self.engines_built == 1
@@ -287,17 +291,18 @@ class LLM:
 
     def engine_with(self, speculative: SpeculativeConfig | None = None, lockstep: Lockstep | None = None,
                     **sizes) -> ServingEngine:
-        """A new `ServingEngine` whose `ServingConfig` is this LLM's with `sizes` replaced (num_pages,
-        max_model_len, prefill_chunk, max_num_seqs, ...), for tests and benchmarks of other pools;
-        `speculative` in place of this LLM's (e.g. with a proposer of one's own), `lockstep` its side
-        of a lockstep of one's own."""
+        """A new `ServingEngine` whose `ServingConfig` is this LLM's with `sizes` replaced
+        (num_pages, max_model_len, prefill_chunk, max_num_seqs, ...), for tests and benchmarks of
+        other pools; `speculative` in place of this LLM's (e.g. with a proposer of one's own),
+        `lockstep` its side of a lockstep of one's own."""
         import dataclasses
 
         return self.build_engine(dataclasses.replace(self.config, **sizes), speculative, lockstep)
 
     # --- the API -------------------------------------------------------------------------------------
     def save(self, path) -> int:
-        """Save weights, config and tokenizer as an orbax checkpoint (atomically); returns the step."""
+        """Save weights, config and tokenizer as an orbax checkpoint (atomically); returns the
+        step."""
         from dcp_jax.weights import save_checkpoint
 
         return save_checkpoint(self.model, path, self.tokenizer)

@@ -47,7 +47,8 @@ def test_second_question_about_a_document_compiles_nothing():
     with no compile (nor does the first: `load` compiled them all)."""
     from dcp_jax.llm import LLM
 
-    llm = LLM.load(FIX / "llama-tokenizer", tp=1, dcp=2, page_size=16)
+    llm = LLM.load(FIX / "llama-tokenizer", tp=1, dcp=2, page_size=16,
+                   compile="all")  # (the default)
     runner = llm.engine.runner
     sizes = runner.config.step_sizes
     assert len([k for k in runner.compiled if k[0] == "ragged"]) == len(sizes)  # compiled at load
@@ -74,7 +75,7 @@ def test_lazy_load_compiles_nothing_until_a_request():
     from dcp_jax.llm import LLM
 
     llm = LLM.load(FIX / "llama-tokenizer", tp=1, dcp=2, compile="lazy", max_model_len=64)
-    assert llm.engine.runner.compiled == {}
+    assert len(llm.engine.runner.compiled) == 0
     with pytest.raises(UserError, match="compile must be one of"):
         LLM.load(FIX / "llama-tokenizer", compile="eager")
 
@@ -92,7 +93,7 @@ from dcp_jax.mesh import ensure_cpu_devices
 ensure_cpu_devices(2)
 from dcp_jax.llm import LLM
 t = time.perf_counter()
-llm = LLM.load(sys.argv[1], tp=1, dcp=2, max_model_len=64, max_num_seqs=1)
+llm = LLM.load(sys.argv[1], tp=1, dcp=2, max_model_len=64, max_num_seqs=1, compile="all")
 out = llm.generate("Return the", max_new_tokens=3)
 print(json.dumps(dict(counts, programs=len(llm.engine.runner.compiled), tokens=out.tokens[0],
                       cache=jax.config.jax_compilation_cache_dir)))
@@ -158,3 +159,11 @@ def test_the_flag_reaches_load():
     assert engine_kwargs(build_parser().parse_args([]))["compilation_cache"] is None
     args = build_parser().parse_args(["--compilation-cache", "off"])
     assert engine_kwargs(args)["compilation_cache"] == "off"
+
+
+def test_the_default_compiles_everything(monkeypatch):
+    # (the suite's conftest asks for "lazy" through the environment; a user's default is "all")
+    monkeypatch.delenv(compilation.MODE_ENV, raising=False)
+    assert compilation.default_mode() == "all"
+    monkeypatch.setenv(compilation.MODE_ENV, "lazy")
+    assert compilation.default_mode() == "lazy"

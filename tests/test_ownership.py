@@ -125,7 +125,7 @@ def test_every_driver_calls_the_same_step(steps):
         tokens = []
         while True:
             update = await queue.get()
-            tokens += update.tokens
+            tokens += update.token_ids
             if update.finished:
                 return tokens
 
