@@ -72,7 +72,7 @@ class LLM:
     budget (as vLLM's `num_gpu_blocks_override`: for tests and benchmarks of a given pool).
     `lockstep` (several processes): "spmd", every process makes the same calls (this API); "serve",
     process 0 takes the requests and the others follow its steps (a server: `dcp_jax.launch`); or a
-    `Lockstep` of one's own for this LLM's engine (e.g. over a `LocalStore`, in tests).
+    `Lockstep` of one's own for this LLM's engine (e.g. over an in-process store, in tests).
     """
 
     def __init__(self, model: CausalLM, mesh: Mesh, tokenizer=None, *, interleave: int | str = 1,

@@ -457,7 +457,8 @@ def test_a_spanning_decode_instance_admits_together_and_fails_together():
     from dcp_jax.disagg.roles import DecodeInstance, LocalPrefill
     from dcp_jax.disagg.spanning import Span, report_key
     from dcp_jax.disagg.transfer import TransferError, TransferPort
-    from dcp_jax.serving.lockstep import LocalStore, Lockstep
+    from dcp_jax.serving.lockstep import Lockstep
+    from tests.util import LocalStore
     from dcp_jax.serving.request import Request
 
     kw = dict(tp=1, dcp=2, page_size=2, max_model_len=64)

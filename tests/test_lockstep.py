@@ -10,9 +10,9 @@ import pytest
 from dcp_jax import LLM
 from dcp_jax.sampling import SamplingParams
 from dcp_jax.serving.engine import run_requests
-from dcp_jax.serving.lockstep import Lockstep, LockstepError, LocalStore, plan_digest
+from dcp_jax.serving.lockstep import Lockstep, LockstepError, plan_digest
 from dcp_jax.serving.request import Request
-from tests.util import FIXTURES
+from tests.util import FIXTURES, LocalStore
 
 
 def engines(*locksteps, **kw):

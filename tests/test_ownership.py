@@ -107,7 +107,8 @@ def test_every_driver_calls_the_same_step(steps):
     from dcp_jax import LLM
     from dcp_jax.disagg.llm import DisaggregatedLLM
     from dcp_jax.serving.async_engine import AsyncEngine
-    from dcp_jax.serving.lockstep import LocalStore, Lockstep
+    from dcp_jax.serving.lockstep import Lockstep
+    from tests.util import LocalStore
     from dcp_jax.serving.request import Request
 
     kw = dict(tp=1, dcp=2, page_size=4, max_model_len=64, max_num_seqs=2, prefill_chunk=16)

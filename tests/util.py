@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -105,3 +106,30 @@ def copies_in_loops(hlo: str, shapes) -> list[str]:
     return [line for body in bodies for line in body.splitlines()
             if re.search(r"\b(copy|copy-start)\(", line)
             and any(shape in line.split("=")[1].split("(")[0] for shape in shapes)]
+
+
+class LocalStore:
+    """The lockstep's key-value store inside one process (`dcp_jax.serving.lockstep.RuntimeStore`'s
+    calls): a leader and a follower engine on one machine."""
+
+    def __init__(self):
+        self.values: dict[str, bytes] = {}
+        self.changed = threading.Condition()
+
+    def put(self, key: str, value: bytes) -> None:
+        with self.changed:
+            self.values[key] = value
+            self.changed.notify_all()
+
+    def get(self, key: str, timeout_s: float) -> bytes | None:
+        with self.changed:
+            self.changed.wait_for(lambda: key in self.values, timeout_s)
+            return self.values.get(key)
+
+    def try_get(self, key: str) -> bytes | None:
+        with self.changed:
+            return self.values.get(key)
+
+    def delete(self, key: str) -> None:
+        with self.changed:
+            self.values.pop(key, None)

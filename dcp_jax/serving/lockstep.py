@@ -38,7 +38,6 @@ import collections
 import dataclasses
 import io
 import pickle
-import threading
 import time
 import zlib
 
@@ -116,32 +115,6 @@ class RuntimeStore:
             self.client.key_value_delete(key)
         except Exception:  # noqa: BLE001 - best effort: a key left behind costs a few bytes
             pass
-
-
-class LocalStore:
-    """The same store inside one process (tests: a leader and a follower engine on one machine)."""
-
-    def __init__(self):
-        self.values: dict[str, bytes] = {}
-        self.changed = threading.Condition()
-
-    def put(self, key: str, value: bytes) -> None:
-        with self.changed:
-            self.values[key] = value
-            self.changed.notify_all()
-
-    def get(self, key: str, timeout_s: float) -> bytes | None:
-        with self.changed:
-            self.changed.wait_for(lambda: key in self.values, timeout_s)
-            return self.values.get(key)
-
-    def try_get(self, key: str) -> bytes | None:
-        with self.changed:
-            return self.values.get(key)
-
-    def delete(self, key: str) -> None:
-        with self.changed:
-            self.values.pop(key, None)
 
 
 @dataclasses.dataclass
