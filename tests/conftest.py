@@ -18,8 +18,9 @@ for key, value in {"JAX_COMPILATION_CACHE_DIR": os.path.join(tempfile.gettempdir
                    "JAX_COMPILATION_CACHE_MAX_SIZE": str(1 << 30)}.items():  # least recently used entries go past 1 GiB
     os.environ.setdefault(key, value)
 # `LLM.load` compiles every program a request may run by default (what a user wants once it
-# returns); most tests run a few steps of one size, so they compile what they run, in this process
-# and in the processes they start (tests/test_compile.py asks for "all" where it checks the default).
+# returns); most tests run a few steps of one size, so they compile what they run, in this
+# process and in the processes they start (tests/test_compile.py asks for "all" where it checks
+# the default).
 os.environ.setdefault("DCP_JAX_COMPILE", "lazy")
 
 import jax  # noqa: E402

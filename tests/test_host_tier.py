@@ -87,10 +87,8 @@ def test_greedy_tokens_equal_with_the_host_tier_on_and_off(name, tp, dcp):
 
 
 def test_host_bytes_are_each_ranks_share_and_copies_hold_no_collective():
-    # 2 x 4: every device keeps 1/8 of a block (its kv head's share of its context rank's slots);
-    # the host
-    # keeps exactly the shards of this process's devices, and the copy programs move nothing between
-    # them.
+    # 2 x 4: every device keeps 1/8 of a block (its kv head's share of its context rank's slots); the host
+    # keeps exactly the shards of this process's devices, and the copy programs move nothing between them.
     from dcp_jax import LLM
 
     waves, pages, max_tokens = working_set(4)
@@ -102,8 +100,7 @@ def test_host_bytes_are_each_ranks_share_and_copies_hold_no_collective():
 
     shards = [sh for leaf in jax.tree.leaves(runner.caches) for sh in leaf.addressable_shards]
     assert len({sh.device for sh in shards}) == 8
-    # one page of every pool array, all 8 devices
-    block_bytes = sum(sh.data.nbytes for sh in shards) // pages
+    block_bytes = sum(sh.data.nbytes for sh in shards) // pages  # one page of every pool array, all 8 devices
     per_device = {d: sum(sh.data.nbytes for sh in shards if sh.device == d) // pages for d in {sh.device for sh in shards}}
     assert set(per_device.values()) == {block_bytes // 8}  # each device holds 1/8 of the block
     assert stats["host_blocks"] > 0 and stats["host_bytes"] == stats["host_blocks"] * block_bytes
@@ -113,8 +110,7 @@ def test_host_bytes_are_each_ranks_share_and_copies_hold_no_collective():
     for key in copies:
         hlo = runner.compiled[key].as_text()
         assert not re.search(r"all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter", hlo), key
-        # the gathered pages land in pinned host memory (the CPU client has it)
-        if key[0] == "host_offload":
+        if key[0] == "host_offload":  # the gathered pages land in pinned host memory (the CPU client has it)
             kinds = {s.memory_kind for s in jax.tree.leaves(runner.compiled[key].output_shardings)}
             assert kinds == {"pinned_host"}, kinds
 
@@ -162,10 +158,8 @@ def test_flag_on_every_entry_point():
 
 @pytest.mark.parametrize("after_write", [False, True])
 def test_a_failed_copy_back_fails_its_request_and_nothing_stale_is_served(after_write):
-    # The copy back of a host hit raises (before or after writing the pages): the request that
-    # needed it
-    # fails (retryable), the device's cached blocks are forgotten (a registered block whose copy may
-    # not
+    # The copy back of a host hit raises (before or after writing the pages): the request that needed it
+    # fails (retryable), the device's cached blocks are forgotten (a registered block whose copy may not
     # have run is never served), and the same prompt then gets exactly its tokens; nothing leaks.
     from dcp_jax import LLM
     from dcp_jax.serving.engine import run_requests
@@ -181,8 +175,7 @@ def test_a_failed_copy_back_fails_its_request_and_nothing_stale_is_served(after_
     def failing(caches, blocks, pages_):
         copier.restore = real  # fails once
         if after_write:
-            # (the pools donated to it: lost, as a failed write leaves them)
-            real(caches, blocks, pages_)
+            real(caches, blocks, pages_)  # (the pools donated to it: lost, as after a failed write)
         raise RuntimeError("injected copy failure")
 
     copier.restore = failing
@@ -192,6 +185,5 @@ def test_a_failed_copy_back_fails_its_request_and_nothing_stale_is_served(after_
     server.scheduler.check()
     stats = server.stats()
     assert stats["failed_steps"] == 1 and stats["pages_used"] == 0 and stats["cached_blocks"] == 0
-    # again, and the later waves: exact
-    assert serve_waves(server, waves[4:], max_tokens) == want[4:]
+    assert serve_waves(server, waves[4:], max_tokens) == want[4:]  # again, and the later waves: exact
     assert server.stats()["host_hit_tokens"] > stats["host_hit_tokens"]

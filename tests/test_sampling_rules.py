@@ -1,10 +1,10 @@
-"""logit_bias, allowed_token_ids, min_p, the presence / frequency / repetition penalties, bad words
-and min_tokens (vLLM's and OpenAI's request parameters), per row on the device: greedy tokens
-against transformers' own logits processors (tests/fixtures/llama-gqa/processors.json, made by
+"""logit_bias, allowed_token_ids, min_p, the presence / frequency / repetition penalties, bad words and
+min_tokens (vLLM's and OpenAI's request parameters), per row on the device: greedy tokens against
+transformers' own logits processors (tests/fixtures/llama-gqa/processors.json, made by
 scripts/make_processor_fixture.py), on several meshes, under speculation, with prefix hits and
-preemption; min_p's support checked on the tokens it samples; every rule's range checks (each row of
-`RULES` and each other parameter's error names its field); `LLM.generate` with one SamplingParams
-per prompt; the device rows filled from the parameters they name."""
+preemption; min_p's support checked on the tokens it samples; every rule's range checks (each row
+of `RULES` and each other parameter's error names its field); `LLM.generate` with one
+SamplingParams per prompt; the device rows filled from the parameters they name."""
 
 import dataclasses
 import json
@@ -83,8 +83,7 @@ def test_penalties_bad_words_and_min_tokens_match_transformers(tp, dcp, spec):
 
 def test_penalties_are_per_row_through_preemption_and_sampling():
     # Every prompt with every rule in one batch, on a pool so small that requests are preempted and
-    # recomputed: each request gets its reference tokens. Sampled with penalties: a seed gives the
-    # same
+    # recomputed: each request gets its reference tokens. Sampled with penalties: a seed gives the same
     # tokens alone and in a mixed batch.
     from dcp_jax.serving.engine import run_requests
 
@@ -110,8 +109,7 @@ def test_penalties_are_per_row_through_preemption_and_sampling():
 
 
 def test_history_counts_read_chunk_by_chunk(monkeypatch):
-    # counts over a history read in chunks of 3 (the last overlapping the one before), up to each
-    # row's
+    # counts over a history read in chunks of 3 (the last overlapping the one before), up to each row's
     # own length: the same as counting the whole history
     import jax.numpy as jnp
 
@@ -175,10 +173,8 @@ def test_ids_outside_the_vocabulary_fail_the_request():
 
 @pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 4)])
 def test_n_samples_share_one_prefill(tp, dcp):
-    # n = 4 seeded samples of one prompt: four distinct samples, sample j equal to seed + j sampled
-    # alone;
-    # the first one's prefill fills the prompt's full blocks and the others share them, so the pages
-    # in
+    # n = 4 seeded samples of one prompt: four distinct samples, sample j equal to seed + j sampled alone;
+    # the first one's prefill fills the prompt's full blocks and the others share them, so the pages in
     # use while they run stay under 4x one request's and the prompt is prefilled about once.
     from dcp_jax.serving.engine import run_requests
 
@@ -201,8 +197,7 @@ def test_n_samples_share_one_prefill(tp, dcp):
     single = -(-(len(prompt) + 6) // block)  # one request's pages
     assert max(peak) < 4 * single
     s = server.stats()
-    # the others hit its full blocks
-    assert s["prefix_hit_tokens"] == 3 * ((len(prompt) - 1) // block * block)
+    assert s["prefix_hit_tokens"] == 3 * ((len(prompt) - 1) // block * block)  # the others hit its full blocks
     assert s["prefix_query_tokens"] - s["prefix_hit_tokens"] < 2 * one
     with pytest.raises(UserError, match="n must be"):
         llm.generate([prompt], SamplingParams(n=0))
@@ -268,7 +263,7 @@ def test_the_keyword_form_is_the_same_request():
 
 
 def test_params_from_a_source_that_names_their_fields():
-    # an HTTP body or parsed flags: what they give under the fields' names (None left out),
+    # an HTTP body or parsed flags: what they give under the fields' names (None left out), and
     # overrides
     body = types.SimpleNamespace(temperature=0.5, top_k=None, stop=["x"], n=2, model="m",
                                  top_logprobs=3)

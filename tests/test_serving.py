@@ -16,16 +16,14 @@ MESHES = [(1, 1), (2, 4), (1, 3), (4, 2)]
 
 
 def load(name, tp, dcp, **kw):
-    # lazy: these tests count what the first calls compile (LLM.load's default compiles every
-    # program)
+    # lazy: these tests count what the first calls compile (LLM.load compiles all by default)
     return LLM.load(FIXTURES / name, tp=tp, dcp=dcp, **{"compile": "lazy", **kw})
 
 
 @pytest.mark.parametrize("name,tp,dcp", [("llama-gqa", *m) for m in MESHES]
                          + [("deepseek-v3", 1, 3), ("deepseek-v3", 2, 4)])  # (MLA on two meshes)
 def test_matches_transformers_with_fewer_slots_than_requests(name, tp, dcp):
-    # Two slots for three prompts: the third waits and is admitted when one finishes; pages of 2
-    # slots
+    # Two slots for three prompts: the third waits and is admitted when one finishes; pages of 2 slots
     # make every sequence span several blocks.
     exp = expected(name)
     llm = load(name, tp, dcp, page_size=2, max_num_seqs=2, decode_steps=3, prefill_chunk=4)
@@ -42,8 +40,7 @@ def alone(llm, prompt, max_tokens, **kw):
 
 @pytest.mark.parametrize("tp,dcp,interleave", [(1, 1, 1), (2, 4, 2), (1, 3, 1)])
 def test_preemption_and_arrivals_keep_every_request_exact(tp, dcp, interleave):
-    # A pool too small for every request at once: the newest is preempted and recomputed later;
-    # requests
+    # A pool too small for every request at once: the newest is preempted and recomputed later; requests
     # also arrive while others decode. Each request's greedy tokens equal what it gets alone.
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, 256, size=n)) for n in (23, 5, 17, 30, 9, 12)]
@@ -51,8 +48,7 @@ def test_preemption_and_arrivals_keep_every_request_exact(tp, dcp, interleave):
     llm = load("llama-gqa", tp, dcp, page_size=2, max_num_seqs=4, decode_steps=4, interleave=interleave,
                max_model_len=64)
     solo = [alone(llm, p, n) for p, n in zip(prompts, lengths)]
-    # the longest fits, not four slots' worth
-    pages = 1 + (30 + 16) // llm.paged_layout().tokens_per_block + 4
+    pages = 1 + (30 + 16) // llm.paged_layout().tokens_per_block + 4  # the longest fits, not four slots' worth
     server = llm.engine_with(max_model_len=64, prefill_chunk=8, num_pages=pages)
     reqs = [Request(f"q{i}", p, max_tokens=n, ignore_eos=True) for i, (p, n) in enumerate(zip(prompts, lengths))]
     result = run_requests(server, reqs, arrivals=[0, 0, 0, 0.05, 0.1, 0.1])
@@ -60,17 +56,14 @@ def test_preemption_and_arrivals_keep_every_request_exact(tp, dcp, interleave):
     assert [r.output_token_ids for r in reqs] == solo
     assert all(r.finish_reason == "length" for r in reqs)
     server.scheduler.check()
-    # every page back (cached ones are evictable)
-    assert server.scheduler.stats()["pages_used"] == 0
+    assert server.scheduler.stats()["pages_used"] == 0  # every page back (cached ones are evictable)
 
 
 @pytest.mark.parametrize("name,tp,dcp", [("llama-gqa", 1, 1), ("llama-gqa", 2, 4), ("llama-gqa", 1, 3),
                                           ("deepseek-v3", 2, 4)])
 def test_ragged_steps_mix_decode_rows_and_chunks_exactly(name, tp, dcp):
-    # Requests arrive while others decode, some sharing a cached prefix: iterations run decode rows
-    # and
-    # prefill chunks of several requests (whole prompts, cached-prefix tails, chunks of a long
-    # prompt) in
+    # Requests arrive while others decode, some sharing a cached prefix: iterations run decode rows and
+    # prefill chunks of several requests (whole prompts, cached-prefix tails, chunks of a long prompt) in
     # one ragged step. Every request's greedy tokens equal what it gets alone.
     rng = np.random.default_rng(5)
     doc = [int(t) for t in rng.integers(0, 256, size=24)]
@@ -86,20 +79,16 @@ def test_ragged_steps_mix_decode_rows_and_chunks_exactly(name, tp, dcp):
                  on_step=lambda p: kinds.append((len(p.prefills), len(p.decode_slots), p.decode_steps)))
     assert [r.output_token_ids for r in reqs] == solo
     assert any(pre >= 1 and dec >= 1 for pre, dec, k in kinds)  # decode rows beside chunks
-    # the decode loop when nothing prefills
-    assert any(pre == 0 and k == 4 for pre, dec, k in kinds)
+    assert any(pre == 0 and k == 4 for pre, dec, k in kinds)  # the decode loop when nothing prefills
     assert server.scheduler.stats()["prefix_hit_tokens"] > 0
     t = server.timing  # each ragged step ran one of the step sizes, padding included
     assert 0 < t["rows_useful"] <= t["rows_computed"] <= t["ragged_steps"] * max(server.config.step_sizes)
 
 
 def test_a_prompt_that_ends_in_a_step_decodes_in_the_loop_after_it():
-    # While a request decodes, the K - 1 loop steps behind a ragged step run for it; requests whose
-    # prompt
-    # ends in that step decode in them too: the first token from the step, K - 1 more from the loop,
-    # under
-    # every sampling rule that reads state (a seeded draw, penalties over the token history,
-    # min_tokens'
+    # While a request decodes, the K - 1 loop steps behind a ragged step run for it; requests whose prompt
+    # ends in that step decode in them too: the first token from the step, K - 1 more from the loop, under
+    # every sampling rule that reads state (a seeded draw, penalties over the token history, min_tokens'
     # ban on stop ids, top logprobs), with the same tokens and logprobs as with K = 1, where no loop
     # follows. A request alone on an idle engine does not join: no loop delays its first token.
     llm = load("llama-gqa", 1, 2, page_size=2, max_num_seqs=3, decode_steps=4)
@@ -119,8 +108,7 @@ def test_a_prompt_that_ends_in_a_step_decodes_in_the_loop_after_it():
         engine.add_request(r)
     plan = engine.step()
     assert {c.request.request_id for c in plan.joining} == {"j1", "j2"} and plan.decode_steps == 4
-    # j0 decoded K; j1, j2: the step's and 3
-    assert [len(r.output_token_ids) for r in joined] == [5, 4, 4]
+    assert [len(r.output_token_ids) for r in joined] == [5, 4, 4]  # j0 decoded K; j1, j2: the step's and 3
     while engine.scheduler.has_unfinished():
         engine.step()
     alone_k1 = make()
@@ -130,10 +118,8 @@ def test_a_prompt_that_ends_in_a_step_decodes_in_the_loop_after_it():
         np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-4)
         assert [[t for t, _ in top] for top in a.output_top_logprobs] == [[t for t, _ in top] for top in
                                                                          b.output_top_logprobs]
-    # no free page for its loop positions: a request does not join (nothing is preempted for it).
-    # Blocks
-    # of 4 tokens, 5 in the pool: d decodes in 2, a's and b's prompts take one each, and the last
-    # one holds
+    # no free page for its loop positions: a request does not join (nothing is preempted for it). Blocks
+    # of 4 tokens, 5 in the pool: d decodes in 2, a's and b's prompts take one each, and the last one holds
     # a's loop positions: none is left for b's.
     tight = llm.engine_with(max_model_len=32, prefill_chunk=16, num_pages=1 + 5, max_num_seqs=3)
     d, a, b = (Request(f"t{i}", p, max_tokens=m, ignore_eos=True)
@@ -150,8 +136,7 @@ def test_a_prompt_that_ends_in_a_step_decodes_in_the_loop_after_it():
 
 
 def test_sampling_is_per_request_and_survives_preemption():
-    # Temperature > 0: a request's tokens depend on its seed and positions only, not on what shares
-    # the
+    # Temperature > 0: a request's tokens depend on its seed and positions only, not on what shares the
     # batch or on being preempted and recomputed.
     llm = load("llama-gqa", 1, 2, page_size=2, max_num_seqs=3, decode_steps=2)
     prompts = [[3, 7, 11, 2, 9], [5, 1, 4, 1, 5, 9, 2, 6], [8, 8, 8]]
@@ -218,8 +203,7 @@ def test_pool_bytes_per_device_and_aliasing(name, tp, dcp):
 
 
 def test_program_size_does_not_grow_with_depth():
-    # The layers are one lax.scan: a 32-layer model compiles the same program as a 4-layer one
-    # (XLA's
+    # The layers are one lax.scan: a 32-layer model compiles the same program as a 4-layer one (XLA's
     # instruction count, exact; scripts/bench_compile.py times the compiles side by side).
     import json
 
@@ -257,8 +241,7 @@ def test_bad_requests_fail_alone():
 
 @pytest.mark.parametrize("name", ["llama-gqa", "deepseek-v3"])
 def test_pallas_kernel_over_pages_end_to_end(name):
-    # The GPU kernel (in Pallas' interpreter) reads the paged pool through the block table inside
-    # the
+    # The GPU kernel (in Pallas' interpreter) reads the paged pool through the block table inside the
     # DCP island, prefill chunks and decode alike: the same tokens as transformers.
     exp = expected(name)
     llm = load(name, 1, 2, page_size=4, impl="pallas_interpret", prefill_chunk=8)
@@ -274,8 +257,7 @@ def test_token_budget_and_decode_timing():
     out = llm.generate(exp["prompts"], max_new_tokens=exp["max_new_tokens"], ignore_eos=True)
     assert out.tokens == exp["greedy"]
     s = out.stats
-    # decode speed: the decode loop's own tokens over its time (tokens decoded beside a prefill
-    # chunk in a
+    # decode speed: the decode loop's own tokens over its time (tokens decoded beside a prefill chunk in a
     # ragged step are prefill's time), so at most every token after each request's first
     # (rounded: tokens/s × s is the integer count up to float rounding)
     assert s["decode_s"] > 0 and 0 < round(s["decode_tokens_per_s"] * s["decode_s"]) <= s["generated_tokens"] - 3
@@ -284,10 +266,8 @@ def test_token_budget_and_decode_timing():
 
 
 def test_one_stack_per_layer_gives_the_same_tokens_without_weight_slices():
-    # scan_layers=False: a stack (a trip-count-1 scan) per layer: the same tokens, and the decode
-    # program
-    # never slices a layer's weights out of a stack (what XLA:CPU does, copying, for scanned
-    # layers).
+    # scan_layers=False: a stack (a trip-count-1 scan) per layer: the same tokens, and the decode program
+    # never slices a layer's weights out of a stack (what XLA:CPU does, copying, for scanned layers).
     import re
 
     exp = expected("llama-gqa")
@@ -304,8 +284,7 @@ def test_one_stack_per_layer_gives_the_same_tokens_without_weight_slices():
 
 def test_one_engine_for_the_life_of_an_llm():
     # Calls with prompts of other lengths go to the same engine: its pool (and prefix cache) and its
-    # programs stay; a second call about the same document hits its cached blocks and compiles at
-    # most
+    # programs stay; a second call about the same document hits its cached blocks and compiles at most
     # the one step size it needs that the first did not; after LLM.compile() nothing compiles again
     # (counted by XLA's own compile events, not only the runner's table).
     import jax.monitoring
@@ -320,8 +299,7 @@ def test_one_engine_for_the_life_of_an_llm():
     second = llm.generate([doc + [9, 8, 7, 6, 5, 4, 3, 2, 1]], max_new_tokens=6, ignore_eos=True)
     assert llm.engine is engine and second.stats["new_compilations"] <= 1  # a 9-token step: size 16
     tpb = llm.paged_layout().tokens_per_block
-    # the document's full blocks
-    assert second.stats["prefix_hit_tokens"] == (len(doc) // tpb) * tpb
+    assert second.stats["prefix_hit_tokens"] == (len(doc) // tpb) * tpb  # the document's full blocks
     # the same tokens as with caching off
     cold = load("llama-gqa", 1, 2, page_size=2, max_model_len=128, enable_prefix_caching=False)
     assert cold.generate([doc + [9, 8, 7, 6, 5, 4, 3, 2, 1]], max_new_tokens=6, ignore_eos=True).tokens == second.tokens
@@ -338,8 +316,7 @@ def test_one_engine_for_the_life_of_an_llm():
 
 
 def test_pool_and_context_are_sized_once():
-    # max_model_len defaults to the checkpoint's (256 for the fixture), lowered with one note when
-    # the
+    # max_model_len defaults to the checkpoint's (256 for the fixture), lowered with one note when the
     # pool cannot hold it; an explicit one that does not fit is refused with the fix.
     import contextlib
     import io
@@ -367,8 +344,7 @@ def test_parse_bytes():
 
 @pytest.mark.parametrize("after_donation", [True, False])
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(after_donation):
-    # A step that raises fails the requests in it (retryable) and the engine goes on. Raised after
-    # the
+    # A step that raises fails the requests in it (retryable) and the engine goes on. Raised after the
     # program took (donated) the pools: the pool is rebuilt, the prefix cache dropped, and a request
     # that was waiting runs exactly as it would have. Raised before: nothing else is lost.
     llm = load("llama-gqa", 1, 2, page_size=2, max_num_seqs=1, max_model_len=64)
@@ -400,8 +376,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(after_donation
 
 
 def test_min_tokens_holds_stop_ids_back_on_the_device():
-    # Before min_tokens outputs no stop id is sampled (greedy takes the next best token); after it
-    # the
+    # Before min_tokens outputs no stop id is sampled (greedy takes the next best token); after it the
     # stop ids stop the request again. Without min_tokens the same request stops at once.
     llm = load("llama-gqa", 1, 2, page_size=2, max_model_len=64)
     prompt = [3, 7, 11, 2, 9]

@@ -16,14 +16,12 @@ except ImportError as e:  # pragma: no cover - the message names the fix
     raise ImportError(f"the server needs the 'serve' extra: pip install 'dcp_jax[serve]' ({e})") from None
 
 # Parameters of OpenAI's API, and vLLM's extensions, that this server does not implement: a request
-# that
-# sets one to anything but its neutral value is refused (400, by name) rather than silently answered
-# differently. (vLLM's stop_token_ids, min_tokens, min_p, logit_bias, allowed_token_ids, the
-# presence,
-# frequency and repetition penalties, bad_words, prompt_logprobs, include_stop_str_in_output,
-# skip_special_tokens, ignore_eos and the structured outputs (response_format, structured_outputs,
-# guided_*) are implemented: fields of RequestBody; completions' echo too: only chat's is refused
-# here.)
+# that sets one to anything but its neutral value is refused (400, by name) rather than silently
+# answered differently. (vLLM's stop_token_ids, min_tokens, min_p, logit_bias, allowed_token_ids,
+# the presence, frequency and repetition penalties, bad_words, prompt_logprobs,
+# include_stop_str_in_output, skip_special_tokens, ignore_eos and the structured outputs
+# (response_format, structured_outputs, guided_*) are implemented: fields of RequestBody;
+# completions' echo too: only chat's is refused here.)
 UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None, "tools": None, "tool_choice": None, "functions": None,
                "function_call": None, "parallel_tool_calls": None, "prediction": None, "audio": None,
                "modalities": None,
@@ -126,9 +124,8 @@ class RequestBody(BaseModel):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     # structured outputs: OpenAI's response_format ({"type": "json_object"} or {"type":
-    # "json_schema",
-    # "json_schema": {"schema": ...}}), vLLM's structured_outputs ({"json" | "regex" | "choice" |
-    # "grammar" | "json_object": ...}) and its older guided_* fields
+    # "json_schema", "json_schema": {"schema": ...}}), vLLM's structured_outputs ({"json" | "regex"
+    # | "choice" | "grammar" | "json_object": ...}) and its older guided_* fields
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None

@@ -74,13 +74,13 @@ class ServingEngine:
                                   host_copies=kv.take_copies if kv.host is not None else None)
         self.lockstep = lockstep  # several processes: this one's side (leader or follower)
         # verify steps (row by row): drafts proposed, steps; drafts accepted by their position in
-        # the
-        # draft (vLLM's spec_decode_num_accepted_tokens_per_pos; their sum is spec_accepted_tokens)
+        # the draft (vLLM's spec_decode_num_accepted_tokens_per_pos; their sum is
+        # spec_accepted_tokens)
         self.spec_counts = dict(spec_drafted_tokens=0, spec_verify_steps=0)
         self.spec_accepted_per_pos = np.zeros(k, np.int64)
         # time in the device programs (results on the host) and the tokens they produced for
-        # requests;
-        # rows_computed / rows_useful: tokens the ragged steps ran (padded to a step size) / needed
+        # requests; rows_computed / rows_useful: tokens the ragged steps ran (padded to a step size)
+        # / needed
         self.timing = dict.fromkeys(TIMING, 0)
         self.num_failed_steps = self.num_pool_resets = 0
         # held by whoever drives the engine (an AsyncEngine's thread, an LLM.generate call): one at
@@ -170,8 +170,7 @@ class ServingEngine:
         self.scheduler.fail_plan(plan, why)
         if not self.recover_pools() and self.scheduler.kv.host is not None:
             # a copy back may not have run, yet its blocks are registered: forget the device's
-            # cached
-            # blocks (the host tier keeps what was copied out)
+            # cached blocks (the host tier keeps what was copied out)
             self.forget_copies()
             self.scheduler.reset_prefix_cache(host=False)
 

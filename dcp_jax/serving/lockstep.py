@@ -49,9 +49,8 @@ KEY = "dcp_jax/lockstep"
 # messages kept in the store behind the newest (a follower is at most a step or two behind)
 KEEP = 64
 # SPMD: how long a process waits for process 0's plan. The processes' calls may drift apart in time
-# (process
-# 0 writing results between two `generate` calls); a process that is gone is ended by the runtime's
-# heartbeats.
+# (process 0 writing results between two `generate` calls); a process that is gone is ended by the
+# runtime's heartbeats.
 SPMD_WAIT_S = 24 * 3600.0
 KNOWN = 4096  # requests a follower remembers by id (a sample's `follows` names an earlier one)
 
