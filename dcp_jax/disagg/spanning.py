@@ -100,8 +100,8 @@ class Follower:
         self.decode, self.lockstep = decode, lockstep
         self.landed: dict = {}  # request id -> Landed (this process's part, not yet written)
         self.lock = threading.Lock()
-        lockstep.handlers.update(reserve=self.reserve, pull=self.pull, admit=self.admit, fail=self.fail,
-                                 abort=self.abort)
+        lockstep.register(reserve=self.reserve, pull=self.pull, admit=self.admit, fail=self.fail,
+                          abort=self.abort)
 
     def reserve(self, engine, body: bytes) -> None:
         request = self.lockstep.load_request(body)

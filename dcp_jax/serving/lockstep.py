@@ -24,7 +24,7 @@ nothing for `timeout_s` raises `LockstepError` (process 0 stopped or stalled). A
 raises `LockstepError` on every process that sees it: the processes ran its collectives together and
 cannot recover apart (a lost peer also ends the others through JAX's own heartbeats).
 
-Layers above add commands of their own (`Lockstep.handlers`, kind -> function): a disaggregated
+Layers above add commands of their own (`Lockstep.register`, kind -> function): a disaggregated
 decode instance's reserve / pull / admit / fail (`dcp_jax.disagg.spanning`).
 
 `spmd=True` is the other way to drive several processes, the one `LLM.generate` and the generate CLI
@@ -139,7 +139,7 @@ class Lockstep:
         self.expected: int | None = None
         # follower: the newest by id
         self.known: collections.OrderedDict[str, Request] = collections.OrderedDict()
-        # more commands (kind -> fn(engine, *args)): e.g. dcp_jax.disagg.spanning's
+        # more commands (kind -> fn(engine, *args)), from `register`: e.g. dcp_jax.disagg.spanning's
         self.handlers: dict = {}
         self.last_sent = time.monotonic()
         self.bytes_sent = self.messages = 0
@@ -150,6 +150,10 @@ class Lockstep:
 
         return cls(RuntimeStore(), jax.process_index(), timeout_s,
                    num_processes=jax.process_count(), **kw)
+
+    def register(self, **handlers) -> None:
+        """Commands of a layer above (kind=fn(engine, *args)) that a follower applies."""
+        self.handlers.update(handlers)
 
     # --- the leader -------------------------------------------------------------------------------
     def record(self, kind: str, *args) -> None:
