@@ -13,18 +13,16 @@ go), unless the user set those thresholds through JAX's environment. Entries are
 program, the JAX version and the devices, so a stale one is never used. The cache is trusted code:
 keep it in a directory only you can write (JAX's own warning).
 
-Compiling ahead: `compile_engine(runner)` is `ModelRunner.compile_all()` (the step program, every
-ragged step size, the token history's fill programs that a prefix hit of a request with penalties
-runs, the host tier's copies), timed as the wall time; `workers=N` compiles them on N threads
-(XLA compiles without the GIL). Serial by default: on a 2-core
-machine 4 threads were slower than one (41 s against 27 s for the llama fixture's 8 programs; XLA's
-CPU compiler already uses the cores), and no larger machine has been measured.
+Compiling ahead (`LLM.load`'s default, `COMPILE_MODES`) is `ModelRunner.compile_all()`: the step
+program, every ragged step size, the token history's fill programs that a prefix hit of a request
+with penalties runs, the host tier's copies. It compiles them one after another: on this project's
+2-core machine 4 threads were slower than one (41 s against 27 s for the llama fixture's 8
+programs; XLA's CPU compiler already uses the cores), and no larger machine has been measured.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 ENV = "DCP_JAX_CACHE_DIR"
@@ -32,7 +30,6 @@ OFF = ("off", "none", "")  # settings that turn the cache off (case-insensitive)
 MAX_BYTES = 4 << 30  # the default directory's bound
 COMPILE_MODES = ("all", "lazy")
 MODE_ENV = "DCP_JAX_COMPILE"  # `LLM.load`'s default compile mode when set ("all" otherwise)
-COMPILE_WORKERS = 1  # threads compiling an engine's programs at once (see the module docstring)
 
 
 def default_dir() -> Path:
@@ -113,13 +110,3 @@ def check_mode(compile: str) -> str:
         modes = ", ".join(map(repr, COMPILE_MODES))
         raise UserError(f"compile must be one of {modes}, got {compile!r}")
     return compile
-
-
-def compile_engine(runner, workers: int | None = None) -> float:
-    """Compile every program `runner` (a `ModelRunner`) may run (`ModelRunner.compile_all`: the step
-    program, every ragged step size, the history fills, the host tier's copies) on `workers`
-    threads (default COMPILE_WORKERS, at most the CPUs). Returns the wall time spent."""
-    workers = min(workers or COMPILE_WORKERS, os.cpu_count() or 1)
-    t = time.perf_counter()
-    runner.compile_all(workers=workers)
-    return time.perf_counter() - t

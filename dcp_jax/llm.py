@@ -21,6 +21,7 @@ than `max_num_seqs` sequences of `max_model_len` need. `max_model_len` defaults 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Sequence
 
 import jax
@@ -38,7 +39,7 @@ from dcp_jax.serving.config import (DEFAULT_PAGE_SIZE, KV_CACHE_DTYPES, ServingC
 from dcp_jax.serving.engine import ServingEngine, run_requests
 from dcp_jax.serving.lockstep import Lockstep
 from dcp_jax.serving.programs import draft_layout
-from dcp_jax.serving.request import Request, make_requests, resolve_bad_words
+from dcp_jax.serving.request import Request, make_requests
 from dcp_jax.serving.runner import gpu_budget, page_bytes_per_device
 from dcp_jax.spec.proposers import SpeculativeConfig, check_draft
 
@@ -187,11 +188,12 @@ class LLM:
         return llm
 
     # --- sizes ---------------------------------------------------------------------------------------
-    def paged_layout(self) -> PagedLayout:
-        """Where the pool puts tokens on this mesh ("contiguous" interleave: whole pages of
-        consecutive tokens per rank)."""
-        interleave = self.page_size if self.interleave == "contiguous" else self.interleave
-        return PagedLayout(mesh_lib.axis_size(self.mesh, self.model.context_axes), interleave, self.page_size)
+    def paged_layout(self, page_size: int | None = None) -> PagedLayout:
+        """Where the pool puts tokens on this mesh, in pages of `page_size` slots (default this
+        LLM's; "contiguous" interleave: whole pages of consecutive tokens per rank)."""
+        page_size = page_size or self.page_size
+        interleave = page_size if self.interleave == "contiguous" else self.interleave
+        return PagedLayout(mesh_lib.axis_size(self.mesh, self.model.context_axes), interleave, page_size)
 
     def page_bytes(self) -> int:
         """KV bytes one page costs each device: the target's and, with a draft model, the
@@ -270,7 +272,7 @@ class LLM:
         `lockstep`)."""
         self.engines_built += 1
         lockstep = lockstep or self.engine_lockstep()
-        return ServingEngine(self.model, self.mesh, config, interleave=self.paged_layout().interleave,
+        return ServingEngine(self.model, self.mesh, config, self.paged_layout(config.page_size),
                              impl=self.impl, detokenize=None if self.tokenizer is None else self.decode,
                              speculative=speculative or self.speculative, tokenizer=self.tokenizer,
                              lockstep=lockstep)
@@ -325,11 +327,10 @@ class LLM:
         """Compile every program the engine may run (the decode or verify program, the ragged step
         of each step size, the history fills, with a host tier its copies) and allocate the pool,
         as `load` does by default and a server before it serves; without it `generate` compiles a
-        step size the first time a step needs it (`dcp_jax.compilation.compile_engine`). Returns
-        the seconds spent."""
-        from dcp_jax.compilation import compile_engine
-
-        return compile_engine(self.engine.runner)
+        step size the first time a step needs it. Returns the seconds spent."""
+        t = time.perf_counter()
+        self.engine.runner.compile_all()
+        return time.perf_counter() - t
 
     def requests(self, prompts, sampling_params=None, *, prefix: str = "r",
                  **keywords) -> list[Request]:
@@ -358,10 +359,6 @@ class LLM:
     def encode_words(self, text: str) -> list[int]:
         """Token ids of `text` without special tokens (as bad words are encoded)."""
         return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def bad_words(self, words) -> tuple:
-        """`bad_words` (text, or token id lists) as the token sequences a request bans."""
-        return resolve_bad_words(words or (), None if self.tokenizer is None else self.encode_words)
 
     def generate(self, prompts,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

@@ -17,11 +17,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 
 import pytest
 
-from tests.util import FIXTURES
+from tests.util import FIXTURES, templated_checkpoint
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
@@ -30,9 +29,6 @@ RECORDING = FIXTURES / "http_replay.json"
 MODEL = "tiny-llama"
 KEY = "sekrit"
 MAX_MODEL_LEN = 64
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n"
-            "{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
 HI = [{"role": "user", "content": "hi"}]
 
 
@@ -230,12 +226,7 @@ def client(tmp_path_factory):
 
     from dcp_jax.launch import make_app
 
-    ckpt = tmp_path_factory.mktemp("ckpt") / "model"
-    shutil.copytree(FIXTURES / "llama-tokenizer", ckpt)
-    cfg_path = ckpt / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = TEMPLATE
-    cfg_path.write_text(json.dumps(cfg))
+    ckpt = templated_checkpoint(tmp_path_factory.mktemp("ckpt") / "model")
     app, _ = make_app(ckpt, tp=1, dcp=1, served_model_name=MODEL, max_num_seqs=4,
                       max_model_len=MAX_MODEL_LEN, page_size=8, prefill_chunk=32, decode_steps=2,
                       api_key=KEY, max_request_bytes=200_000)

@@ -8,7 +8,6 @@ import concurrent.futures
 import itertools
 import json
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -17,7 +16,8 @@ import numpy as np
 import pytest
 
 from dcp_jax import LLM, UserError
-from tests.util import FIXTURES
+from dcp_jax.serving.request import resolve_bad_words
+from tests.util import FIXTURES, TEMPLATE, templated_checkpoint
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -25,8 +25,6 @@ uvicorn = pytest.importorskip("uvicorn")
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 128
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
 # 16 prompts of 9..16 tokens: with max_tokens 8 they share one compiled configuration in LLM.generate
 PROMPTS = [[(7 * i + 3 * j) % 250 + 2 for j in range(9 + i % 8)] for i in range(16)]
 
@@ -35,12 +33,7 @@ PROMPTS = [[(7 * i + 3 * j) % 250 + 2 for j in range(9 + i % 8)] for i in range(
 def server(tmp_path_factory):
     from dcp_jax.launch import make_app, serve_in_thread
 
-    ckpt = tmp_path_factory.mktemp("ckpt") / "model"
-    shutil.copytree(FIXTURES / "llama-tokenizer", ckpt)
-    cfg_path = ckpt / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = TEMPLATE
-    cfg_path.write_text(json.dumps(cfg))
+    ckpt = templated_checkpoint(tmp_path_factory.mktemp("ckpt") / "model")
     sizes = dict(max_num_seqs=8, max_model_len=MAX_MODEL_LEN, page_size=8, prefill_chunk=32, decode_steps=2)
     app, served = make_app(ckpt, tp=1, dcp=2, served_model_name=MODEL, **sizes)  # 2: streams come in several chunks
     # the references: each prompt alone through LLM.generate, on a second LLM over the same model (the
@@ -247,7 +240,7 @@ def test_penalties_and_bad_words(server):
     r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=12,
                                   temperature=0.8, seed=4, extra_body=dict(bad_words=[word], ignore_eos=True))
     assert r.choices[0].finish_reason == "length"
-    banned = llm.bad_words([word])
+    banned = resolve_bad_words([word], llm.encode_words)  # (as the server's intake does)
     assert banned and not any(tuple(out[i:i + len(w)]) == w for w in banned for out in [
         llm.encode(r.choices[0].message.content)] for i in range(len(out)))
 

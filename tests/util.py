@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import threading
 from pathlib import Path
 
@@ -13,6 +14,20 @@ import numpy as np
 from dcp_jax.layout import KVLayout
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+# a chat template for the llama-tokenizer fixture (which ships none): role tags, one line a message
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n"
+            "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def templated_checkpoint(directory: Path, template: str = TEMPLATE) -> Path:
+    """The llama-tokenizer fixture copied to `directory`, its tokenizer_config given `template`."""
+    shutil.copytree(FIXTURES / "llama-tokenizer", directory)
+    path = directory / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["chat_template"] = template
+    path.write_text(json.dumps(cfg))
+    return directory
 
 
 def expected(name):

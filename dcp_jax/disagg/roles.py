@@ -76,8 +76,9 @@ class PrefillInstance:
             eng.runner.allocate()
             reqs, dests, results = [], {}, {}  # reqs: (request_id, Request or the reason it was refused)
             report = (lambda i, result: None) if on_result is None else on_result
+            own = self.info()  # (an item naming no decode placement is cut for one like this)
             for it in items:
-                got = self.admit(it, self.info())
+                got = self.admit(it, own)
                 reqs.append((it["request_id"], got[0] if isinstance(got, tuple) else got))
                 if isinstance(got, str):
                     report(len(reqs) - 1, dict(request_id=it["request_id"], error=got))

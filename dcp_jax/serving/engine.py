@@ -35,7 +35,6 @@ import time
 
 import numpy as np
 
-from dcp_jax import mesh as mesh_lib
 from dcp_jax.layout import PagedLayout
 from dcp_jax.serving.config import ServingConfig
 from dcp_jax.serving.host_copy import host_bytes
@@ -55,13 +54,12 @@ class ServingEngine:
     """A `CausalLM` on a ("tp","dcp") mesh serving requests from a paged, sequence-sharded KV
     pool."""
 
-    def __init__(self, model, mesh, config: ServingConfig, *, interleave: int = 1,
+    def __init__(self, model, mesh, config: ServingConfig, layout: PagedLayout, *,
                  impl: str | None = None, combine: str = "auto", detokenize=None,
                  speculative: SpeculativeConfig | None = None, tokenizer=None,
                  lockstep: Lockstep | None = None):
         self.config, self.speculative = config, speculative
-        shards = mesh_lib.axis_size(mesh, model.context_axes)
-        self.layout = PagedLayout(shards, interleave, config.page_size)
+        self.layout = layout  # where the pool puts tokens (`LLM.paged_layout`)
         vocab, eos = model.config.vocab_size, model.config.eos_token_ids
         self.structured = StructuredOutputs(tokenizer, vocab, eos)
         k = 0 if speculative is None else speculative.num_tokens

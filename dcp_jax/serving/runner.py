@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import jax
@@ -48,7 +47,6 @@ from dcp_jax.serving.plan import Sampled, SchedulePlan, StepOutput
 from dcp_jax.serving.programs import Caches, StepPrograms
 from dcp_jax.spec.proposers import SpeculativeConfig, host_proposer
 from pallas_kernels.attention import kv_quant as kvq
-from pallas_kernels.attention.configs import pow2
 
 
 class ModelRunner:
@@ -333,7 +331,7 @@ class ModelRunner:
             if self._history_owner[slot] is r:
                 continue
             if count:
-                n = min(pow2(count, 16), self.config.max_model_len)  # (one of `history_sizes`)
+                n = padded_size(self.history_sizes(), count)
                 ids = np.zeros(n, np.int32)
                 ids[:count] = r.token_ids(0, count)
                 self._history = self.programs.history_program(n)(self._history, np.int32(slot), ids,
@@ -374,24 +372,19 @@ class ModelRunner:
             out["draft_kv_bytes_per_device"] = draft["kv_bytes_per_device"]
         return out
 
-    def compile_all(self, step_sizes=None, decode: bool = True, workers: int = 1) -> None:
+    def compile_all(self, step_sizes=None, decode: bool = True) -> None:
         """Compile the decode (or verify) program (unless not `decode`: a prefill-only role) and the
         ragged step of each of `step_sizes`; by default every program a request may run (what
         `LLM.load` and a server do before they serve): every step size, the history fills of every
-        size and, with a host tier, its copies of up to a sequence's blocks. `workers` threads
-        compile at once. Allocates the pools."""
+        size and, with a host tier, its copies of up to a sequence's blocks. Allocates the pools."""
         programs = self.programs
         jobs = [self.step_program] if decode else []
         jobs += [partial(programs.ragged_program, n)
                  for n in (self.config.step_sizes if step_sizes is None else step_sizes)]
         if step_sizes is None:
             jobs += [partial(programs.history_program, n) for n in self.history_sizes()]
-        if workers > 1:
-            with ThreadPoolExecutor(workers, thread_name_prefix="dcp_jax-compile") as pool:
-                for future in [pool.submit(job) for job in jobs]:
-                    future.result()  # a compile error raises here
         for job in jobs:
-            job()  # (compiled already: a lookup)
+            job()
         if self.config.host_blocks and step_sizes is None:
             self.copier.compile_all(programs.max_blocks_per_seq)
         self.allocate()
