@@ -39,7 +39,7 @@ def openai_app(runner, llm, path: Path, embedded: bool, served_model_name: str |
     from dcp_jax.server.app import create_app
     from dcp_jax.server.protocol import ChatTemplate
 
-    template = ChatTemplate.from_tokenizer_config(path / "tokenizer_config.json") if path.is_dir() else None
+    template = ChatTemplate.of(llm.chat_template)
     name = served_model_name or ("dcp-jax-tiny" if embedded else path.resolve().name)
     app = create_app(runner, model_name=name, max_model_len=llm.config.max_model_len, tokenizer=llm.tokenizer,
                      chat_template=template, tp=llm.mesh.shape["tp"], dcp=llm.mesh.shape["dcp"], **app_kw)

@@ -141,6 +141,11 @@ class MLP(nnx.Module):
         return linear(jax.nn.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj)
 
 
+def kv_source_rows(rows: np.ndarray, rep: int, head_dim: int) -> np.ndarray:
+    """Rows of a stored KV weight behind rows `rows` of its `expand_kv_rows` copy."""
+    return (rows // head_dim // rep) * head_dim + rows % head_dim
+
+
 def expand_kv_rows(x, rep: int, head_dim: int):
     """Repeat each kv head's rows `rep` times along axis 0 (KV heads replicated over tp ranks).
 

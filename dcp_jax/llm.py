@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dcp_jax import mesh as mesh_lib
+from dcp_jax.config import ChatTemplateText
 from dcp_jax.errors import UserError
 from dcp_jax.layout import PagedLayout
 from dcp_jax.model import CausalLM
@@ -74,6 +75,7 @@ class LLM:
     `lockstep` (several processes): "spmd", every process makes the same calls (this API); "serve",
     process 0 takes the requests and the others follow its steps (a server: `dcp_jax.launch`); or a
     `Lockstep` of one's own for this LLM's engine (e.g. over an in-process store, in tests).
+    `chat_template`: the checkpoint's chat template (`ChatTemplateText`), which the server renders.
     """
 
     def __init__(self, model: CausalLM, mesh: Mesh, tokenizer=None, *, interleave: int | str = 1,
@@ -83,8 +85,10 @@ class LLM:
                  decode_steps: int = 8, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, speculative: SpeculativeConfig | None = None,
                  num_pages: int | None = None, kv_host_memory: int | str | None = None, kv_cache_dtype: str = "auto",
-                 dist_timeout: float = mesh_lib.DIST_TIMEOUT_S, lockstep: str | Lockstep = "spmd"):
+                 dist_timeout: float = mesh_lib.DIST_TIMEOUT_S, lockstep: str | Lockstep = "spmd",
+                 chat_template: ChatTemplateText | None = None):
         self.model, self.mesh, self.tokenizer, self.source = model, mesh, tokenizer, source
+        self.chat_template = chat_template  # the checkpoint's (source, bos, eos), or None
         self.dist_timeout, self.engines_built = dist_timeout, 0
         if not isinstance(lockstep, Lockstep) and lockstep not in ("spmd", "serve"):
             raise UserError(f"lockstep must be 'spmd' or 'serve', got {lockstep!r}")
@@ -144,7 +148,8 @@ class LLM:
              num_speculative_tokens: int = 4, draft_model=None, coordinator: str | None = None,
              num_processes: int | None = None, process_id: int | None = None, compile: str | None = None,
              compilation_cache=None, **engine_kw) -> "LLM":
-        """Load a Hugging Face or orbax checkpoint onto a (tp, dcp) mesh. `engine_kw`: the
+        """Load a checkpoint onto a (tp, dcp) mesh: a Hugging Face directory, an orbax checkpoint or
+        a GGUF file (`dcp_jax.gguf_checkpoint`). `engine_kw`: the
         constructor's (max_model_len, kv_cache_memory, page_size, max_num_seqs, prefill_chunk,
         dist_timeout, ...). `speculative`: None, "ngram" (prompt lookup) or "draft" (with
         `draft_model`, a checkpoint directory with the same vocabulary, loaded on the same mesh);
@@ -176,13 +181,15 @@ class LLM:
             SpeculativeConfig(speculative, num_speculative_tokens, draft=draft_model)
         mesh = mesh_lib.make_mesh(tp, dcp, devices)
         dtype = resolve_dtype(dtype, mesh)  # "auto": bfloat16 on GPUs, float32 elsewhere
-        model, tokenizer, source = load_any(model_dir, mesh, dtype, scan_layers=scan_layers)
+        loaded = load_any(model_dir, mesh, dtype, scan_layers=scan_layers)
         spec = None
         if speculative is not None:
-            draft = None if draft_model is None else load_any(draft_model, mesh, dtype, scan_layers=scan_layers)[0]
+            draft = None if draft_model is None else load_any(draft_model, mesh, dtype,
+                                                             scan_layers=scan_layers).model
             spec = SpeculativeConfig(speculative, num_speculative_tokens, draft=draft)
-        llm = cls(model, mesh, tokenizer, interleave=interleave, impl=impl, source=source,
-                  speculative=spec, **engine_kw)
+        llm = cls(loaded.model, mesh, loaded.tokenizer, interleave=interleave, impl=impl,
+                  source=loaded.source, speculative=spec, chat_template=loaded.chat_template,
+                  **engine_kw)
         if compile == "all":
             llm.compile()
         return llm
@@ -303,11 +310,11 @@ class LLM:
 
     # --- the API -------------------------------------------------------------------------------------
     def save(self, path) -> int:
-        """Save weights, config and tokenizer as an orbax checkpoint (atomically); returns the
-        step."""
+        """Save weights, config, tokenizer and chat template as an orbax checkpoint (atomically);
+        returns the step."""
         from dcp_jax.weights import save_checkpoint
 
-        return save_checkpoint(self.model, path, self.tokenizer)
+        return save_checkpoint(self.model, path, self.tokenizer, self.chat_template)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

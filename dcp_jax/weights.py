@@ -12,8 +12,10 @@ slice of the fp8 tensor times the scales of the blocks it covers, in the compute
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +25,9 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 
 from dcp_jax import mesh as mesh_lib
-from dcp_jax.config import ModelConfig
+from dcp_jax.config import ChatTemplateText, ModelConfig
 from dcp_jax.errors import UserError
-from dcp_jax.layers import expand_kv_rows, stack_names
+from dcp_jax.layers import expand_kv_rows, kv_source_rows, stack_names
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 if not hasattr(np, "float8_e4m3fn"):  # safetensors looks fp8 up on the numpy module; ml_dtypes has it
@@ -43,12 +45,6 @@ def resolve_dtype(dtype: str, mesh: Mesh) -> str:
     if dtype not in DTYPES:
         raise UserError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
     return dtype
-
-
-def _kv_source_rows(rows: slice, n_rows: int, rep: int, head_dim: int) -> np.ndarray:
-    """Rows of the original tensor that back rows `rows` of the kv-replicated one."""
-    r = np.arange(n_rows)[rows]
-    return (r // head_dim // rep) * head_dim + r % head_dim
 
 
 class SafetensorsSource:
@@ -104,7 +100,8 @@ class SafetensorsSource:
                     if kv_rep == 1:
                         block = self._dequantize(np.asarray(tensor[index]), scales, index, stored)
                     else:
-                        src = _kv_source_rows(index[0], shape[0], kv_rep, self.cfg.head_dim)
+                        src = kv_source_rows(np.arange(shape[0])[index[0]], kv_rep,
+                                             self.cfg.head_dim)
                         lo, hi = int(src.min()), int(src.max()) + 1
                         rows = (slice(lo, hi),) + tuple(index[1:])
                         block = self._dequantize(np.asarray(tensor[rows]), scales, rows, stored)[src - lo]
@@ -180,11 +177,15 @@ def _weight_map(model_dir: Path) -> dict[str, str]:
 
 
 def check_model_dir(model_dir) -> Path:
+    """The path of a checkpoint: a directory, or a GGUF file."""
+    from dcp_jax.gguf_checkpoint import is_gguf
+
     path = Path(model_dir)
     if not path.exists():
-        raise UserError(f"model directory {path} does not exist")
-    if not path.is_dir():
-        raise UserError(f"{path} is not a directory; --model takes a checkpoint directory")
+        raise UserError(f"model path {path} does not exist")
+    if not path.is_dir() and not is_gguf(path):
+        raise UserError(f"{path} is neither a directory nor a GGUF file; --model takes a "
+                        "checkpoint directory (Hugging Face or orbax) or a .gguf file")
     return path
 
 
@@ -199,6 +200,34 @@ def load_tokenizer(model_dir: Path):
         return Tokenizer.from_file(str(path))
     except Exception as e:  # noqa: BLE001
         raise UserError(f"cannot read {path}: {e}") from None
+
+
+def chat_template_of(model_dir: Path) -> ChatTemplateText | None:
+    """A Hugging Face directory's chat template: `chat_template` in tokenizer_config.json (named
+    templates: the default one), else chat_template.jinja (what transformers 5 writes), else
+    chat_template.json; BOS/EOS strings from tokenizer_config.json. None when it has none."""
+    cfg = {}
+    path = model_dir / "tokenizer_config.json"
+    try:
+        if path.is_file():
+            cfg = json.loads(path.read_text())
+        source = cfg.get("chat_template")
+        if isinstance(source, list):
+            source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+        if not source and (model_dir / "chat_template.jinja").is_file():
+            source = (model_dir / "chat_template.jinja").read_text()
+        if not source and (model_dir / "chat_template.json").is_file():
+            path = model_dir / "chat_template.json"
+            source = json.loads(path.read_text()).get("chat_template")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+    if not source:
+        return None
+
+    def token(x):
+        return (x.get("content", "") if isinstance(x, dict) else x) or ""
+
+    return ChatTemplateText(source, token(cfg.get("bos_token")), token(cfg.get("eos_token")))
 
 
 def load_hf(model_dir, mesh: Mesh, dtype: str = "auto", *, q_gather: bool = False, scan_layers: bool = True):
@@ -271,8 +300,10 @@ def _manager(path: Path, *, read_only: bool):
     return ocp.CheckpointManager(path.absolute(), options=options, item_names=("weights", "meta"))
 
 
-def save_checkpoint(model, path, tokenizer=None) -> int:
-    """Save `model` (and its tokenizer) as a new step under `path`; returns the step number."""
+def save_checkpoint(model, path, tokenizer=None,
+                    chat_template: ChatTemplateText | None = None) -> int:
+    """Save `model` (its tokenizer and chat template) as a new step under `path`; returns the step
+    number."""
     import orbax.checkpoint as ocp
 
     path = Path(path)
@@ -280,7 +311,9 @@ def save_checkpoint(model, path, tokenizer=None) -> int:
         raise UserError(f"cannot save to {path}: it is a file, not a directory")
     if (path / "config.json").exists():
         raise UserError(f"{path} holds a Hugging Face checkpoint; save to another directory")
-    meta = {"config": model.config.hf_config, "tokenizer": tokenizer.to_str() if tokenizer else None}
+    meta = {"config": model.config.hf_config,
+            "tokenizer": tokenizer.to_str() if tokenizer else None,
+            "chat_template": dataclasses.asdict(chat_template) if chat_template else None}
     with _manager(path, read_only=False) as mngr:
         step = (mngr.latest_step() or 0) + 1
         mngr.save(step, args=ocp.args.Composite(weights=ocp.args.StandardSave(model.hf_weights()),
@@ -309,7 +342,8 @@ def _expand(a, kv_rep: int, head_dim: int, dtype):
 
 
 def load_checkpoint(path, mesh: Mesh, dtype: str = "auto", *, scan_layers: bool = True):
-    """(model, tokenizer or None, step) from an orbax checkpoint, restored onto `mesh`'s shardings."""
+    """(model, tokenizer or None, chat template or None, step) from an orbax checkpoint, restored
+    onto `mesh`'s shardings."""
     import orbax.checkpoint as ocp
     from dcp_jax.model import CausalLM
 
@@ -339,17 +373,34 @@ def load_checkpoint(path, mesh: Mesh, dtype: str = "auto", *, scan_layers: bool 
         except (ValueError, KeyError, FileNotFoundError) as e:
             raise UserError(f"cannot restore {path} step {step}: {e}") from None
     model = CausalLM(cfg, DictSource(arrays["weights"], cfg, mesh, DTYPES[dtype]), mesh, scan_layers=scan_layers)
-    return model, tokenizer_from_str(meta.get("tokenizer")), step
+    template = meta.get("chat_template")
+    template = template and ChatTemplateText(**template)
+    return model, tokenizer_from_str(meta.get("tokenizer")), template, step
 
 
-def load_any(model_dir, mesh: Mesh, dtype: str = "auto", *, scan_layers: bool = True):
-    """(model, tokenizer, description) from a Hugging Face directory or an orbax checkpoint."""
+class Loaded(NamedTuple):
+    model: object  # a CausalLM
+    tokenizer: object | None
+    chat_template: ChatTemplateText | None
+    source: str  # what was loaded, in words
+
+
+def load_any(model_dir, mesh: Mesh, dtype: str = "auto", *, scan_layers: bool = True) -> Loaded:
+    """The model, tokenizer and chat template of a Hugging Face directory, an orbax checkpoint or a
+    GGUF file."""
     path = check_model_dir(model_dir)
+    if not path.is_dir():
+        from dcp_jax.gguf_checkpoint import load_gguf
+
+        dtype = resolve_dtype(dtype, mesh)
+        model, tokenizer, template = load_gguf(path, mesh, DTYPES[dtype], scan_layers=scan_layers)
+        return Loaded(model, tokenizer, template, f"GGUF file {path}")
     if is_orbax_checkpoint(path):
-        model, tokenizer, step = load_checkpoint(path, mesh, dtype, scan_layers=scan_layers)
-        return model, tokenizer, f"orbax checkpoint {path} (step {step})"
+        model, tokenizer, template, step = load_checkpoint(path, mesh, dtype,
+                                                           scan_layers=scan_layers)
+        return Loaded(model, tokenizer, template, f"orbax checkpoint {path} (step {step})")
     if not (path / "config.json").exists():
         raise UserError(f"{path} is neither a Hugging Face checkpoint (no config.json) nor an orbax "
                         "checkpoint (no complete step directory)")
     model, tokenizer = load_hf(path, mesh, dtype, scan_layers=scan_layers)
-    return model, tokenizer, f"Hugging Face checkpoint {path}"
+    return Loaded(model, tokenizer, chat_template_of(path), f"Hugging Face checkpoint {path}")

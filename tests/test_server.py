@@ -484,9 +484,9 @@ def test_no_chat_template_and_full_queue(server):
 
     from dcp_jax.serving.async_engine import AsyncEngine
     from dcp_jax.server.app import create_app
-    from dcp_jax.server.protocol import ChatTemplate
+    from dcp_jax.weights import chat_template_of
 
-    assert ChatTemplate.from_tokenizer_config(FIXTURES / "llama-tokenizer" / "tokenizer_config.json") is None
+    assert chat_template_of(FIXTURES / "llama-tokenizer") is None
     llm = server["llm"]
     engine = llm.engine_with(prefill_chunk=16, max_num_seqs=2)
     app = create_app(AsyncEngine(engine, max_pending=0), model_name=MODEL, max_model_len=MAX_MODEL_LEN,

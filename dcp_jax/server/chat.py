@@ -68,8 +68,8 @@ class ChatHandler(GeneratingHandler):
         self.intake.check_model(body.model)
         template = self.client.chat_template
         if template is None:
-            raise self.error(400, "this model has no chat template (tokenizer_config.json has no "
-                             "chat_template): use /v1/completions", param="messages",
+            raise self.error(400, "this model has no chat template (its checkpoint carries none): "
+                             "use /v1/completions", param="messages",
                              code="no_chat_template")
         text = await self.intake.render(template, chat_messages(body.messages))
         prompt_ids = await self.intake.encode(text, special=False)

@@ -213,24 +213,9 @@ class ChatTemplate:
         self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
 
     @classmethod
-    def from_tokenizer_config(cls, path) -> ChatTemplate | None:
-        """The template in `path` (tokenizer_config.json), or None when there is none."""
-        from pathlib import Path
-
-        path = Path(path)
-        if not path.is_file():
-            return None
-        cfg = json.loads(path.read_text())
-        source = cfg.get("chat_template")
-        if isinstance(source, list):  # named templates: the default one
-            source = next((t.get("template") for t in source if t.get("name") == "default"), None)
-        if not source:
-            return None
-
-        def token(x):
-            return (x.get("content", "") if isinstance(x, dict) else x) or ""
-
-        return cls(source, token(cfg.get("bos_token")), token(cfg.get("eos_token")))
+    def of(cls, text) -> ChatTemplate | None:
+        """The template of a checkpoint's `ChatTemplateText` (`LLM.chat_template`), or None."""
+        return None if text is None else cls(text.source, text.bos_token, text.eos_token)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         from jinja2.exceptions import TemplateError
