@@ -33,15 +33,6 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
-class ChatTemplateText:
-    """A checkpoint's Jinja chat template and the BOS/EOS strings it may refer to."""
-
-    source: str
-    bos_token: str = ""
-    eos_token: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
     type: str = "default"

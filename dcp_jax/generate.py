@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
     p.add_argument("--prompt-ids", action="append", type=token_ids_arg, default=[],
                    help="prompt token ids, e.g. 1,2,3 (repeat for a batch)")
+    p.add_argument("--chat", action="append", default=[], metavar="TEXT",
+                   help="a user message, through the model's chat template (repeat for a batch)")
     add_sampling_args(p, helps=dict(
         max_tokens=f"tokens to generate at most (default 32; {DEFAULT_NEW_TOKENS} for the default "
                    "run)",
@@ -81,8 +83,8 @@ def run(argv=None) -> int:
         args = build_parser().parse_args(argv)
         given_mesh = mesh_shape(args)
         default_run = args.model is None
-        if not args.prompt and not args.prompt_ids and not default_run and not args.save:
-            raise UsageError("no prompt: give --prompt TEXT or --prompt-ids 1,2,3")
+        if not (args.prompt or args.prompt_ids or args.chat or default_run or args.save):
+            raise UsageError("no prompt: give --prompt TEXT, --chat TEXT or --prompt-ids 1,2,3")
         engine_kw = engine_kwargs(args)
         check_distributed_args(args)
         params = sampling_params(args, default_run)
@@ -131,7 +133,7 @@ def load(args, given_mesh, engine_kw: dict):
             print(note, file=sys.stderr)
     else:
         tp, dcp = 1, 1
-    prompts = list(args.prompt) + list(args.prompt_ids)
+    prompts = list(args.prompt) + list(args.prompt_ids) + list(args.chat)
     if default_run and not prompts and not args.save:
         prompts = [DEFAULT_PROMPT.read_text()]
     if default_run and engine_kw["max_model_len"] is None:
@@ -143,6 +145,9 @@ def load(args, given_mesh, engine_kw: dict):
     llm = LLM.load(model_dir, tp=tp, dcp=dcp, interleave=args.interleave, impl=args.impl,
                    compile="lazy", max_num_seqs=max_num_seqs, dist_timeout=args.dist_timeout,
                    **engine_kw)
+    if args.chat:  # the conversations' prompt ids, through the checkpoint's chat template
+        n = len(prompts) - len(args.chat)
+        prompts[n:] = [llm.chat_prompt([{"role": "user", "content": t}]) for t in args.chat]
     if args.save:
         step = llm.save(args.save)
         print(f"loaded {llm.source}; saved orbax checkpoint {args.save} (step {step})")

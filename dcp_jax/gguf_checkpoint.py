@@ -26,7 +26,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dcp_jax import mesh as mesh_lib
-from dcp_jax.config import ChatTemplateText, ModelConfig
+from dcp_jax.chat_template import ChatTemplate
+from dcp_jax.config import ModelConfig
 from dcp_jax.errors import UserError
 from dcp_jax.layers import kv_source_rows, stack_names
 
@@ -272,7 +273,7 @@ def chat_template(meta: dict):
         i = meta.get(f"tokenizer.ggml.{key}")
         return tokens[i] if i is not None and 0 <= i < len(tokens) else ""
 
-    return ChatTemplateText(source, token("bos_token_id"), token("eos_token_id"))
+    return ChatTemplate(source, token("bos_token_id"), token("eos_token_id"))
 
 
 def load_gguf(path, mesh: Mesh, dtype, *, scan_layers: bool = True):

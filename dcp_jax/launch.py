@@ -37,12 +37,10 @@ def openai_app(runner, llm, path: Path, embedded: bool, served_model_name: str |
     """The OpenAI-compatible FastAPI app over `runner` (an AsyncEngine driving `llm`'s engine);
     `app_kw`: `create_app`'s api_key and max_request_bytes."""
     from dcp_jax.server.app import create_app
-    from dcp_jax.server.protocol import ChatTemplate
-
-    template = ChatTemplate.of(llm.chat_template)
     name = served_model_name or ("dcp-jax-tiny" if embedded else path.resolve().name)
     app = create_app(runner, model_name=name, max_model_len=llm.config.max_model_len, tokenizer=llm.tokenizer,
-                     chat_template=template, tp=llm.mesh.shape["tp"], dcp=llm.mesh.shape["dcp"], **app_kw)
+                     chat_template=llm.chat_template, tp=llm.mesh.shape["tp"],
+                     dcp=llm.mesh.shape["dcp"], **app_kw)
     app.state.engine = runner  # what `serve_forever` watches
     return app
 

@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dcp_jax import mesh as mesh_lib
-from dcp_jax.config import ChatTemplateText
+from dcp_jax.chat_template import ChatTemplate
 from dcp_jax.errors import UserError
 from dcp_jax.layout import PagedLayout
 from dcp_jax.model import CausalLM
@@ -75,7 +75,7 @@ class LLM:
     `lockstep` (several processes): "spmd", every process makes the same calls (this API); "serve",
     process 0 takes the requests and the others follow its steps (a server: `dcp_jax.launch`); or a
     `Lockstep` of one's own for this LLM's engine (e.g. over an in-process store, in tests).
-    `chat_template`: the checkpoint's chat template (`ChatTemplateText`), which the server renders.
+    `chat_template`: the checkpoint's chat template (`ChatTemplate`), which the server renders.
     """
 
     def __init__(self, model: CausalLM, mesh: Mesh, tokenizer=None, *, interleave: int | str = 1,
@@ -86,9 +86,9 @@ class LLM:
                  enable_prefix_caching: bool = True, speculative: SpeculativeConfig | None = None,
                  num_pages: int | None = None, kv_host_memory: int | str | None = None, kv_cache_dtype: str = "auto",
                  dist_timeout: float = mesh_lib.DIST_TIMEOUT_S, lockstep: str | Lockstep = "spmd",
-                 chat_template: ChatTemplateText | None = None):
+                 chat_template: ChatTemplate | None = None):
         self.model, self.mesh, self.tokenizer, self.source = model, mesh, tokenizer, source
-        self.chat_template = chat_template  # the checkpoint's (source, bos, eos), or None
+        self.chat_template = chat_template  # the checkpoint's, or None
         self.dist_timeout, self.engines_built = dist_timeout, 0
         if not isinstance(lockstep, Lockstep) and lockstep not in ("spmd", "serve"):
             raise UserError(f"lockstep must be 'spmd' or 'serve', got {lockstep!r}")
@@ -320,6 +320,15 @@ class LLM:
         if self.tokenizer is None:
             raise UserError("this checkpoint has no tokenizer.json: give token ids instead of text")
         return self.tokenizer.encode(text).ids
+
+    def chat_prompt(self, messages: list[dict], **variables) -> list[int]:
+        """The prompt ids of a conversation (`messages`: [{"role", "content"}, ...]): the
+        checkpoint's chat template with the generation prompt, tokenized (the template writes its
+        own special tokens)."""
+        if self.chat_template is None:
+            raise UserError("this checkpoint has no chat template: give a prompt instead")
+        text = self.chat_template.render(messages, **variables)
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str | None:
         if self.tokenizer is None:

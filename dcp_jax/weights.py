@@ -25,7 +25,8 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 
 from dcp_jax import mesh as mesh_lib
-from dcp_jax.config import ChatTemplateText, ModelConfig
+from dcp_jax.chat_template import ChatTemplate
+from dcp_jax.config import ModelConfig
 from dcp_jax.errors import UserError
 from dcp_jax.layers import expand_kv_rows, kv_source_rows, stack_names
 
@@ -177,10 +178,12 @@ def _weight_map(model_dir: Path) -> dict[str, str]:
 
 
 def check_model_dir(model_dir) -> Path:
-    """The path of a checkpoint: a directory, or a GGUF file."""
+    """The path of a checkpoint: a directory, a GGUF file, or a known model's name
+    (`dcp_jax.fetch`)."""
+    from dcp_jax.fetch import resolve
     from dcp_jax.gguf_checkpoint import is_gguf
 
-    path = Path(model_dir)
+    path = resolve(model_dir)  # a known model's name: its file in the model cache
     if not path.exists():
         raise UserError(f"model path {path} does not exist")
     if not path.is_dir() and not is_gguf(path):
@@ -202,7 +205,7 @@ def load_tokenizer(model_dir: Path):
         raise UserError(f"cannot read {path}: {e}") from None
 
 
-def chat_template_of(model_dir: Path) -> ChatTemplateText | None:
+def chat_template_of(model_dir: Path) -> ChatTemplate | None:
     """A Hugging Face directory's chat template: `chat_template` in tokenizer_config.json (named
     templates: the default one), else chat_template.jinja (what transformers 5 writes), else
     chat_template.json; BOS/EOS strings from tokenizer_config.json. None when it has none."""
@@ -227,7 +230,7 @@ def chat_template_of(model_dir: Path) -> ChatTemplateText | None:
     def token(x):
         return (x.get("content", "") if isinstance(x, dict) else x) or ""
 
-    return ChatTemplateText(source, token(cfg.get("bos_token")), token(cfg.get("eos_token")))
+    return ChatTemplate(source, token(cfg.get("bos_token")), token(cfg.get("eos_token")))
 
 
 def load_hf(model_dir, mesh: Mesh, dtype: str = "auto", *, q_gather: bool = False, scan_layers: bool = True):
@@ -301,7 +304,7 @@ def _manager(path: Path, *, read_only: bool):
 
 
 def save_checkpoint(model, path, tokenizer=None,
-                    chat_template: ChatTemplateText | None = None) -> int:
+                    chat_template: ChatTemplate | None = None) -> int:
     """Save `model` (its tokenizer and chat template) as a new step under `path`; returns the step
     number."""
     import orbax.checkpoint as ocp
@@ -374,14 +377,14 @@ def load_checkpoint(path, mesh: Mesh, dtype: str = "auto", *, scan_layers: bool 
             raise UserError(f"cannot restore {path} step {step}: {e}") from None
     model = CausalLM(cfg, DictSource(arrays["weights"], cfg, mesh, DTYPES[dtype]), mesh, scan_layers=scan_layers)
     template = meta.get("chat_template")
-    template = template and ChatTemplateText(**template)
+    template = template and ChatTemplate(**template)
     return model, tokenizer_from_str(meta.get("tokenizer")), template, step
 
 
 class Loaded(NamedTuple):
     model: object  # a CausalLM
     tokenizer: object | None
-    chat_template: ChatTemplateText | None
+    chat_template: ChatTemplate | None
     source: str  # what was loaded, in words
 
 

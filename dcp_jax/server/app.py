@@ -15,6 +15,7 @@ error's `field`.
 
 from __future__ import annotations
 
+from dcp_jax.chat_template import ChatTemplate
 from dcp_jax.errors import UserError
 from dcp_jax.server.chat import ChatHandler
 from dcp_jax.server.client import AsyncEngineClient, EngineClient
@@ -22,7 +23,7 @@ from dcp_jax.server.completions import CompletionsHandler
 from dcp_jax.server.intake import DEFAULT_MAX_REQUEST_BYTES, Intake
 from dcp_jax.server.metrics import Metrics
 from dcp_jax.server.models import ModelsHandler
-from dcp_jax.server.protocol import (APIError, ChatTemplate, authorized, error_response,
+from dcp_jax.server.protocol import (APIError, authorized, error_response,
                                      unauthorized, validation_response)
 from dcp_jax.server.tokenize import TokenizeHandler
 

@@ -28,7 +28,7 @@ class EngineClient(abc.ABC):
     """The engine as the front end sees it. `submit` and `cancel` are called on the event loop."""
 
     tokenizer = None  # a `tokenizers.Tokenizer`-like object, or None: prompts are then token ids
-    chat_template = None  # a `protocol.ChatTemplate`, or None: /v1/chat/completions is refused
+    chat_template = None  # a `ChatTemplate`, or None: /v1/chat/completions is refused
 
     # --- limits the intake checks a request against ---
     @property

@@ -192,41 +192,6 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-# --- chat templates -------------------------------------------------------------------------------
-class ChatTemplate:
-    """A checkpoint's Jinja chat template, rendered the way transformers renders it: a sandboxed
-    environment with trim_blocks/lstrip_blocks, `raise_exception`, `tojson`, and the variables
-    messages, add_generation_prompt, bos_token, eos_token."""
-
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
-        from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
-                                                                                      ensure_ascii=ensure_ascii)
-        env.globals["raise_exception"] = raise_exception
-        self.template = env.from_string(source)
-        self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
-
-    @classmethod
-    def of(cls, text) -> ChatTemplate | None:
-        """The template of a checkpoint's `ChatTemplateText` (`LLM.chat_template`), or None."""
-        return None if text is None else cls(text.source, text.bos_token, text.eos_token)
-
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        from jinja2.exceptions import TemplateError
-
-        try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        bos_token=self.bos_token, eos_token=self.eos_token)
-        except TemplateError as e:
-            raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
-
-
 # --- text deltas ----------------------------------------------------------------------------------
 class TextStream:
     """Turns cumulative token ids into text deltas whose concatenation is the final text: it holds
