@@ -74,7 +74,7 @@ LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
 
 # the K-quant block layouts gguf.quants reads: bytes per 256-value block, the offsets of the float16
 # super-block scales (d, then dmin where the type has one) and their sizes (values stay within
-# about 0.5)
+# 1 in magnitude)
 K_QUANTS = {Q.Q2_K: (84, (80, 82), (0.5 / 45, 0.25 / 15)),
             Q.Q3_K: (110, (108,), (0.5 / 128,)),
             Q.Q4_K: (144, (0, 2), (0.5 / 945, 0.25 / 63)),
