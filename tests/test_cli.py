@@ -226,7 +226,8 @@ def test_usage_errors(capsys, argv, message):
 
 RUNTIME = [
     (lambda d: None, ["--model", "/no/such/dir"], "does not exist"),
-    (lambda d: None, ["--model", str(FIX / "llama-gqa" / "config.json")], "is not a directory"),
+    (lambda d: None, ["--model", str(FIX / "llama-gqa" / "config.json")],
+     "is neither a directory nor a GGUF file"),
     (lambda d: (d / "config.json").unlink(), [], "neither a Hugging Face checkpoint (no config.json)"),
     (lambda d: (d / "config.json").write_text("{not json"), [], "cannot read"),
     (_set_config(architectures=["GPT2LMHeadModel"]), [], "unsupported architecture ['GPT2LMHeadModel']"),

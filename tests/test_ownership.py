@@ -34,6 +34,7 @@ DATA_RECORDS = {
     "server": "uvicorn.Server's documented stop flag (`should_exit`)",
     "sys": "`sys.stdout` redirected in a worker process (processes.start)",
     "pickler": "pickle's documented `persistent_id` hook",
+    "tok": "a tokenizers.Tokenizer: its pipeline stages are set by assignment (the library's API)",
     "unpickler": "pickle's documented `persistent_load` hook",
     "env": "a jinja2 Environment's `filters` and `globals`, made for this",
 }
