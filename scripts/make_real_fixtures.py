@@ -89,11 +89,11 @@ TEXTS = [
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a Python function that returns the square of a number."}],
-    [{"role": "user", "content": "List three primary colors."}],
+    [{"role": "user", "content": "What are the first five prime numbers?"}],
     [{"role": "system", "content": "You are a concise assistant who answers in one sentence."},
-     {"role": "user", "content": "What is 2 + 2?"},
-     {"role": "assistant", "content": "2 + 2 = 4."},
-     {"role": "user", "content": "And what is that number times 3?"}],
+     {"role": "user", "content": "What color is the sky?"},
+     {"role": "assistant", "content": "The sky is blue."},
+     {"role": "user", "content": "What color is grass?"}],
 ]
 
 CONTEXTS = {"1.5k": 1500, "6k": 6000}  # name: prompt tokens
@@ -150,7 +150,8 @@ def encode(tok, text: str) -> list[int]:
 
 def chat_ids(ref, messages: list[dict]) -> list[int]:
     """The chat template rendered with the generation prompt, then tokenized (no extra BOS)."""
-    return encode(ref, ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    text = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return encode(ref, text)
 
 
 @torch.no_grad()
