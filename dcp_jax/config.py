@@ -67,8 +67,13 @@ class RopeConfig:
     def inv_freq(self, head_dim: int, max_seq_len: int) -> np.ndarray:
         """Inverse frequencies [head_dim/2] (float64), with the configured scaling applied.
 
-        `dynamic` (NTK) scaling follows transformers: no change up to the original context; beyond it
-        the base grows for the longest sequence the cache holds (`max_seq_len`), fixed for a run.
+        `dynamic` (NTK) scaling is transformers' formula for a sequence of `max_seq_len` tokens: no
+        change up to the original context (max_position_embeddings, or the rope dict's
+        original_max_position_embeddings); beyond it the base grows for the longest sequence the
+        cache holds (the engine's max_model_len; a dense run's max_seq_len as its layout rounds it),
+        fixed for a run. Transformers recomputes the base in each forward from the longest position
+        so far (older cached keys keep older bases); the two agree exactly once its rotary state has
+        grown to `max_seq_len` (scripts/make_fixtures.py, DYNAMIC_SEQ_LEN).
         """
         theta = self.theta
         if self.type == "dynamic" and self.original_max_position_embeddings:

@@ -45,6 +45,13 @@ from dcp_jax.serving.runner import gpu_budget, page_bytes_per_device
 from dcp_jax.spec.proposers import SpeculativeConfig, check_draft
 
 CPU_KV_BUDGET = 256 * 2**20  # bytes of KV for the whole pool on CPU when no budget is given
+# The engine's cumulative counters `generate` reports as the call's share (what they grew by). Each
+# has one owner: the KV manager the prefix and host hits (a host hit is a prefix hit too) and the
+# evictions, the scheduler preemptions, the host copier its bytes and seconds, the engine
+# speculation's counts.
+HOST_COUNTERS = ("host_hit_tokens", "host_bytes_to_host", "host_bytes_to_device", "host_copy_s")
+CALL_COUNTERS = ("prefix_query_tokens", "prefix_hit_tokens", "evictions", "preemptions",
+                 *HOST_COUNTERS, "spec_drafted_tokens", "spec_accepted_tokens", "spec_verify_steps")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 
 
@@ -443,9 +450,7 @@ class LLM:
         result = run_requests(server, requests, on_step=on_step)
         timing = {k: server.timing[k] - timing0[k] for k in timing0}
         now = server.stats()
-        delta = {k: now[k] - sched0[k] for k in ("prefix_query_tokens", "prefix_hit_tokens", "evictions",
-                                                 "preemptions", *(k for k in ("spec_drafted_tokens",
-                                                 "spec_accepted_tokens", "spec_verify_steps") if k in now))}
+        delta = {k: now[k] - sched0[k] for k in CALL_COUNTERS if k in now}
         q, h = delta["prefix_query_tokens"], delta["prefix_hit_tokens"]
         stats = dict(
             tp=self.mesh.shape[mesh_lib.TP], dcp=self.mesh.shape[mesh_lib.DCP], interleave=server.layout.interleave,
@@ -457,6 +462,9 @@ class LLM:
             prefix_caching=self.enable_prefix_caching, prefix_query_tokens=q, prefix_hit_tokens=h,
             prefix_hit_rate=h / q if q else 0.0, cached_blocks=now["cached_blocks"], evictions=delta["evictions"],
             **request_stats(requests, result["first_token_s"], timing), **server.kv_bytes())
+        if "host_hit_tokens" in now:  # the host tier's: the call's hits and copies, what it holds
+            stats.update({k: delta[k] for k in HOST_COUNTERS}, host_blocks=now["host_blocks"],
+                         host_bytes=now["host_bytes"])
         if self.speculative is not None:  # this call's drafts, acceptances and verify steps
             d, a, n = (delta[k] for k in ("spec_drafted_tokens", "spec_accepted_tokens", "spec_verify_steps"))
             stats.update(speculative=self.speculative.method, num_speculative_tokens=self.speculative.num_tokens,

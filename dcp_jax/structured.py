@@ -14,7 +14,9 @@ step programs take.
 
 The host advances a request's matcher by every token it emits (`advance`); a token the grammar
 refuses (one it could not have sampled) is a bug and fails the request. When the grammar is complete
-it allows only EOS; a request whose matcher has stopped finishes ("stop").
+it allows only EOS; a request whose matcher has stopped finishes ("stop"). A model with no EOS token
+(the embedded byte-level model) gives llguidance one past its vocabulary, which it can never sample:
+its output ends at the token that completes the grammar (`StructuredOutputs.ended`).
 """
 
 from __future__ import annotations
@@ -65,6 +67,34 @@ def structured_spec(value) -> tuple[str, str] | None:
     return kind, v
 
 
+class ByteVocabulary:
+    """What llguidance's `TokenizerWrapper` reads of a byte-level tokenizer: each id's bytes
+    (`tokens`), the EOS id, and encoding (valid UTF-8, as the tokenizer encodes its text)."""
+
+    def __init__(self, tokenizer, tokens: list[bytes], eos_token_id: int):
+        self.tokenizer, self.tokens, self.eos_token_id = tokenizer, tokens, eos_token_id
+        self.bos_token_id, self.special_token_ids = None, [eos_token_id]
+
+    def __call__(self, data: bytes) -> list[int]:
+        return list(self.tokenizer.encode(data.decode("utf-8")).ids)
+
+
+def ll_tokenizer(llg, tokenizer, vocab_size: int, eos_token_ids):
+    """llguidance's tokenizer over the model's `vocab_size` ids, EOS ids the model's. A Hugging Face
+    tokenizer goes as its JSON. A byte-level one (the embedded model's `ByteTokenizer`: it has
+    `token_bytes()`, each id's bytes) goes as its tokens, ids past them empty; a model with no EOS
+    gets id `vocab_size` as llguidance's EOS (past what the model can sample)."""
+    eos = list(eos_token_ids)
+    if not hasattr(tokenizer, "token_bytes"):
+        return llg.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=eos or None)
+    tokens = list(tokenizer.token_bytes())[:vocab_size]
+    tokens += [b""] * (vocab_size - len(tokens))
+    if not eos:
+        eos, tokens = [vocab_size], tokens + [b""]
+    vocab = llg.TokenizerWrapper(ByteVocabulary(tokenizer, tokens, eos[0]))
+    return llg.LLTokenizer(vocab, n_vocab=len(tokens), eos_token=eos)
+
+
 class Grammars:
     """Grammar compilation and masks for one tokenizer and vocabulary (model vocab_size; tokens past
     the tokenizer's never allowed), EOS ids the model's."""
@@ -76,9 +106,10 @@ class Grammars:
         except ImportError:  # pragma: no cover - a core dependency; the message names the fix
             raise UserError("structured outputs need llguidance: pip install llguidance") from None
         self.llg = llguidance
-        eos = list(eos_token_ids) or None
-        self.tokenizer = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=eos)
+        self.tokenizer = ll_tokenizer(llguidance, tokenizer, vocab_size, eos_token_ids)
         self.vocab_size, self.words = vocab_size, (vocab_size + 31) // 32
+        # llguidance's masks: wider than the model's when its EOS is past the model's vocabulary
+        self.ll_words = (self.tokenizer.vocab_size + 31) // 32
         self.executor = llguidance.LLExecutor()
         self.compiled: dict[tuple[str, str], str] = {}
 
@@ -150,10 +181,23 @@ class Grammars:
         t = mask.shape[1]
         plain = [(self.matcher(r), row * t) for row, r, drafts in rows if not drafts]
         drafted = [(self.matcher(r), row * t, list(drafts)) for row, r, drafts in rows if drafts]
+        wide = flat
+        if self.ll_words != flat.shape[-1]:  # llguidance's EOS past the vocabulary: its bit dropped
+            wide = np.full((flat.shape[0], self.ll_words), -1, np.int32)
+            wide[:, :flat.shape[-1]] = flat
         if plain:
-            self.llg.numpy.fill_next_token_bitmask_par(self.executor, plain, flat)
+            self.llg.numpy.fill_next_token_bitmask_par(self.executor, plain, wide)
         if drafted:
-            self.llg.numpy.fill_next_token_bitmask_par_with_draft_tokens(self.executor, drafted, flat)
+            fill = self.llg.numpy.fill_next_token_bitmask_par_with_draft_tokens
+            fill(self.executor, drafted, wide)
+        if wide is not flat:
+            flat[:] = wide[:, :flat.shape[-1]]
+
+    def stopped(self, request) -> bool:
+        """Whether `request`'s grammar is complete (its matcher advanced over its whole output):
+        nothing but EOS may follow. False on a refused token (`advance` reports it)."""
+        m = self.matcher(request)
+        return self.advance(request) is None and m.is_stopped()
 
 
 class StructuredOutputs:
@@ -182,6 +226,13 @@ class StructuredOutputs:
     def advance(self, request) -> str | None:
         """Feed `request`'s matcher what it emitted; the error, if its grammar refused a token."""
         return self.grammars.advance(request)
+
+    def ended(self, request) -> bool:
+        """Whether `request`'s output ends at its last token: its grammar is complete and the model
+        has no EOS token to end it (llguidance's is past the vocabulary: nothing may follow)."""
+        if self.eos_token_ids or self.grammars is None or request.sampling.structured is None:
+            return False
+        return self.grammars.stopped(request)
 
 
 def mask_logits(logits, constrained, mask):

@@ -249,7 +249,9 @@ def load_hf(model_dir, mesh: Mesh, dtype: str = "auto", *, q_gather: bool = Fals
 class ByteTokenizer:
     """Byte-level text <-> ids (ids are UTF-8 bytes), the vocabulary of the embedded default model.
 
-    Same surface as `tokenizers.Tokenizer` where dcp_jax uses it: encode(text).ids, decode(ids), to_str().
+    Same surface as `tokenizers.Tokenizer` where dcp_jax uses it: encode(text).ids, decode(ids),
+    to_str(); and token_bytes(), each id's bytes (structured outputs' vocabulary:
+    `dcp_jax.structured`).
     """
 
     KIND = "bytes"
@@ -266,6 +268,9 @@ class ByteTokenizer:
 
     def to_str(self) -> str:
         return self.KIND
+
+    def token_bytes(self) -> list[bytes]:
+        return [bytes([i]) for i in range(256)]
 
     def get_vocab(self) -> dict[str, int]:  # one byte per token: a token stands for at most one character
         return {chr(i): i for i in range(256)}

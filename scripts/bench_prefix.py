@@ -179,7 +179,9 @@ def run_working_set(checkpoint: str, size: dict, seed: int, vocab: int, mode: st
     q = delta["prefix_query_tokens"]
     copy_s = delta["host_copy_s"]
     return dict(mode=mode, ttft_s=ttft, ttft_p50_s=float(np.median(ttft)), tokens=tokens,
-                device_hit_rate=delta["prefix_hit_tokens"] / q if q else 0.0,
+                # (prefix hits count the host tier's too)
+                device_hit_rate=(delta["prefix_hit_tokens"] - delta["host_hit_tokens"]) / q if q
+                else 0.0,
                 host_hit_rate=delta["host_hit_tokens"] / q if q else 0.0,
                 bytes_copied_back=delta["host_bytes_to_device"], copy_s=copy_s,
                 copy_gb_s_per_rank=delta["host_bytes_to_device"] / copy_s / (tp * dcp) / 1e9 if copy_s else 0.0,

@@ -29,7 +29,10 @@ Each fixture directory holds:
     all prompts (>= MIN_MARGIN, so greedy choices are not near-ties);
   - ``seed``, ``transformers_version``, ``torch_version``;
   - ``llama-tokenizer`` only: ``prompt_texts`` and ``greedy_texts``
-    (``tokenizer.decode(greedy_ids, skip_special_tokens=False)``).
+    (``tokenizer.decode(greedy_ids, skip_special_tokens=False)``);
+  - ``llama-dynamic`` only: ``max_seq_len``, the context its dynamic RoPE base is
+    for (``DYNAMIC_SEQ_LEN``): dcp_jax reproduces the reference with that
+    max_model_len / max_seq_len.
 
 Weights are random with a large init (``initializer_range=0.5``) so logits
 are well separated, except q_proj/k_proj which are then scaled by QK_SCALE so
@@ -131,6 +134,16 @@ DEEPSEEK_V3 = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
 
+# Dynamic NTK RoPE: transformers recomputes the base in every forward from the longest position in
+# it (growing, never shrinking while past max_position_embeddings), so its cached generate rotates
+# older keys with older bases; dcp_jax uses one base per run, the one for its whole context
+# (`RopeConfig.inv_freq`: max_model_len, a dense run's max_seq_len). The reference therefore first
+# grows the rotary state to DYNAMIC_SEQ_LEN tokens (one forward that long): every forward after it,
+# cached or not, uses the base for DYNAMIC_SEQ_LEN, as dcp_jax does with that context
+# (``max_seq_len`` in expected.json). max_position_embeddings (the original context) is below every
+# prompt's length, so the scaling applies from the first token and transformers never resets it.
+DYNAMIC_SEQ_LEN = 48
+
 # name -> (config class, model class, extra config kwargs, base seed)
 FIXTURES = {
     "llama-gqa": (LlamaConfig, LlamaForCausalLM, dict(LLAMA_GQA), 1000),
@@ -217,6 +230,17 @@ FIXTURES = {
             routed_scaling_factor=1.5,
         ),
         9000,
+    ),
+    # Dynamic NTK RoPE (see DYNAMIC_SEQ_LEN): a 4-token original context, every prompt past it.
+    "llama-dynamic": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        dict(
+            LLAMA_GQA,
+            max_position_embeddings=4,
+            rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+        ),
+        10000,
     ),
 }
 
@@ -312,6 +336,31 @@ def build_model(cfg_cls, model_cls, extra: dict, seed: int, bos_eos=None):
     return model
 
 
+def is_dynamic(extra: dict) -> bool:
+    return extra["rope_parameters"]["rope_type"] == "dynamic"
+
+
+@torch.no_grad()
+def grow_rope(model) -> None:
+    """Dynamic RoPE: one forward of DYNAMIC_SEQ_LEN tokens, so every later forward (none longer)
+    uses the base for that length."""
+    model(input_ids=torch.zeros(1, DYNAMIC_SEQ_LEN, dtype=torch.long), use_cache=False)
+    rotary = model.model.rotary_emb
+    assert rotary.max_seq_len_cached == DYNAMIC_SEQ_LEN > rotary.original_max_seq_len
+
+
+@torch.no_grad()
+def check_scaling_matters(cfg_cls, model_cls, extra: dict, seed: int, prompts, results) -> None:
+    """The same weights without the scaling (default RoPE) give other first-token logprobs: the
+    fixture tests the dynamic base."""
+    plain = build_model(cfg_cls, model_cls, dict(extra, rope_parameters={
+        "rope_type": "default", "rope_theta": extra["rope_parameters"]["rope_theta"]}), seed)
+    for p, r in zip(prompts, results):
+        logits = plain(input_ids=torch.tensor([p])).logits[0, -1].float()
+        diff = (torch.log_softmax(logits, -1) - r[2]).abs().max().item()
+        assert diff > 0.05, f"the dynamic scaling changes prompt {len(p)}'s logprobs by only {diff}"
+
+
 def _cache_kw(model) -> str:
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
@@ -380,6 +429,8 @@ def make_fixture(name: str) -> dict:
         assert len({len(p) for p in prompts}) == len(prompts), "prompt lengths must differ"
 
         model = build_model(cfg_cls, model_cls, extra, seed, bos_eos)
+        if is_dynamic(extra):
+            grow_rope(model)
         results = [greedy_reference(model, p) for p in prompts]
         min_margin = min(min(r[3]) for r in results)
         if min_margin >= MIN_MARGIN:
@@ -390,6 +441,8 @@ def make_fixture(name: str) -> dict:
 
     for p, (tokens, _, first_lp, _) in zip(prompts, results):
         cross_check(model, p, tokens, first_lp)
+    if is_dynamic(extra):
+        check_scaling_matters(cfg_cls, model_cls, extra, seed, prompts, results)
 
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -407,6 +460,8 @@ def make_fixture(name: str) -> dict:
         "min_margin": round(min_margin, 6),
         "first_logprobs": [[round(float(x), 6) for x in r[2].tolist()] for r in results],
     }
+    if is_dynamic(extra):  # the context the reference's RoPE base is for: run dcp_jax with it
+        expected["max_seq_len"] = DYNAMIC_SEQ_LEN
     if tokenizer is not None:
         from transformers import PreTrainedTokenizerFast
 

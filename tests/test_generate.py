@@ -14,7 +14,8 @@ from dcp_jax.weights import load_hf
 from tests.util import FIXTURES, expected
 from tests.util import run_fixture as run
 
-FAMILIES = ["llama-gqa", "llama-mha-tied", "mistral", "qwen2", "qwen3", "llama-tokenizer"]
+FAMILIES = ["llama-gqa", "llama-mha-tied", "mistral", "qwen2", "qwen3", "llama-tokenizer",
+            "llama-dynamic"]
 MESHES = [(1, 1), (1, 8), (2, 4), (4, 2), (1, 3)]
 
 
@@ -24,7 +25,8 @@ def valid_mesh(name, tp):
 
 
 # every mesh for llama-gqa; each other family on two meshes that shard it differently (tp x dcp, odd dcp):
-# the family's own parts (tied embeddings, biases, q/k norms, windows) against the placement math once each
+# the family's own parts (tied embeddings, biases, q/k norms, windows, dynamic RoPE) against the
+# placement math once each
 CASES = [(n, m) for n in FAMILIES for m in (MESHES if n == FAMILIES[0] else [(2, 4), (1, 3)])
          if valid_mesh(n, m[0])]
 

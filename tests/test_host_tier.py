@@ -187,3 +187,28 @@ def test_a_failed_copy_back_fails_its_request_and_nothing_stale_is_served(after_
     assert stats["failed_steps"] == 1 and stats["pages_used"] == 0 and stats["cached_blocks"] == 0
     assert serve_waves(server, waves[4:], max_tokens) == want[4:]  # again, and the later waves: exact
     assert server.stats()["host_hit_tokens"] > stats["host_hit_tokens"]
+
+
+def test_generate_stats_count_host_hits_as_prefix_hits():
+    # a device pool holding one document, four documents asked twice in one generate each: the
+    # second round's prompts all come back from the host tier, which its stats report as prefix hits
+    # (of the documents' full blocks) and as host hits, with the bytes copied back; the tokens are
+    # the first round's
+    from dcp_jax import LLM
+
+    block = 2 * 2  # page_size 2 x dcp 2
+    rng = np.random.default_rng(3)
+    docs = [[int(t) for t in rng.integers(1, 200, 4 * block)] + [5] for _ in range(4)]
+    pages = 1 + -(-(len(docs[0]) + 4) // block)  # one request's prompt and output
+    llm = LLM.load(FIXTURES / "llama-gqa", tp=1, dcp=2, page_size=2, max_num_seqs=1,
+                   num_pages=pages, max_model_len=24, kv_host_memory="1MiB")
+    first = llm.generate(docs, max_new_tokens=4, ignore_eos=True)
+    second = llm.generate(docs, max_new_tokens=4, ignore_eos=True)
+    assert second.tokens == first.tokens
+    assert first.stats["host_hit_tokens"] == first.stats["prefix_hit_tokens"] == 0
+    assert first.stats["host_bytes_to_host"] > 0 and first.stats["host_bytes_to_device"] == 0
+    s = second.stats
+    assert s["host_hit_tokens"] == s["prefix_hit_tokens"] == 4 * 4 * block  # 4 blocks a document
+    assert s["prefix_hit_rate"] == s["prefix_hit_tokens"] / s["prefix_query_tokens"] > 0
+    assert s["host_bytes_to_device"] > 0 and s["host_copy_s"] > 0 and s["host_bytes"] > 0
+    assert llm.engine.stats()["host_hit_tokens"] == s["host_hit_tokens"]  # the manager's total

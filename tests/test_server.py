@@ -317,6 +317,32 @@ def test_structured_outputs(server):
         assert bad.json()["error"]["param"] == param
 
 
+def test_structured_outputs_on_the_default_model():
+    # the embedded byte-level model (no --model): a json_schema response_format is served
+    # (llguidance gets its byte vocabulary) and each choice, ended where its grammar completes,
+    # validates
+    import jsonschema
+
+    from dcp_jax.launch import make_app, serve_in_thread
+
+    app, _ = make_app(tp=1, dcp=2, max_num_seqs=4, page_size=8, prefill_chunk=32)
+    base, stop = serve_in_thread(app, timeout_s=30)
+    try:
+        schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                  "n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["name", "n"],
+                  "additionalProperties": False}
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        r = httpx.post(base + "/v1/completions", timeout=60, json=dict(
+            model="dcp-jax-tiny", prompt="def f(x):", max_tokens=60, temperature=0.8, seed=3, n=3,
+            response_format=fmt))
+        assert r.status_code == 200, r.text
+        for choice in r.json()["choices"]:
+            assert choice["finish_reason"] == "stop", choice
+            jsonschema.validate(json.loads(choice["text"]), schema)
+    finally:
+        stop()
+
+
 def test_n_samples(server):
     # n seeded samples: choice j is what seed + j gives alone; streamed choices (interleaved chunks, each
     # with its index) equal the whole response's; usage counts the prompt once and every sample's tokens

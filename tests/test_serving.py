@@ -21,12 +21,15 @@ def load(name, tp, dcp, **kw):
 
 
 @pytest.mark.parametrize("name,tp,dcp", [("llama-gqa", *m) for m in MESHES]
-                         + [("deepseek-v3", 1, 3), ("deepseek-v3", 2, 4)])  # (MLA on two meshes)
+                         + [("deepseek-v3", 1, 3), ("deepseek-v3", 2, 4)]  # (MLA on two meshes)
+                         + [("llama-dynamic", 2, 4)])
 def test_matches_transformers_with_fewer_slots_than_requests(name, tp, dcp):
     # Two slots for three prompts: the third waits and is admitted when one finishes; pages of 2 slots
-    # make every sequence span several blocks.
+    # make every sequence span several blocks. (Dynamic RoPE: the context its reference's base is
+    # for.)
     exp = expected(name)
-    llm = load(name, tp, dcp, page_size=2, max_num_seqs=2, decode_steps=3, prefill_chunk=4)
+    llm = load(name, tp, dcp, page_size=2, max_num_seqs=2, decode_steps=3, prefill_chunk=4,
+               max_model_len=exp.get("max_seq_len"))
     out = llm.generate(exp["prompts"], max_new_tokens=exp["max_new_tokens"], ignore_eos=True)
     assert out.tokens == exp["greedy"]
     np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(exp["greedy_logprobs"]), atol=2e-3)

@@ -141,3 +141,20 @@ def test_no_tokenizer_no_grammar():
     llm = LLM.load(FIXTURES / "llama-gqa", tp=1, dcp=1, page_size=4)
     with pytest.raises(UserError, match="structured outputs need the model's tokenizer"):
         llm.generate([[5, 6]], max_new_tokens=2, structured={"choice": ["a"]})
+
+
+def test_200_constrained_completions_on_the_embedded_byte_model():
+    # the default model's tokenizer is byte-level and it has no EOS token: llguidance gets its 256
+    # byte tokens and an EOS past them, and each output ends where its grammar is complete ("stop");
+    # the 20 specs x 5 prompts, greedy and sampled, in one batched generate
+    from dcp_jax.cli import DEFAULT_MODEL
+
+    llm = LLM.load(DEFAULT_MODEL, tp=1, dcp=2, max_model_len=256, page_size=8, max_num_seqs=40)
+    assert llm.model.config.eos_token_ids == () and llm.tokenizer.to_str() == "bytes"
+    rows = [(prompt, spec, check, kw) for spec, check in cases() for prompt in PROMPTS
+            for kw in ({}, dict(temperature=1.0, top_k=50, seed=11))]
+    params = [SamplingParams(max_tokens=80, structured=spec, **kw) for _, spec, _, kw in rows]
+    out = llm.generate([prompt for prompt, *_ in rows], params)
+    for text, reason, (_, spec, check, _) in zip(out.text, out.finish_reasons, rows, strict=True):
+        assert reason == "stop" and check(text), (spec, text, reason)
+    assert len(rows) == 200

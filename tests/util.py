@@ -38,7 +38,8 @@ def expected(name):
 def run_fixture(name, tp, dcp, **kw):
     """Greedy generation of the fixture's prompts on a (tp, dcp) mesh -> (Generation, expected).
 
-    Keywords: q_gather, interleave, combine (model/engine options); the rest go to Engine.generate.
+    Keywords: q_gather, interleave, combine (model/engine options); the rest go to Engine.generate
+    (max_seq_len: the fixture's own where it has one, the context its dynamic RoPE base is for).
     """
     from dcp_jax import make_mesh
     from dcp_jax.dense import Engine
@@ -48,6 +49,7 @@ def run_fixture(name, tp, dcp, **kw):
     model, _ = load_hf(FIXTURES / name, mesh, q_gather=kw.pop("q_gather", False))
     exp = expected(name)
     eng = Engine(model, mesh, interleave=kw.pop("interleave", 1), combine=kw.pop("combine", "auto"))
+    kw.setdefault("max_seq_len", exp.get("max_seq_len"))
     return eng.generate(exp["prompts"], max_new_tokens=exp["max_new_tokens"], ignore_eos=True, **kw), exp
 
 

@@ -128,7 +128,8 @@ class KVCacheManager:
     def admit(self, r, hit: list[int] = (), host_hits: int = 0) -> None:
         """`r` takes the lowest free slot, the cached pages `hit` (from `lookup`) and, for the next
         `host_hits` blocks (from `lookup_host`), fresh pages their KV is copied back into (cached again
-        at once: the copy runs before any step); counts the lookup."""
+        at once: the copy runs before any step); counts the lookup (prefix hits: the device's and
+        the host's blocks; host hits: the host's alone)."""
         r.slot = min(self.free_slots)
         self.free_slots.remove(r.slot)
         pages = list(hit)
@@ -147,7 +148,8 @@ class KVCacheManager:
             self.block_table[r.slot, :len(pages)] = pages
             r.pages, r.num_registered = pages, len(pages)
         self.prefix_query_tokens += r.num_tokens
-        self.prefix_hit_tokens += self.layout.capacity_tokens(len(hit))
+        # a hit is a hit wherever its KV was: the device's and the host tier's (host_hit_tokens)
+        self.prefix_hit_tokens += self.layout.capacity_tokens(len(hit) + host_hits)
 
     def grow(self, r, n: int) -> None:
         """Give running request `r` n more pages (the caller checked `num_available`)."""

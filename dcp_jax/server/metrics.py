@@ -35,9 +35,11 @@ STAT_GAUGES = (
 STAT_COUNTERS = (
     ("preemptions", "num_preemptions", "Requests preempted"),
     ("prefix_query_tokens", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
-    ("prefix_hit_tokens", "prefix_cache_hits", "Prompt tokens found cached on the device"),
+    ("prefix_hit_tokens", "prefix_cache_hits",
+     "Prompt tokens found cached (on the device or in the host tier: not computed again)"),
     ("evictions", "prefix_cache_evictions", "Cached blocks evicted from the device pool"),
-    ("host_hit_tokens", "kv_host_hit_tokens", "Prompt tokens copied back from the host tier"),
+    ("host_hit_tokens", "kv_host_hit_tokens",
+     "Prompt tokens copied back from the host tier (counted in prefix_cache_hits too)"),
     ("host_bytes_to_host", "kv_host_bytes_to_host", "KV bytes copied to the host tier"),
     ("host_bytes_to_device", "kv_host_bytes_to_device", "KV bytes copied back from the host tier"),
     ("host_copy_s", "kv_host_copy_seconds", "Seconds spent dispatching and taking host-tier copies"),

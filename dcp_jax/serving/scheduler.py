@@ -455,6 +455,11 @@ class Scheduler:
                           max_model_len=self.config.max_model_len, detokenize=self.detokenize):
             self.finish(r)
             return True
+        if self.structured is not None and self.structured.ended(r):
+            # a model with no EOS: a structured output ends where its grammar is complete
+            r.finish("stop", detokenize=self.detokenize)
+            self.finish(r)
+            return True
         return False
 
     # --- requests prefilled elsewhere (prefill/decode disaggregation, `dcp_jax.disagg`) -----------
