@@ -43,7 +43,8 @@ def executed(tmp_path_factory):
             cell.outputs = []
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+    # (per cell: loading the real 30-layer model and compiling its two programs is the slowest)
+    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": str(work)}})
     client.execute(env=env)  # raises CellExecutionError naming the cell if one fails (or times out)
     return nb
@@ -98,6 +99,28 @@ def test_key_outputs(executed):
     pngs = [o.data["image/png"] for c in nb.cells if c.cell_type == "code" for o in c.outputs
             if "data" in o and "image/png" in o.data]
     assert len(pngs) == 1 and len(pngs[0]) < 100_000
+
+
+def test_real_model_under_dcp(executed):
+    # section 6: SmolLM2-135M-Instruct on tp=1 x dcp=4 answers a chat question greedily, and its
+    # tokens' KV goes round robin over the 4 ranks
+    nb = executed
+    text = "\n".join(cell_text(c) for c in nb.cells if c.cell_type == "code")
+    assert "mesh: {'tp': 1, 'dcp': 4} | 30 layers, 9 query / 3 KV heads" in text
+    said = re.search(r"^(\d+) prompt tokens -> '(.*)' \((\w+)\)$", text, re.M)
+    prompt, answer, reason = said.groups()
+    assert "Paris" in answer and reason in ("stop", "length"), answer
+    rows = re.findall(r"^\s+(\d+) '.*' +-> rank (\d), slot (\d+)$", text, re.M)
+    placed = [tuple(map(int, row)) for row in rows]
+    assert placed and placed[0][0] == int(prompt)
+    assert all(rank == t % 4 and slot == t // 4 for t, rank, slot in placed), placed
+    per_rank = re.search(r"^SmolLM2 tokens per rank \((\d+) tokens\): (\[[\d, ]+\])$", text, re.M)
+    n, counts = int(per_rank.group(1)), json.loads(per_rank.group(2))
+    assert len(counts) == 4 and sum(counts) == n == placed[-1][0] + 1
+    assert max(counts) - min(counts) <= 1  # round robin
+    assert re.search(r"^K pool: \(30, \d+, 3, 64, 64\) float32 spec: "
+                     r"P\(None, 'dcp', 'tp', None, None\) \| per device: \(30, \d+, 3, 64, 64\)$",
+                     text, re.M)
 
 
 def test_committed_notebook_has_outputs_and_is_small():
