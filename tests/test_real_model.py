@@ -127,7 +127,8 @@ def check_outputs(out, batch: list[dict], mesh: str, feature: str) -> None:
 def test_tokenizer_matches_transformers(meta):
     """The fixture's ids are transformers' GGUF tokenizer with the file's `smollm` pre-tokenizer
     (each digit alone, as llama.cpp and SmolLM2's own tokenizer.json split): transformers' reader
-    drops that split, and the fixture keeps its ids too where they differ (tests/fixtures/smollm2)."""
+    drops that split, and the fixture keeps its ids too where they differ
+    (tests/fixtures/smollm2)."""
     from dcp_jax import gguf_checkpoint as gg
 
     tok = gg.tokenizer(meta)
