@@ -230,9 +230,12 @@ def check_host_tier(path, mesh: str) -> None:
                    kv_host_memory="2GiB")
     first = [run(llm, [c]) for c in batch]
     again = [run(llm, [c]) for c in batch]
-    # the cache's own blocks first, then what the host tier holds: most of each prompt
-    hits = [(a.stats["prefix_hit_tokens"], a.stats["host_hit_tokens"]) for a in again]
-    assert all(p > 0.7 * len(c["prompt_ids"]) and h > 0 for (p, h), c in zip(hits, batch)), hits
+    # most of each prompt's full blocks hit, in the device's cache (the 1.5K and 6K documents
+    # share their start) or in the host tier; the pass key shares nothing: its hits are the host's
+    hits = {c["name"]: (a.stats["prefix_hit_tokens"], a.stats["host_hit_tokens"])
+            for a, c in zip(again, batch)}
+    assert all(p > 0.6 * len(c["prompt_ids"]) for (p, _), c in zip(hits.values(), batch)), hits
+    assert hits["passkey"][1] > 0, hits
     for outs, feature in ((first, "first"), (again, "host")):
         for out, c in zip(outs, batch):
             check_outputs(out, [c], mesh, feature)
