@@ -802,7 +802,7 @@ def table(report: dict) -> str:
         out += [f"  {r['workload']} {r['code']} {r['arrivals']}: {', '.join(f'{w:.2f}' for w in r['walls_s'])}"
                 for r in rows]
     for key, value in ratios.items():
-        if key.startswith("ours/") or key.endswith(("tpot_p99/p50", "wall/floor")):
+        if key.startswith("ours/") or key.endswith(("tpot_p99/p50", "wall/floor", "ttft p50")):
             out.append(f"  {key}: {value:.2f}x")
     if not cap:
         return "\n".join(out)
@@ -1096,6 +1096,9 @@ def main(argv=None) -> int:
                 if code != "ours" and arrivals in ("burst", "poisson") and ("ours", arrivals) in by:
                     ratios[f"ours/{code} {name} {arrivals} output tok/s"] = (
                         by[("ours", arrivals)]["output_tokens_per_s"] / r["output_tokens_per_s"])
+                    if r["ttft_p50_s"] and by[("ours", arrivals)]["ttft_p50_s"]:
+                        ratios[f"{code}/ours {name} {arrivals} ttft p50"] = (
+                            r["ttft_p50_s"] / by[("ours", arrivals)]["ttft_p50_s"])
             for (code, arrivals), r in by.items():
                 if arrivals == "poisson" and r["tpot_p50_s"]:
                     ratios[f"{name} {code} poisson tpot_p99/p50"] = r["tpot_p99_s"] / r["tpot_p50_s"]
