@@ -169,25 +169,16 @@ INSTRUCTIONS = [
     "Explain the notes below to a ten-year-old.",
 ]
 SENTENCES = [
-    "The river that runs through the old town floods every few springs, so the bakery keeps its "
-    "flour on the upper shelves.",
-    "Our team moved the weekly planning meeting to Thursday mornings because Mondays were always "
-    "too crowded with support tickets.",
-    "A kilogram of tomatoes costs a little more at the farmers' market, but they keep for almost "
-    "a week longer.",
-    "The library extended its opening hours during exam season and added twenty desks on the "
-    "second floor.",
-    "Most of the bugs reported last month came from the date parser, which did not handle leap "
-    "years correctly.",
-    "Honeybees communicate the direction of flowers with a waggle dance whose angle follows the "
-    "sun.",
-    "The new train line cuts the commute from the suburbs to the city centre from fifty minutes "
-    "to thirty-five.",
-    "Learning to play the piano as an adult takes patience, but fifteen minutes a day is enough "
-    "to make steady progress.",
-    "The museum's summer exhibition on early photography drew twice as many visitors as "
-    "expected.",
-    "Our cloud bill dropped by a third after we turned off the test servers over the weekend.",
+    "The river in the old town floods every few springs, so the bakery keeps its flour up high.",
+    "Our team moved the planning meeting to Thursdays because Mondays were full of tickets.",
+    "Tomatoes cost a little more at the farmers' market, but they keep a week longer.",
+    "The library extended its hours during exam season and added twenty desks upstairs.",
+    "Most bugs reported last month came from the date parser, which mishandled leap years.",
+    "Honeybees point their hive mates to flowers with a waggle dance that follows the sun.",
+    "The new train line cuts the commute from the suburbs from fifty minutes to thirty-five.",
+    "Learning the piano as an adult takes patience, but fifteen minutes a day is enough.",
+    "The museum's summer exhibition on early photography drew twice the expected visitors.",
+    "Our cloud bill dropped by a third after we turned off the test servers at weekends.",
     "Octopuses have three hearts and blue blood, and each arm can taste what it touches.",
     "The school garden produced enough pumpkins this year to give one to every family.",
     "When the power went out, the hospital's backup generators started within ten seconds.",
@@ -195,33 +186,32 @@ SENTENCES = [
     "Mount Everest grows by a few millimetres every year as the Indian plate pushes north.",
     "The recipe calls for two eggs, but a spoonful of yoghurt works just as well.",
     "Volunteers planted four hundred trees along the highway in a single weekend.",
-    "The quarterly report is due on the fifteenth, and the finance team still needs the "
-    "travel receipts.",
+    "The quarterly report is due on the fifteenth, and finance still needs the receipts.",
     "Cats sleep for twelve to sixteen hours a day, mostly in short naps.",
-    "The bridge will be closed for repairs from June to August, so buses will take the "
-    "northern route.",
+    "The bridge is closed for repairs from June to August, so buses take the northern route.",
 ]
 
 
-def chat_tools(checkpoint: Path):
-    """The GGUF file's tokenizer and chat template (read in the driver, before any worker)."""
+def real_model_facts(checkpoint: Path):
+    """The GGUF file's tokenizer, chat template and parameter count (its metadata read once, in the
+    driver, before any worker)."""
     from dcp_jax import gguf_checkpoint as gg
 
-    meta = gg.metadata(gg.open_reader(checkpoint))
+    reader = gg.open_reader(checkpoint)
+    meta = gg.metadata(reader)
     tok, template = gg.tokenizer(meta), gg.chat_template(meta)
     if tok is None or template is None:
         raise SystemExit(f"error: {checkpoint} has no tokenizer or chat template: the real "
                          "workload renders chat prompts")
-    return tok, template
+    return tok, template, int(sum(t.n_elements for t in reader.tensors))
 
 
-def make_chat_workload(checkpoint: Path, n: int, prompt_range, output_range,
+def make_chat_workload(tok, template, n: int, prompt_range, output_range,
                        seed: int) -> list[dict]:
     """`n` chat requests: one user turn each (an instruction and notes) rendered by the checkpoint's
     chat template with its generation prompt, the notes cut at the word that brings the prompt to
     a length drawn log-uniformly from `prompt_range` (or just past it); outputs from
-    `output_range`."""
-    tok, template = chat_tools(checkpoint)
+    `output_range` (`tok`, `template`: the checkpoint's tokenizer and chat template)."""
     rng = np.random.default_rng(seed)
     lens = log_uniform(rng, *prompt_range, n)
     outs = log_uniform(rng, *output_range, n)
@@ -1177,8 +1167,9 @@ def workload_requests(w: dict, root: Path, args) -> tuple[Path, int, list[dict]]
     and chat prompts for the real workload, else a random checkpoint under `root` and random ids."""
     if w.get("chat"):
         checkpoint = real_checkpoint(args.real_model)
-        work = make_chat_workload(checkpoint, w["requests"], w["prompt"], w["output"], args.seed)
-        return checkpoint, gguf_params(checkpoint), work
+        tok, template, params = real_model_facts(checkpoint)
+        work = make_chat_workload(tok, template, w["requests"], w["prompt"], w["output"], args.seed)
+        return checkpoint, params, work
     checkpoint = ensure_checkpoint(root / w["model"], w["model"])
     cfg = json.loads((checkpoint / "config.json").read_text())
     work = make_workload(w["requests"], w["prompt"], w["output"], cfg["vocab_size"], args.seed)
@@ -1199,12 +1190,6 @@ def real_checkpoint(model: str) -> Path:
         return fetch(model)
     except UserError as e:
         raise SystemExit(f"error: --real-model {model}: {e}") from None
-
-
-def gguf_params(path: Path) -> int:
-    from dcp_jax import gguf_checkpoint as gg
-
-    return int(sum(t.n_elements for t in gg.open_reader(path).tensors))
 
 
 def param_count(cfg: dict) -> int:
