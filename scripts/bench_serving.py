@@ -56,7 +56,7 @@ pool is max(cores, devices); see scripts/bench_decode.py).
     python scripts/bench_serving.py --baseline dd67113~1 --transformers auto   # the three workloads
     python scripts/bench_serving.py --workloads short --repeat 3 ...          # median of 3 runs per code
     python scripts/bench_serving.py --quick --json                           # tiny checkpoint, seconds
-    python scripts/bench_serving.py --workloads real --no-capacity --transformers PYTHON  # real model
+    python scripts/bench_serving.py --workloads real --no-capacity --transformers PYTHON  # the model
 """
 
 from __future__ import annotations
@@ -436,9 +436,8 @@ def transformers_worker(spec: dict):
         manager.start()
         try:
             t0 = time.perf_counter()
-            ids = {manager.add_request(w["prompt"], request_id=w["id"],
-                                       max_new_tokens=w["max_tokens"], record_timestamps=True): w["id"]
-                   for w in items}
+            ids = {manager.add_request(w["prompt"], request_id=w["id"], record_timestamps=True,
+                                       max_new_tokens=w["max_tokens"]): w["id"] for w in items}
             out = {}
             while len(out) < len(ids):
                 res = manager.get_result(timeout=1.0)
