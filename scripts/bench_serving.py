@@ -414,7 +414,7 @@ def transformers_worker(spec: dict):
     import transformers
     from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(spec.get("torch_threads") or os.cpu_count() or 1)
     path, workload = Path(spec["checkpoint"]), spec["workload"]
     gguf = path.suffix == ".gguf"
     where = (dict(pretrained_model_name_or_path=str(path.parent), gguf_file=path.name) if gguf
@@ -992,6 +992,9 @@ def main(argv=None) -> int:
                         "continuous batching in PYTHON, an interpreter with torch and transformers "
                         "(the real workload's GGUF also needs gguf and accelerate; 'auto': this "
                         "one)")
+    p.add_argument("--torch-threads", type=int, default=None, metavar="N",
+                   help="transformers' intra-op threads (default: the host's cores; on a host shared "
+                        "with other jobs torch's threads wait on each other, and 1 may serve faster)")
     p.add_argument("--no-floor", action="store_true",
                    help="skip the floor (each workload's weight matmuls alone, timed in one more interpreter)")
     p.add_argument("--worker", choices=["serving", "capacity", "transformers", "floor"], help=argparse.SUPPRESS)
@@ -1051,7 +1054,7 @@ def main(argv=None) -> int:
             checkpoint, params, work = workload_requests(w, root, args)
             spec = dict(checkpoint=str(checkpoint), tp=tp, dcp=dcp, workload=work, kv_cache_memory=args.kv_cache_memory,
                         seed=args.seed, prefix_caching=args.prefix_caching, max_model_len=size["max_model_len"],
-                        **sizes_kw)
+                        torch_threads=args.torch_threads, **sizes_kw)
             if args.max_num_seqs is None and "max_num_seqs" in w:  # the workload's own slots
                 spec["max_num_seqs"] = w["max_num_seqs"]
             info[name] = dict(max_num_seqs=spec["max_num_seqs"])
@@ -1145,6 +1148,7 @@ def main(argv=None) -> int:
 
     exact = all(r["exact_tokens"] for r in rows if r["strict"])
     report = dict(command=command, mesh=[tp, dcp], quick=args.quick, workloads=info, rows=rows,
+                  torch_threads=args.torch_threads,
                   capacity=capacity, capacity_rows=capacity_rows, ratios=ratios, exact_tokens=exact,
                   baseline=args.baseline, **sizes_kw,
                   timing_note="compile excluded: programs compiled ahead and warmed up (transformers: a warm-up "
