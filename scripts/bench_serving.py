@@ -993,8 +993,9 @@ def main(argv=None) -> int:
                         "(the real workload's GGUF also needs gguf and accelerate; 'auto': this "
                         "one)")
     p.add_argument("--torch-threads", type=int, default=None, metavar="N",
-                   help="transformers' intra-op threads (default: the host's cores; on a host shared "
-                        "with other jobs torch's threads wait on each other, and 1 may serve faster)")
+                   help="transformers' intra-op threads (default: the host's cores; on a host "
+                        "shared with other jobs torch's threads wait on each other, and 1 may "
+                        "serve faster)")
     p.add_argument("--no-floor", action="store_true",
                    help="skip the floor (each workload's weight matmuls alone, timed in one more interpreter)")
     p.add_argument("--worker", choices=["serving", "capacity", "transformers", "floor"], help=argparse.SUPPRESS)
