@@ -1,11 +1,14 @@
 """Smoke tests of scripts/bench_serving.py --quick --json: the report's structure, exactness, the rows the
 programs computed (a logical count) and the capacity count. No wall-clock ratio is asserted."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,3 +103,47 @@ def test_bench_serving_client_mode_quick():
     for r in report["rows"]:
         assert r["requests"] == report["requests"] and r["output_tokens"] > 0
         assert r["request_rate"] > 0 and r["ttft_p50_s"] <= r["ttft_p99_s"]
+
+
+def test_bench_serving_real_workload_quick():
+    # --workloads real: the real model (the cached SmolLM2 GGUF; no download here) on chat-template
+    # prompts, ours only (transformers' side runs in another interpreter, not in this test).
+    from dcp_jax.fetch import cached_path
+
+    if not cached_path().is_file():
+        pytest.skip("the real model is not in the model cache (python -m dcp_jax.fetch)")
+    report = bench("--workloads", "real", "--requests", "2", "--no-capacity", "--no-floor")
+    w = report["workloads"]["real"]
+    assert w["chat"] is True and w["params"] > 100e6 and w["requests"] == 2
+    assert all(n >= w["prompt"][0] for n in w["prompt_lengths"])  # at least the drawn length
+    (row,) = report["rows"]
+    assert (row["workload"], row["code"], row["arrivals"]) == ("real", "ours", "burst")
+    assert row["strict"] is True and row["identical"] == 2 and row["diverged_at"] == {}
+    assert row["output_tokens"] == w["output_tokens"] and row["ttft_p50_s"] > 0
+    assert report["exact_tokens"] is True
+
+
+def bench_module():
+    path = ROOT / "scripts" / "bench_serving.py"
+    spec = importlib.util.spec_from_file_location("bench_serving", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_real_workload_agreement_is_counted_not_required():
+    # The real workload's transformers row: requests whose greedy tokens differ from ours are
+    # counted (and where each first differs), the row is not strict, and the table says so.
+    b = bench_module()
+    ours = dict(wall_s=1.0, output_tokens=6,
+                requests=[dict(id="a", tokens=[1, 2, 3]), dict(id="b", tokens=[4, 5, 6])])
+    theirs = dict(wall_s=2.0, output_tokens=6,
+                  requests=[dict(id="a", tokens=[1, 2, 3], ttft_s=0.5, tpot_s=0.1),
+                            dict(id="b", tokens=[4, 9, 6], ttft_s=0.7, tpot_s=0.1)])
+    row = b.serving_row("real", "transformers", "burst", theirs, ours, 10, strict=False)
+    assert row["exact_tokens"] is False and row["mismatched"] == ["b"]
+    assert (row["identical"], row["diverged_at"]) == (1, {"b": 1})
+    assert b.exact_cell(row) == "1/2" and row["ttft_p50_s"] == 0.6
+    (line,) = b.agreement_lines([row, b.serving_row("real", "ours", "burst", ours, ours, 10)])
+    assert "identical to ours on 1/2 requests" in line and "output token 1" in line
+    assert b.first_difference([1, 2], [1, 2, 3]) == 2
