@@ -4,7 +4,7 @@ reader gives for each (tests/fixtures/gguf-types/).
 
 Run by hand (NOT in CI; it needs torch, transformers and gguf), from the repository root:
 
-    /work/venv311/bin/python scripts/make_gguf_fixtures.py   # writes tests/fixtures/gguf-types/
+    ../venv311/bin/python scripts/make_gguf_fixtures.py   # writes tests/fixtures/gguf-types/
 
 Two files, written deterministically (no random state from NumPy's generators: the weights come from
 a counter-based hash, so the test regenerates the original floats bit for bit):

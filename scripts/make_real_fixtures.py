@@ -4,7 +4,7 @@
 Run by hand (NOT in CI; it needs torch, transformers, tokenizers and gguf), from the repository
 root, after fetching the model into the cache (`python -m dcp_jax.fetch`):
 
-    /work/venv311/bin/python scripts/make_real_fixtures.py [PATH.gguf]
+    ../venv311/bin/python scripts/make_real_fixtures.py [PATH.gguf]
 
 PATH defaults to the model cache's file ($DCP_JAX_MODEL_CACHE, else ~/.cache/dcp_jax/models).
 Deterministic: one thread, `torch.use_deterministic_algorithms(True)`, float32, eager attention,
