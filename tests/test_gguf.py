@@ -264,3 +264,46 @@ def test_cli_reports_a_broken_gguf(tmp_path, capsys):
     assert p.returncode == 1, p.stderr
     assert "Traceback" not in p.stderr, p.stderr
     assert p.stderr.strip().splitlines()[-1] == err.strip(), p.stderr
+
+
+# --- other architectures: the Hugging Face fixtures written as GGUF files give their tokens ------
+
+def hf_to_gguf(fixture: str, path) -> None:
+    """tests/fixtures/<fixture> (float32 safetensors, random weights, no tokenizer) as a GGUF file
+    of its architecture, tensors named as llama.cpp's converter names them (qwen2 and qwen3 keep
+    Q/K rows in Hugging Face order: only llama's are permuted)."""
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((FIXTURES / fixture / "config.json").read_text())
+    arch = cfg["model_type"]
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg.get("head_dim") or hidden // heads)
+    w.add_value_length(cfg.get("head_dim") or hidden // heads)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    model_arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    names = gguf.get_tensor_name_map(model_arch, cfg["num_hidden_layers"])
+    for name, x in sorted(load_file(FIXTURES / fixture / "model.safetensors").items()):
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("fixture", ["qwen2", "qwen3"])
+def test_other_architectures_give_transformers_tokens(tmp_path, fixture):
+    path = tmp_path / f"{fixture}.gguf"
+    hf_to_gguf(fixture, path)
+    exp = json.loads((FIXTURES / fixture / "expected.json").read_text())
+    llm = LLM.load(str(path), tp=1, dcp=2, dtype="float32", max_model_len=64)
+    out = llm.generate(exp["prompts"], max_new_tokens=exp["max_new_tokens"], ignore_eos=True)
+    assert out.tokens == exp["greedy"]
+    np.testing.assert_allclose(out.logprobs, exp["greedy_logprobs"], atol=1e-4)
