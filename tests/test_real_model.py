@@ -38,11 +38,14 @@ FULL = os.environ.get("DCP_JAX_REAL_FULL") == "1"
 NEAR_TIE = 0.02  # transformers' top-1 minus top-2 logit below this: either token is right
 LOGPROB_TOL = 2e-3  # float32 on both sides, summed in other orders (measured: within 4.3e-5)
 MAX_MODEL_LEN = 6_400  # the 6K context and its new tokens
-# 8-bit KV against the model-dtype cache on the CI prompts (measured, int8 on 1x2: 108/108 tokens
-# agree, deviation mean 0.011, max 0.143; an earlier prompt set differed at a top-2 margin of 0.16):
-# a request may differ only at a margin below near_tie; broken scales or a wrong row move every
-# logprob by whole nats
-BOUNDS = dict(near_tie=0.3, agreement=0.75, mean=0.05, max=0.5)
+# 8-bit KV against the model-dtype cache (measured on 1x2; int8, the CI prompts: 108/108 tokens
+# agree, deviation mean 0.011, max 0.143, and an earlier prompt set differed at a top-2 margin of
+# 0.16; full matrix, with the 1.5K and 6K contexts: int8 140/140, mean 0.012, max 0.143; fp8 (3
+# mantissa bits) 120/140, one request differing at token 4 where the margin is 0.35, mean 0.027,
+# max 0.335): a request may differ only at a margin below near_tie; broken scales or a wrong row
+# move every logprob by whole nats and every request from its first tokens
+BOUNDS = {"int8": dict(near_tie=0.3, agreement=0.75, mean=0.05, max=0.5),
+          "fp8": dict(near_tie=0.6, agreement=0.75, mean=0.1, max=1.0)}
 
 # name -> LLM.load's mesh keywords
 MESHES = {"1x1": dict(tp=1, dcp=1), "1x2": dict(tp=1, dcp=2),
@@ -276,8 +279,9 @@ def test_8bit_kv_stays_close(gguf_path, kv_dtype):
     print(f"REAL 8-bit {kv_dtype}: greedy agreement {agree}/{total} tokens (first difference, "
           f"transformers' margin there: {first or 'none'}), chosen-token logprob deviation mean "
           f"{np.mean(dev):.4f} max {np.max(dev):.4f}")
-    # 8-bit noise moves logits by about 0.1: a request may take the other branch where the
-    # model's top-2 margin is within it, nowhere else
-    assert all(m < BOUNDS["near_tie"] for _, m in first.values()), first
-    assert agree / total >= BOUNDS["agreement"], (agree, total, first)
-    assert np.mean(dev) < BOUNDS["mean"] and np.max(dev) < BOUNDS["max"], dev
+    # 8-bit noise moves logits by about 0.1 (int8) to 0.3 (fp8): a request may take the other
+    # branch where the model's top-2 margin is within it, nowhere else
+    bounds = BOUNDS[kv_dtype]
+    assert all(m < bounds["near_tie"] for _, m in first.values()), first
+    assert agree / total >= bounds["agreement"], (agree, total, first)
+    assert np.mean(dev) < bounds["mean"] and np.max(dev) < bounds["max"], dev
