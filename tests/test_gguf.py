@@ -270,32 +270,23 @@ def test_cli_reports_a_broken_gguf(tmp_path, capsys):
 
 def hf_to_gguf(fixture: str, path) -> None:
     """tests/fixtures/<fixture> (float32 safetensors, random weights, no tokenizer) as a GGUF file
-    of its architecture, tensors named as llama.cpp's converter names them (qwen2 and qwen3 keep
-    Q/K rows in Hugging Face order: only llama's are permuted)."""
+    of its architecture through the fixtures' writer, tensors named as llama.cpp's converter names
+    them (qwen2 and qwen3 keep Q/K rows in Hugging Face order: only llama's are permuted)."""
     from safetensors.numpy import load_file
 
     cfg = json.loads((FIXTURES / fixture / "config.json").read_text())
-    arch = cfg["model_type"]
-    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg.get("head_dim") or hidden // heads)
-    w.add_value_length(cfg.get("head_dim") or hidden // heads)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    model_arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
-    names = gguf.get_tensor_name_map(model_arch, cfg["num_hidden_layers"])
-    for name, x in sorted(load_file(FIXTURES / fixture / "model.safetensors").items()):
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    arch, layers = cfg["model_type"], cfg["num_hidden_layers"]
+    names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], layers)
+    f32 = gguf.GGMLQuantizationType.F32
+    tensors = [(names.get_name(name, try_suffixes=(".weight", ".bias")), x, f32)
+               for name, x in sorted(load_file(FIXTURES / fixture / "model.safetensors").items())]
+    meta = {"hidden": cfg["hidden_size"], "heads": cfg["num_attention_heads"],
+            "kv_heads": cfg["num_key_value_heads"], "intermediate": cfg["intermediate_size"],
+            "vocab": cfg["vocab_size"], "context": cfg["max_position_embeddings"],
+            "rope_theta": cfg["rope_parameters"]["rope_theta"], "rms_eps": cfg["rms_norm_eps"]}
+    if cfg.get("head_dim"):
+        meta["head_dim"] = cfg["head_dim"]
+    MAKE.write_gguf(path, tensors, layers, meta, arch=arch)
 
 
 @pytest.mark.parametrize("fixture", ["qwen2", "qwen3"])

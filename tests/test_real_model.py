@@ -57,6 +57,8 @@ FEATURES = ("batch", "host", "ngram", "pd")
 # two-core runner), the chat prompts and the pass key (1.5K tokens; the host tier adds the 1.5K
 # context); the 1.5K and 6K contexts go through every feature in the full matrix
 CI_MESH = "1x2"
+
+
 @functools.cache
 def expected() -> dict:
     return json.loads(FIXTURE.read_text())
