@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.attention import SlotPositions, ragged, ragged_attention
+from pallas_kernels.attention import SlotPositions, attention, ragged, ragged_attention
 from tests.test_kernels import PALLAS, TOL, dim, to_pages
 from tests.util import assert_lse_close, dense_attention, rel_err
 
@@ -123,6 +123,80 @@ def test_ragged_values_shared_with_keys(impl):
     tiles = ragged.plan(starts, lens, np.arange(5), 40, ragged.group_shapes(40, rows=5, tile=8))
     o, lse = jax.jit(lambda x, t: ragged_attention(**x, tiles=t, impl=impl, v_dim=16))(x, tiles)
     check_ragged(o, lse, x, ((k, v), starts, lens, lengths), 1e-5)
+
+
+def fresh_of(x, dense, shared_v=False):
+    """Each flat token's own key and value (what the step writes to the pages), from the rows' dense KV
+    (a slice holding whole sequences: slot = position); zero for padding."""
+    (k, v), starts, lens, _ = dense
+    n = x["q"].shape[0]
+    kn, vn = np.zeros((n,) + k.shape[1:2] + k.shape[3:]), np.zeros((n,) + v.shape[1:2] + v.shape[3:])
+    for r, (s0, m) in enumerate(zip(starts, lens)):
+        pos = np.asarray(x["q_pos"][s0:s0 + m])
+        kn[s0:s0 + m], vn[s0:s0 + m] = k[r][:, pos].transpose(1, 0, 2), v[r][:, pos].transpose(1, 0, 2)
+    dtype = x["q"].dtype
+    return jnp.asarray(kn, dtype), None if shared_v else jnp.asarray(vn, dtype)
+
+
+@pytest.mark.parametrize("impl,opts", [("reference", dict(block_k=16, block_k_masked=8)),
+                                       (PALLAS, dict(block_k=16))])
+@pytest.mark.parametrize("h,kh,dtype,tile,long_tile", [
+    (8, 2, jnp.float32, 8, 256),   # GQA 4: the 23-token chunk in 3 tiles of 8, the 9-token prompt in 2
+    (4, 4, jnp.float32, 4, 16),    # MHA; the 23-token chunk in the long-chunk group (tiles of 16)
+    (8, 2, jnp.bfloat16, 16, 256),  # bf16
+])
+def test_split_prefill_tiles_match_float64(impl, opts, h, kh, dtype, tile, long_tile):
+    # Decode rows through the decode launch; each prefill tile's cached prefix through the pages and its
+    # diagonal block through self_attention (the tile's own keys and values), merged by LSE: the same
+    # attention as float64 over decode rows, a chunk after a cached prefix, a whole prompt (no prefix:
+    # its first tile reads no page) and an empty row.
+    x, dense = ragged_case(dtype, h, kh, 16, 16, 16, (0, 1, 1))
+    starts, lens, lengths = dense[1], dense[2], dense[3]
+    n = x["q"].shape[0]
+    tiles = ragged.plan(starts, lens, np.arange(5), n,
+                        ragged.group_shapes(n, rows=5, tile=tile, long_tile=long_tile),
+                        positions=lengths - np.asarray(lens))
+    fresh = fresh_of(x, dense)
+    o, lse = jax.jit(lambda x, t, f: ragged_attention(**x, tiles=t, impl=impl, fresh=f, **opts))(
+        x, tiles, fresh)
+    check_ragged(o, lse, x, dense, TOL[dtype])
+
+
+@pytest.mark.parametrize("impl", ["reference", PALLAS])
+def test_split_prefill_tiles_with_values_shared_with_keys(impl):
+    # MLA's latent: the diagonal blocks take their values from the new keys' first v_dim features.
+    x, ((k, v), starts, lens, lengths) = ragged_case(jnp.float32, 8, 1, dim(24), dim(24), 16, (0, 1, 1))
+    dense = ((k, k[..., :16]), starts, lens, lengths)
+    x = dict(x, v=None)
+    tiles = ragged.plan(starts, lens, np.arange(5), 40, ragged.group_shapes(40, rows=5, tile=8),
+                        positions=lengths - np.asarray(lens))
+    fresh = fresh_of(x, ((k, k), starts, lens, lengths), shared_v=True)
+    o, lse = jax.jit(lambda x, t, f: ragged_attention(**x, tiles=t, impl=impl, v_dim=16, fresh=f))(
+        x, tiles, fresh)
+    check_ragged(o, lse, x, dense, 1e-5)
+
+
+def test_split_prefill_tiles_read_only_their_prefix():
+    # The pages part of a split prefill tile sees only the slots below the tile's first token: the
+    # 9-token prompt's first tile (positions 0-7) sees none, its second (position 8) sees those 8; the
+    # 23-token chunk after 47 cached tokens sees less than its full attention does.
+    x, dense = ragged_case(jnp.float32, 8, 2, 16, 16, 16, (0, 1, 1))
+    starts, lens, lengths = dense[1], dense[2], dense[3]
+    tiles = ragged.plan(starts, lens, np.arange(5), 40, ragged.group_shapes(40, rows=5, tile=8),
+                        positions=lengths - np.asarray(lens))
+    prefix = ragged_attention(**x, tiles=tiles, impl="reference", prefix_only=True)
+    full = ragged_attention(**x, tiles=tiles, impl="reference")
+    s2 = starts[2]
+    assert np.isneginf(np.asarray(prefix[1][s2:s2 + 8])).all()
+    assert not np.asarray(prefix[0][s2:s2 + 8]).any()
+    one = dict(x, q=x["q"][s2 + 8:s2 + 9][None], q_pos=jnp.full((1, 1), 7, jnp.int32),
+               kv_len=x["kv_len"][2:3], block_table=x["block_table"][2:3])
+    expected = attention(**one, impl="reference")  # position 8's query over positions 0..7
+    np.testing.assert_allclose(np.asarray(prefix[0][s2 + 8]), np.asarray(expected[0][0, 0]), rtol=1e-5,
+                               atol=1e-6)
+    s1, m1 = starts[1], lens[1]
+    assert np.isfinite(np.asarray(prefix[1][s1:s1 + m1])).all()
+    assert (np.asarray(prefix[1][s1:s1 + m1]) < np.asarray(full[1][s1:s1 + m1])).all()
 
 
 def test_ragged_kernel_lowers_for_cuda_without_copying_the_cache():

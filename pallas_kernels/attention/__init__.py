@@ -1,19 +1,37 @@
 """Attention of a query block over one KV slice, returning the output and its log-sum-exp.
 
-`api.attention` picks the implementation; `reference` is the pure-jnp oracle and CPU path; `triton` is
-the Pallas GPU kernel (flash-decoding).
+`api` holds the registry of implementations and picks from it: `reference` is the pure-jnp oracle and
+CPU path; `triton` the Pallas GPU kernel (flash-decoding); `cudnn` cuDNN's fused attention for prefill
+tiles' diagonal blocks.
 """
 
-from pallas_kernels.attention.api import IMPLEMENTATIONS, attention, default_impl, ragged_attention
+from pallas_kernels.attention.api import (
+    IMPLEMENTATIONS,
+    REGISTRY,
+    Implementation,
+    attention,
+    default_impl,
+    implementations,
+    ragged_attention,
+    ragged_self_attention,
+    register,
+    self_attention,
+)
 from pallas_kernels.attention.common import SlotPositions, check_inputs, merge_partials, merge_weights
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "REGISTRY",
+    "Implementation",
     "SlotPositions",
     "attention",
     "check_inputs",
     "default_impl",
+    "implementations",
     "merge_partials",
     "merge_weights",
     "ragged_attention",
+    "ragged_self_attention",
+    "register",
+    "self_attention",
 ]

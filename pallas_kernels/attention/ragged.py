@@ -22,6 +22,12 @@ last token.
 
 `plan` builds these on the host (NumPy); `attention` gathers q and positions into tiles, runs the
 batched implementation per group and gathers each token's output back: nothing KV-sized is copied.
+
+Group 0 is the decode group; the others hold prefill tiles. Split (RPA v3's decode / prefill ranges, and
+the serving path): the decode rows are one launch of the paged decode configuration; a prefill tile's
+attention is its cached prefix (the pages below its first token, every query seeing all of it:
+`attention(split=True)`) and its diagonal block (the tile's queries over its own new keys and values,
+causal: `self_attention`, which cuDNN serves on GPUs), merged by LSE.
 """
 
 from __future__ import annotations
@@ -137,24 +143,71 @@ def plan(starts, lens, rows, num_tokens: int, shapes, positions=None) -> RaggedT
     return RaggedTiles(tuple(groups), where, token_row)
 
 
-def attention(attend, q, q_pos, kv_len, block_table, tiles: RaggedTiles):
+def attention(attend, q, q_pos, kv_len, block_table, tiles: RaggedTiles, split: bool = False):
     """Attention of a ragged batch through a batched implementation.
 
     attend(q [W,T,H,Dk], q_pos [W,T], kv_len [W], block_table [W,NB]) -> (o [W,T,H,Dv], lse [W,T,H]):
     the batched primitive with the KV, its positions and the options bound. q [N, H, Dk], q_pos [N];
     kv_len [R] and block_table [R, NB] per row. Returns (o [N, H, Dv], lse [N, H] float32). Each group runs
-    as `bands` batched calls over consecutive tiles.
+    as `bands` batched calls over consecutive tiles: the decode group is one launch of the decode
+    configuration, the prefill groups their own.
+    split: the prefill tiles read only the slots before their first token (every query of a tile sees the
+    same slots: no mask, and a tile with no cached prefix reads nothing); `self_attention` gives the
+    rest (the tile's diagonal block), to be merged by LSE.
     """
     outs, lses = [], []
-    for g in tiles.groups:
+    for gi, g in enumerate(tiles.groups):
         w, t = g.index.shape
         bounds = band_bounds(w, g.bands)
         for lo, hi in zip(bounds, bounds[1:]):
             idx, row = g.index[lo:hi], g.row[lo:hi]
             safe = jnp.maximum(idx, 0)
-            o, lse = attend(q[safe], jnp.where(idx >= 0, q_pos[safe], -1), kv_len[row], block_table[row])
+            pos = q_pos[safe]
+            if split and gi > 0:  # (a prefill tile's first entry is its first token)
+                pos = jnp.broadcast_to(pos[:, :1] - 1, pos.shape)
+            o, lse = attend(q[safe], jnp.where(idx >= 0, pos, -1), kv_len[row], block_table[row])
             outs.append(o.reshape((hi - lo) * t, *o.shape[2:]))
             lses.append(lse.reshape((hi - lo) * t, lse.shape[-1]))
+    return _gather(outs, lses, tiles.where)
+
+
+def tile_lengths(index):
+    """Tokens of each tile [W] from its entries [W, T]: the first entries are its tokens, the rest
+    repeat its last (0 for an unused tile)."""
+    steps = jnp.sum(index[:, 1:] != index[:, :-1], axis=1)
+    return jnp.where(index[:, 0] >= 0, 1 + steps, 0).astype(jnp.int32)
+
+
+def self_attention(attend_self, q, k_new, v_new, tiles: RaggedTiles):
+    """The diagonal blocks of the prefill tiles: each tile's queries over its own tokens' keys and
+    values, causal within the tile (the part `attention(split=True)` leaves out).
+
+    attend_self(q [W,T,H,Dk], k [W,T,K,Dk], v [W,T,K,Dv] or None, lengths [W]) -> (o [W,T,H,Dv], lse
+    [W,T,H]); q [N, H, Dk], k_new [N, K, Dk], v_new [N, K, Dv] or None (values shared with the keys).
+    Returns (o [N, H, Dv], lse [N, H]); the decode group's tokens get o = 0, lse = -inf (their whole
+    attention is `attention`'s). One call per prefill group.
+    """
+    outs, lses, done = [], [], {}
+    for gi, g in enumerate(tiles.groups[1:], start=1):
+        safe = jnp.maximum(g.index, 0)
+        done[gi] = attend_self(q[safe], k_new[safe], None if v_new is None else v_new[safe],
+                               tile_lengths(g.index))
+    ref_o, _ = done[1]
+    for gi, g in enumerate(tiles.groups):
+        w, t = g.index.shape
+        if gi == 0:
+            o = jnp.zeros((w * t, *ref_o.shape[2:]), ref_o.dtype)
+            lse = jnp.full((w * t, ref_o.shape[2]), -jnp.inf, jnp.float32)
+        else:
+            o, lse = done[gi]
+            o, lse = o.reshape(w * t, *o.shape[2:]), lse.reshape(w * t, lse.shape[-1])
+        outs.append(o)
+        lses.append(lse)
+    return _gather(outs, lses, tiles.where)
+
+
+def _gather(outs, lses, where):
+    """Each token's output from the groups' outputs laid end to end."""
     o = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
     lse = jnp.concatenate(lses, axis=0) if len(lses) > 1 else lses[0]
-    return o[tiles.where], lse[tiles.where]
+    return o[where], lse[where]
