@@ -80,7 +80,8 @@ def dcp_attention(
     head_axes: tuple[str, ...] = (mesh_lib.TP,), context_axes: tuple[str, ...] = (mesh_lib.DCP,),
     scale: float | None = None, impl: str | None = None, combine: str = "auto",
     return_lse: bool = False, v_dim: int | None = None, block_table=None, layer=None,
-    ragged: RaggedTiles | None = None, kv_quant: str | None = None, **kernel_options,
+    ragged: RaggedTiles | None = None, kv_quant: str | None = None, fresh: tuple | None = None,
+    **kernel_options,
 ):
     """Exact attention of queries over a KV cache sharded along the sequence.
 
@@ -104,6 +105,11 @@ def dcp_attention(
       return_lse: also return the merged LSE [B, T, H] (float32).
       kv_quant: "int8" / "fp8": the caches hold packed 8-bit rows (`pallas_kernels.attention.kv_quant`),
         dequantized inside each KV block by the kernel.
+      fresh: (k_new, v_new) [B, T, K, D] (MLA: (latent,)), the entries this call's tokens just wrote
+        (as `write_kv` took them: replicated over the context axes). With a ragged batch, each prefill
+        tile then reads the pages only below its first token, and after the combine each context rank
+        adds the tiles' diagonal blocks for the heads it keeps (`_diagonal`): computed once, by the rank
+        that owns the heads, through cuDNN on GPUs. Ignored without `ragged`.
     Returns:
       out [B, T, H, Dv] in q.dtype, sharded per `mesh.attn_out_spec` (and the LSE if asked).
     """
@@ -117,9 +123,11 @@ def dcp_attention(
     scattered = resolve_combine(q.shape[2] // n_heads_shards, n_ctx, combine)
     exchanged = combine == "all_to_all"
     shared_v = v_cache is None
+    fresh = tuple(fresh) if ragged is not None and fresh is not None else ()
     body = functools.partial(
         _island, layout=layout, context_axes=context_axes, n_ctx=n_ctx, scattered=scattered,
         exchanged=exchanged, shared_v=shared_v, paged=paged, stacked=stacked, ragged=ragged is not None,
+        n_fresh=len(fresh), return_lse=return_lse,
         opts=dict(scale=scale, impl=impl, v_dim=v_dim, kv_quant=kv_quant, **kernel_options))
 
     make_spec = mesh_lib.kv_pool_spec if paged else mesh_lib.kv_cache_spec
@@ -132,7 +140,7 @@ def dcp_attention(
         body,
         mesh=mesh,
         in_specs=(mesh_lib.q_spec(head_axes), *(cache_spec for _ in caches), replicated, replicated,
-                  *(replicated for _ in extras)),
+                  *(replicated for _ in extras), *(mesh_lib.q_spec(head_axes) for _ in fresh)),
         out_specs=(
             mesh_lib.attn_out_spec(head_axes, context_axes, scattered),
             (mesh_lib.attn_lse_spec(head_axes, context_axes) if exchanged
@@ -142,35 +150,72 @@ def dcp_attention(
         # varying-manual-axes annotations, so those checks are off for the kernel; the reference
         # keeps them.
         check_vma=not impl.startswith("pallas"),
-    )(q, *caches, q_pos, kv_len, *extras)
+    )(q, *caches, q_pos, kv_len, *extras, *fresh)
     if exchanged:
         return (out, lse) if return_lse else out
     return (out, lse[0]) if return_lse else out
 
 
 def _island(q, k, *rest, layout, context_axes, n_ctx, scattered, exchanged, shared_v, paged,
-            stacked, ragged, opts):
+            stacked, ragged, n_fresh, return_lse, opts):
     """One device's part of `dcp_attention` (the shard_map body): the kernel over this device's
     slice, then the combine over the context axes. rest: v (unless shared), q_pos, kv_len, then the
-    block table, the layer and the ragged tiles where the call has them."""
+    block table, the layer and the ragged tiles where the call has them, and the fresh entries."""
     rest = list(rest)
     v = None if shared_v else rest.pop(0)
-    q_pos, kv_len, *extra = rest
+    fresh = tuple(rest[len(rest) - n_fresh:])
+    q_pos, kv_len, *extra = rest[:len(rest) - n_fresh]
     rank = lax.axis_index(context_axes) if context_axes else 0
     table = extra.pop(0) if paged else None
     opts = dict(opts, layer=extra.pop(0) if stacked else None)
     positions = layout.slice_positions(rank)
+    tiles = extra.pop(0) if ragged else None
     if ragged:  # one flat row of tokens: [N, ...] in, [1, N, ...] out
-        o, lse = kernels.ragged_attention(q[0], k, v, q_pos[0], positions, kv_len, table,
-                                          extra.pop(0), **opts)
+        o, lse = kernels.ragged_attention(q[0], k, v, q_pos[0], positions, kv_len, table, tiles,
+                                          prefix_only=bool(fresh), **opts)
         o, lse = o[None], lse[None]
     else:
         o, lse = kernels.attention(q, k, v, q_pos, positions, kv_len, block_table=table, **opts)
+    split = bool(context_axes) and (scattered or exchanged)
+    if fresh and not split:  # every rank keeps every head: the diagonal joins rank 0's partial
+        o, lse = _diagonal(o, lse, q, fresh, tiles, 0, opts=opts, owner=rank == 0)
     if not context_axes:  # one whole copy of the cache: nothing to combine
-        return o, (lse if exchanged else lse[None])
+        return o.astype(q.dtype), (lse if exchanged else lse[None])
     out, lse = _combine(o, lse, rank, context_axes=context_axes, n_ctx=n_ctx, scattered=scattered,
                         exchanged=exchanged)
+    if fresh and split:  # each rank adds its own heads' diagonal blocks
+        lse_mine = lse if exchanged else lax.dynamic_slice_in_dim(lse[0], rank * out.shape[2],
+                                                                  out.shape[2], axis=-1)
+        out, merged = _diagonal(out, lse_mine, q, fresh, tiles, rank * out.shape[2], opts=opts)
+        if exchanged:
+            lse = merged
+        elif return_lse:  # the other heads' LSEs from their ranks ([N, H/N] floats each)
+            lse = lax.all_gather(merged, context_axes, axis=-1, tiled=True)[None]
+        # (else the LSE is dropped by the caller: the combine's is returned, not gathered)
     return out.astype(q.dtype), lse
+
+
+def _diagonal(o, lse, q, fresh, tiles, first, *, opts, owner=True):
+    """A split ragged batch's (o [1, N, Hs, Dv], lse [1, N, Hs]) for query heads [first, first + Hs)
+    merged by LSE with the prefill tiles' diagonal blocks of those heads: their queries over the batch's
+    fresh keys and values (`kernels.ragged_self_attention`: cuDNN on GPUs). owner False (may be traced):
+    the blocks count for nothing (a rank that must not add them again). Returns (o float32, lse)."""
+    k_new = fresh[0][0]
+    v_new = None if len(fresh) == 1 else fresh[1][0]
+    hl, kl, hs = q.shape[2], k_new.shape[1], o.shape[2]
+    q_mine = lax.dynamic_slice_in_dim(q[0], first, hs, axis=1)
+    g = hl // kl
+    if hs % g == 0 or g % hs == 0:  # whole kv heads, or a share of one: a contiguous slice
+        kv_first, kv_n = first // g, max(hs // g, 1)
+        pick = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, kv_first, kv_n, axis=1)  # noqa: E731
+    else:  # heads that straddle kv heads unevenly: each query head its own kv head
+        heads = (first + jnp.arange(hs)) // g
+        pick = lambda x: None if x is None else jnp.take(x, heads, axis=1)  # noqa: E731
+    o_self, lse_self = kernels.ragged_self_attention(
+        q_mine, pick(k_new), pick(v_new), tiles, scale=opts["scale"], impl=opts["impl"],
+        v_dim=opts["v_dim"], kv_quant=opts["kv_quant"])
+    lse_self = jnp.where(owner, lse_self, -jnp.inf)
+    return merge_partials(jnp.stack([o, o_self[None]]), jnp.stack([lse, lse_self[None]]))
 
 
 def _check_call(q, k_cache, v_cache, q_pos, kv_len, *, layout, head_axes, n_heads_shards,

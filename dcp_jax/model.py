@@ -122,7 +122,7 @@ class Attention(nnx.Module):
             return linear(o.reshape(b, t, -1), self.o_proj), None
         cache = attn_lib.write_kv(cache, (k, v), positions, valid, **ctx.placement())
         o = attn_lib.dcp_attention(q, *cache, positions, kv_len, impl=ctx.impl, combine=ctx.combine,
-                                   **ctx.placement())
+                                   fresh=(k, v), **ctx.placement())
         return linear(o.reshape(b, t, -1), self.o_proj), cache
 
 

@@ -220,3 +220,85 @@ def test_paged_write_past_the_block_table_is_dropped():
     out = np.asarray(out)
     assert out[2, 0, 1, 0] == 5.0  # position 5: block 1 -> page 2, slot 1
     assert np.count_nonzero(out) == 2  # its two features; nothing else written
+
+
+def run_ragged_case(tp, dcp, gqa, interleave, *, combine="auto", impl="reference", head_axes=("tp",),
+                    context_axes=("dcp",), kv_heads=None, page=4, dtype=jnp.float32, shared_v=False,
+                    fresh=True, seed=0):
+    """A ragged step through the island against float64: decode rows deep in their context, a chunk
+    after a cached prefix (in prefill tiles), a whole prompt, an empty row; flat q [1, N]; with
+    `fresh`, the prefill tiles' diagonal blocks come from the step's own keys and values."""
+    from pallas_kernels.attention import ragged
+
+    mesh = make_mesh(tp, dcp)
+    n_ctx = int(np.prod([mesh.shape[a] for a in context_axes]))
+    layout = KVLayout.create(48, n_ctx, interleave)
+    kh = kv_heads or max(2, tp if head_axes else 1)
+    h, dk = kh * gqa, 16
+    dv = 8 if shared_v else 16
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray([48, 40, 13, 0, 5], np.int32)
+    q_lens = np.asarray([1, 21, 13, 0, 1], np.int32)
+    k = rng.standard_normal((5, kh, 48, dk)).astype(np.float32)
+    v = k[..., :dv] if shared_v else rng.standard_normal((5, kh, 48, dv)).astype(np.float32)
+    starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
+    n = 48
+    q = rng.standard_normal((1, n, h, dk)).astype(np.float32)
+    q_pos, k_new, v_new = np.zeros((1, n), np.int32), np.zeros((1, n, kh, dk)), np.zeros((1, n, kh, dv))
+    for r, (s0, m) in enumerate(zip(starts, q_lens)):
+        pos = lengths[r] - m + np.arange(m)
+        q_pos[0, s0:s0 + m] = pos
+        k_new[0, s0:s0 + m], v_new[0, s0:s0 + m] = k[r][:, pos].swapaxes(0, 1), v[r][:, pos].swapaxes(0, 1)
+    tiles = ragged.plan(starts, q_lens, np.arange(5), n, ragged.group_shapes(n, rows=5, tile=8),
+                        positions=lengths - q_lens)
+    caches = (place(k, layout),) if shared_v else (place(k, layout), place(v, layout))
+    pools, table = paginate(caches, layout, page, rng)
+    paged = PagedLayout(n_ctx, layout.interleave, page)
+    extra = dict(fresh=tuple(jnp.asarray(x, dtype) for x in ((k_new,) if shared_v else (k_new, v_new)))
+                 if fresh else None, v_dim=dv if shared_v else None)
+    fn = jax.jit(lambda q, pools, qp, kl, bt, t: dcp_attention(
+        q, *pools, *((None,) if shared_v else ()), qp, kl, mesh=mesh, layout=paged, block_table=bt,
+        ragged=t, head_axes=head_axes, context_axes=context_axes, combine=combine, impl=impl,
+        return_lse=True, **extra))
+    o, lse = fn(jnp.asarray(q, dtype), tuple(jnp.asarray(p, dtype) for p in pools), jnp.asarray(q_pos),
+                jnp.asarray(lengths), jnp.asarray(table), tiles)
+    assert o.shape == (1, n, h, dv) and not np.isnan(np.asarray(o, np.float32)).any()
+    for r, (s0, m) in enumerate(zip(starts, q_lens)):
+        if m == 0:
+            continue
+        ref_o, ref_lse = dense_attention(q[:, s0:s0 + m], k[r:r + 1], v[r:r + 1], q_pos[:, s0:s0 + m],
+                                         lengths[r:r + 1], 1.0 / np.sqrt(dk))
+        err = rel_err(o[:, s0:s0 + m], ref_o)
+        assert err <= TOL[dtype], (r, err)
+        assert_lse_close(lse[:, s0:s0 + m], ref_lse, TOL[dtype])
+
+
+@pytest.mark.parametrize("tp,dcp,gqa,interleave,combine", [
+    (1, 1, 4, 1, "auto"),
+    (1, 2, 4, 1, "scatter"),
+    (2, 4, 2, 4, "auto"),        # heads scattered over dcp: each rank adds its heads' diagonal blocks
+    (1, 4, 1, 2, "auto"),        # 2 heads over 4 ranks: the psum fallback (every rank all heads)
+    (1, 3, 3, 2, "all_to_all"),
+    (2, 2, 2, 1, "psum"),
+])
+def test_ragged_split_through_the_island_matches_float64(tp, dcp, gqa, interleave, combine):
+    run_ragged_case(tp, dcp, gqa, interleave, combine=combine)
+
+
+def test_ragged_split_query_heads_straddling_kv_heads():
+    # 6 query heads over 3 kv heads (2 per kv head) scattered over 2 ranks of 3 heads: rank 0's last
+    # head shares kv head 1 with rank 1's first, so each rank picks its kv heads per query head.
+    run_ragged_case(1, 2, 2, 1, combine="scatter", kv_heads=3)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas_interpret"])
+def test_ragged_split_latent_over_both_axes(impl):
+    # MLA: one latent (the values its first features) over ("tp", "dcp") together, heads scattered over
+    # all 8 devices; the diagonal blocks' values are the new latent's first features.
+    run_ragged_case(2, 4, 8, 1, head_axes=(), context_axes=("tp", "dcp"), kv_heads=1, shared_v=True,
+                    impl=impl)
+
+
+def test_ragged_without_fresh_entries_reads_its_own_tokens_from_the_pages():
+    run_ragged_case(2, 4, 2, 1, fresh=False)
+    run_ragged_case(1, 2, 4, 1, dtype=jnp.bfloat16)
