@@ -201,8 +201,9 @@ def test_split_prefill_tiles_read_only_their_prefix():
 
 def test_ragged_kernel_lowers_for_cuda_without_copying_the_cache():
     # A ragged step of 8 decode rows and two prefill chunks (300 and 45 tokens) over a paged, layer-stacked
-    # pool, lowered for CUDA: each tile group is one Triton call reading the pool as it is; only q (a few
-    # rows) is gathered into tiles, nothing pool- or cache-sized is padded, sliced or copied.
+    # pool, lowered for CUDA, split: each band of each tile group is one Triton call reading the pool as it
+    # is, each prefill group's diagonal blocks one more over the step's own keys and values; only q and
+    # those (a few rows) are gathered into tiles, nothing pool- or cache-sized is padded, sliced or copied.
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
     from tests.test_kernels import large_copies
@@ -212,14 +213,15 @@ def test_ragged_kernel_lowers_for_cuda_without_copying_the_cache():
     starts, lens = layout_rows([1] * 8 + [300, 45])
     tiles = ragged.plan(starts, lens, np.arange(rows), n, shapes)
     pool = jax.ShapeDtypeStruct((layers, pages, kh, page, d), jnp.bfloat16)
+    fresh = (jax.ShapeDtypeStruct((n, kh, d), jnp.bfloat16),) * 2
     args = (jax.ShapeDtypeStruct((n, h, d), jnp.bfloat16), pool, pool, jax.ShapeDtypeStruct((n,), jnp.int32),
             jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32),
             jax.ShapeDtypeStruct((rows, 256), jnp.int32), jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tiles),
-            jax.ShapeDtypeStruct((), jnp.int32))
+            jax.ShapeDtypeStruct((), jnp.int32), fresh)
 
-    def f(q, k, v, q_pos, start, kv_len, table, t, layer):
+    def f(q, k, v, q_pos, start, kv_len, table, t, layer, fresh):
         return ragged_attention(q, k, v, q_pos, SlotPositions(start, 1, 2), kv_len, table, t, impl="pallas",
-                                layer=layer)
+                                layer=layer, fresh=fresh)
 
     gpu = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
         device_kind="NVIDIA H200", num_cores=None, platform="gpu"))
@@ -227,8 +229,11 @@ def test_ragged_kernel_lowers_for_cuda_without_copying_the_cache():
         text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
             jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
     calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
-    assert len(shapes) == 3 and len(calls) == sum(b for _, _, b in shapes)  # one per band of each group
-    assert all("%arg1" in c and "%arg2" in c for c in calls)  # the pools themselves
+    # the pages: one call per band of each group, reading the pools themselves; the prefill groups'
+    # diagonal blocks: one call each over the step's own keys and values (cuDNN's on a GPU backend)
+    reads_pool = [c for c in calls if "%arg1" in c and "%arg2" in c]
+    assert len(shapes) == 3 and len(reads_pool) == sum(b for _, _, b in shapes)
+    assert len(calls) == len(reads_pool) + len(shapes) - 1
     assert large_copies(text, pages * kh * page * d // 2) == []
 
 
@@ -246,3 +251,93 @@ def test_the_dcp_island_refuses_a_malformed_ragged_batch():
         check_ragged(q[:, :6], q_pos[:, :6], kv_len, table, tiles)
     with pytest.raises(ValueError, match="disagree on the rows"):
         check_ragged(q, q_pos, kv_len[:1], table, tiles)
+
+
+def test_self_attention_routes_to_cudnn_only_where_it_serves(monkeypatch):
+    # "pallas" tries cuDNN first for the diagonal blocks: only on a GPU backend, in bf16/fp16, with
+    # separate values of one head dim (a multiple of 8 up to 128); otherwise the kernel itself.
+    from pallas_kernels.attention import api
+
+    def tiles(dtype=jnp.bfloat16, d=128, shared=False):
+        q = jax.ShapeDtypeStruct((4, 16, 8, d), dtype)
+        k = jax.ShapeDtypeStruct((4, 16, 2, d), dtype)
+        return q, k, None if shared else k
+
+    assert api.self_impl("pallas", *tiles()) == "pallas"  # a CPU backend: cuDNN cannot trace here
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert api.self_impl("pallas", *tiles()) == "cudnn"
+    assert api.self_impl("pallas", *tiles(jnp.float16, 64)) == "cudnn"
+    assert api.self_impl("pallas", *tiles(jnp.float32)) == "pallas"
+    assert api.self_impl("pallas", *tiles(d=256)) == "pallas"
+    assert api.self_impl("pallas", *tiles(shared=True)) == "pallas"  # MLA's latent
+    assert api.self_impl("reference", *tiles()) == "reference"
+    assert api.self_impl("pallas_interpret", *tiles()) == "pallas_interpret"
+
+
+def test_a_registered_implementation_serves_every_caller():
+    # A new implementation is one register() call: attention(impl=) and the ragged batch (its pages and
+    # its diagonal blocks) run it with no caller changed, and it gives what the reference gives.
+    from pallas_kernels.attention import api, reference
+
+    calls = []
+
+    def counted(*a, **kw):
+        calls.append(kw.get("block_table") is not None)
+        return reference.attention(*a, **kw)
+
+    api.register(api.Implementation("counted", counted, api.REF_OPTIONS))
+    try:
+        assert "counted" in api.implementations()
+        x, dense = ragged_case(jnp.float32, 8, 2, 16, 16, 16, (0, 1, 1))
+        starts, lens, lengths = dense[1], dense[2], dense[3]
+        tiles = ragged.plan(starts, lens, np.arange(5), 40, ragged.group_shapes(40, rows=5, tile=8),
+                            positions=lengths - np.asarray(lens))
+        o, lse = ragged_attention(**x, tiles=tiles, impl="counted", fresh=fresh_of(x, dense))
+        check_ragged(o, lse, x, dense, 1e-5)
+        assert True in calls and False in calls  # the pages (paged) and the diagonal blocks (dense)
+    finally:
+        del api.REGISTRY["counted"]
+    with pytest.raises(ValueError, match="unknown attention impl 'counted'"):
+        ragged_attention(**x, tiles=tiles, impl="counted")
+    with pytest.raises(ValueError, match="unknown attention impl 'cudnn'"):
+        ragged_attention(**x, tiles=tiles, impl="cudnn")  # cuDNN serves diagonal blocks only
+
+
+def triton_calls(fn, *args):
+    """The Triton custom calls of fn lowered for CUDA (on this CPU-only machine), each as its backend
+    config (grid, warps, stages; the kernel's IR left out) and its operand types."""
+    import re
+
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    gpu = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=None, platform="gpu"))
+    with jax.sharding.use_abstract_mesh(gpu):
+        text = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
+    calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+    config = re.compile(r"grid_x = \d+ : i32, grid_y = \d+ : i32, grid_z = \d+ : i32|num_\w+ = \d+")
+    operands = re.compile(r"\(tensor<i32>, tensor<[^>]*>")
+    return [(tuple(config.findall(c)), operands.search(c).group(0)) for c in calls]
+
+
+def test_decode_rows_run_as_the_paged_decode_launch():
+    # The ragged step's decode rows are one launch with the paged decode kernel's grid, warps, stages
+    # and operands (8 rows of one token over the same pool); the prefill tiles are launches of their own.
+    n, rows, h, kh, d, page, pages = 64, 8, 32, 8, 128, 64, 512
+    shapes = ragged.group_shapes(n, rows, 16)
+    starts, lens = layout_rows([1] * 8)
+    tiles = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                         ragged.plan(starts, lens, np.arange(rows), n, shapes))
+    pool = jax.ShapeDtypeStruct((pages, kh, page, d), jnp.bfloat16)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    pos = SlotPositions.dense(64 * page)
+    flat = triton_calls(lambda q, k, v, qp, kl, bt, t: ragged_attention(
+        q, k, v, qp, pos, kl, bt, t, impl="pallas"), jax.ShapeDtypeStruct((n, h, d), jnp.bfloat16), pool,
+        pool, i32(n), i32(rows), i32(rows, 64), tiles)
+    paged = triton_calls(lambda q, k, v, qp, kl, bt: attention(
+        q, k, v, qp, pos, kl, impl="pallas", block_table=bt), jax.ShapeDtypeStruct((rows, 1, h, d),
+        jnp.bfloat16), pool, pool, i32(rows, 1), i32(rows), i32(rows, 64))
+    assert len(paged) == 1 and len(flat) == len(shapes)
+    assert flat[0] == paged[0]
+    assert all(c[1] != paged[0][1] for c in flat[1:])
