@@ -611,3 +611,20 @@ def test_no_copy_check_sees_a_padded_cache():
              jax.ShapeDtypeStruct((1,), jnp.int32)]
     text = jax.jit(f).lower(*args).as_text()
     assert any(op.startswith("stablehlo.pad") for op in large_copies(text, 2 * 1000 * 64 // 2))
+
+
+def test_every_pallas_call_names_its_backend():
+    # JAX 0.11 and 0.12 route a pallas_call without compiler parameters to different GPU backends
+    # (Triton, Mosaic GPU): every call in the package names its own, so none can change under us.
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    found = []
+    for path in [*root.glob("pallas_kernels/**/*.py"), *root.glob("dcp_jax/**/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) \
+                    == "pallas_call":
+                names = {k.arg for k in node.keywords}
+                found.append((path.name, node.lineno, "compiler_params" in names))
+    assert found and all(ok for *_, ok in found), found
