@@ -106,10 +106,11 @@ def dcp_attention(
       kv_quant: "int8" / "fp8": the caches hold packed 8-bit rows (`pallas_kernels.attention.kv_quant`),
         dequantized inside each KV block by the kernel.
       fresh: (k_new, v_new) [B, T, K, D] (MLA: (latent,)), the entries this call's tokens just wrote
-        (as `write_kv` took them: replicated over the context axes). With a ragged batch, each prefill
-        tile then reads the pages only below its first token, and after the combine each context rank
-        adds the tiles' diagonal blocks for the heads it keeps (`_diagonal`): computed once, by the rank
-        that owns the heads, through cuDNN on GPUs. Ignored without `ragged`.
+        (as `write_kv` took them: replicated over the context axes). With a ragged batch whose diagonal
+        blocks an implementation takes off the page walk (`kernels.diagonal_impl`: cuDNN under
+        "pallas"), each prefill tile reads the pages only below its first token, and after the combine
+        each context rank adds the tiles' diagonal blocks for the heads it keeps (`_diagonal`):
+        computed once, by the rank that owns the heads. Ignored otherwise.
     Returns:
       out [B, T, H, Dv] in q.dtype, sharded per `mesh.attn_out_spec` (and the LSE if asked).
     """
@@ -124,10 +125,12 @@ def dcp_attention(
     exchanged = combine == "all_to_all"
     shared_v = v_cache is None
     fresh = tuple(fresh) if ragged is not None and fresh is not None else ()
+    diag = fresh and kernels.diagonal_impl(impl, q, fresh[0], fresh[1] if len(fresh) > 1 else None)
+    fresh = fresh if diag else ()  # (no implementation takes the diagonal blocks: the walk keeps them)
     body = functools.partial(
         _island, layout=layout, context_axes=context_axes, n_ctx=n_ctx, scattered=scattered,
         exchanged=exchanged, shared_v=shared_v, paged=paged, stacked=stacked, ragged=ragged is not None,
-        n_fresh=len(fresh), return_lse=return_lse,
+        n_fresh=len(fresh), return_lse=return_lse, diag=diag,
         opts=dict(scale=scale, impl=impl, v_dim=v_dim, kv_quant=kv_quant, **kernel_options))
 
     make_spec = mesh_lib.kv_pool_spec if paged else mesh_lib.kv_cache_spec
@@ -157,7 +160,7 @@ def dcp_attention(
 
 
 def _island(q, k, *rest, layout, context_axes, n_ctx, scattered, exchanged, shared_v, paged,
-            stacked, ragged, n_fresh, return_lse, opts):
+            stacked, ragged, n_fresh, return_lse, diag, opts):
     """One device's part of `dcp_attention` (the shard_map body): the kernel over this device's
     slice, then the combine over the context axes. rest: v (unless shared), q_pos, kv_len, then the
     block table, the layer and the ragged tiles where the call has them, and the fresh entries."""
@@ -178,7 +181,7 @@ def _island(q, k, *rest, layout, context_axes, n_ctx, scattered, exchanged, shar
         o, lse = kernels.attention(q, k, v, q_pos, positions, kv_len, block_table=table, **opts)
     split = bool(context_axes) and (scattered or exchanged)
     if fresh and not split:  # every rank keeps every head: the diagonal joins rank 0's partial
-        o, lse = _diagonal(o, lse, q, fresh, tiles, 0, opts=opts, owner=rank == 0)
+        o, lse = _diagonal(o, lse, q, fresh, tiles, 0, opts=dict(opts, impl=diag), owner=rank == 0)
     if not context_axes:  # one whole copy of the cache: nothing to combine
         return o.astype(q.dtype), (lse if exchanged else lse[None])
     out, lse = _combine(o, lse, rank, context_axes=context_axes, n_ctx=n_ctx, scattered=scattered,
@@ -186,7 +189,8 @@ def _island(q, k, *rest, layout, context_axes, n_ctx, scattered, exchanged, shar
     if fresh and split:  # each rank adds its own heads' diagonal blocks
         lse_mine = lse if exchanged else lax.dynamic_slice_in_dim(lse[0], rank * out.shape[2],
                                                                   out.shape[2], axis=-1)
-        out, merged = _diagonal(out, lse_mine, q, fresh, tiles, rank * out.shape[2], opts=opts)
+        out, merged = _diagonal(out, lse_mine, q, fresh, tiles, rank * out.shape[2],
+                                opts=dict(opts, impl=diag))
         if exchanged:
             lse = merged
         elif return_lse:  # the other heads' LSEs from their ranks ([N, H/N] floats each)
@@ -198,7 +202,7 @@ def _island(q, k, *rest, layout, context_axes, n_ctx, scattered, exchanged, shar
 def _diagonal(o, lse, q, fresh, tiles, first, *, opts, owner=True):
     """A split ragged batch's (o [1, N, Hs, Dv], lse [1, N, Hs]) for query heads [first, first + Hs)
     merged by LSE with the prefill tiles' diagonal blocks of those heads: their queries over the batch's
-    fresh keys and values (`kernels.ragged_self_attention`: cuDNN on GPUs). owner False (may be traced):
+    fresh keys and values (`kernels.ragged_self_attention` through opts["impl"]). owner False (may be traced):
     the blocks count for nothing (a rank that must not add them again). Returns (o float32, lse)."""
     k_new = fresh[0][0]
     v_new = None if len(fresh) == 1 else fresh[1][0]

@@ -222,6 +222,16 @@ def test_paged_write_past_the_block_table_is_dropped():
     assert np.count_nonzero(out) == 2  # its two features; nothing else written
 
 
+@pytest.fixture
+def split_diagonal(monkeypatch):
+    """The island splits on CPU too: the jnp and interpreted kernels take their own diagonal blocks
+    off the page walk (on a GPU "pallas" gives them to cuDNN; on CPU one walk keeps them)."""
+    from pallas_kernels.attention import api
+
+    for impl in ("reference", "pallas_interpret"):
+        monkeypatch.setitem(api.SELF_ROUTES, impl, (impl,))
+
+
 def run_ragged_case(tp, dcp, gqa, interleave, *, combine="auto", impl="reference", head_axes=("tp",),
                     context_axes=("dcp",), kv_heads=None, page=4, dtype=jnp.float32, shared_v=False,
                     fresh=True, seed=0):
@@ -281,24 +291,30 @@ def run_ragged_case(tp, dcp, gqa, interleave, *, combine="auto", impl="reference
     (1, 3, 3, 2, "all_to_all"),
     (2, 2, 2, 1, "psum"),
 ])
-def test_ragged_split_through_the_island_matches_float64(tp, dcp, gqa, interleave, combine):
+def test_ragged_split_through_the_island_matches_float64(split_diagonal, tp, dcp, gqa, interleave,
+                                                        combine):
     run_ragged_case(tp, dcp, gqa, interleave, combine=combine)
 
 
-def test_ragged_split_query_heads_straddling_kv_heads():
+def test_ragged_split_query_heads_straddling_kv_heads(split_diagonal):
     # 6 query heads over 3 kv heads (2 per kv head) scattered over 2 ranks of 3 heads: rank 0's last
     # head shares kv head 1 with rank 1's first, so each rank picks its kv heads per query head.
     run_ragged_case(1, 2, 2, 1, combine="scatter", kv_heads=3)
 
 
 @pytest.mark.parametrize("impl", ["reference", "pallas_interpret"])
-def test_ragged_split_latent_over_both_axes(impl):
+def test_ragged_split_latent_over_both_axes(split_diagonal, impl):
     # MLA: one latent (the values its first features) over ("tp", "dcp") together, heads scattered over
     # all 8 devices; the diagonal blocks' values are the new latent's first features.
     run_ragged_case(2, 4, 8, 1, head_axes=(), context_axes=("tp", "dcp"), kv_heads=1, shared_v=True,
                     impl=impl)
 
 
-def test_ragged_without_fresh_entries_reads_its_own_tokens_from_the_pages():
+def test_ragged_unsplit_reads_its_own_tokens_from_the_pages():
+    # No implementation takes the diagonal blocks (CPU): the page walk keeps them, fresh or not.
     run_ragged_case(2, 4, 2, 1, fresh=False)
+    run_ragged_case(1, 2, 4, 1, dtype=jnp.bfloat16)
+
+
+def test_ragged_split_in_bfloat16(split_diagonal):
     run_ragged_case(1, 2, 4, 1, dtype=jnp.bfloat16)

@@ -253,9 +253,10 @@ def test_the_dcp_island_refuses_a_malformed_ragged_batch():
         check_ragged(q, q_pos, kv_len[:1], table, tiles)
 
 
-def test_self_attention_routes_to_cudnn_only_where_it_serves(monkeypatch):
-    # "pallas" tries cuDNN first for the diagonal blocks: only on a GPU backend, in bf16/fp16, with
-    # separate values of one head dim (a multiple of 8 up to 128); otherwise the kernel itself.
+def test_diagonal_blocks_route_to_cudnn_only_where_it_serves(monkeypatch):
+    # "pallas" gives its diagonal blocks to cuDNN: only on a GPU backend, in bf16/fp16, with separate
+    # values of one head dim (a multiple of 8 up to 128); otherwise (and for every other implementation)
+    # the page walk keeps them.
     from pallas_kernels.attention import api
 
     def tiles(dtype=jnp.bfloat16, d=128, shared=False):
@@ -263,15 +264,15 @@ def test_self_attention_routes_to_cudnn_only_where_it_serves(monkeypatch):
         k = jax.ShapeDtypeStruct((4, 16, 2, d), dtype)
         return q, k, None if shared else k
 
-    assert api.self_impl("pallas", *tiles()) == "pallas"  # a CPU backend: cuDNN cannot trace here
+    assert api.diagonal_impl("pallas", *tiles()) is None  # a CPU backend: cuDNN cannot trace here
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert api.self_impl("pallas", *tiles()) == "cudnn"
-    assert api.self_impl("pallas", *tiles(jnp.float16, 64)) == "cudnn"
-    assert api.self_impl("pallas", *tiles(jnp.float32)) == "pallas"
-    assert api.self_impl("pallas", *tiles(d=256)) == "pallas"
-    assert api.self_impl("pallas", *tiles(shared=True)) == "pallas"  # MLA's latent
-    assert api.self_impl("reference", *tiles()) == "reference"
-    assert api.self_impl("pallas_interpret", *tiles()) == "pallas_interpret"
+    assert api.diagonal_impl("pallas", *tiles()) == "cudnn"
+    assert api.diagonal_impl("pallas", *tiles(jnp.float16, 64)) == "cudnn"
+    assert api.diagonal_impl("pallas", *tiles(jnp.float32)) is None
+    assert api.diagonal_impl("pallas", *tiles(d=256)) is None
+    assert api.diagonal_impl("pallas", *tiles(shared=True)) is None  # MLA's latent
+    assert api.diagonal_impl("reference", *tiles()) is None
+    assert api.diagonal_impl("pallas_interpret", *tiles()) is None
 
 
 def test_a_registered_implementation_serves_every_caller():

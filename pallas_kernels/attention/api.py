@@ -10,10 +10,11 @@ Two ops; each implementation offers what it can:
                     as a dense slice), and "cudnn" (cuDNN's flash attention; GPUs only, so it serves no
                     other op and no CPU run)
 
-A caller names the implementation it runs (`impl=`, default `default_impl()`); `SELF_ROUTES` says which
-self-attention implementations an engine implementation tries first (`self_impl`), so "pallas" gives
-the diagonal blocks to cuDNN where cuDNN takes their shapes and keeps them otherwise. A new kernel (a
-Mosaic GPU one, say) is one `register` call and a name, and no caller changes.
+A caller names the implementation it runs (`impl=`, default `default_impl()`). `SELF_ROUTES` names,
+per engine implementation, the implementations that take a ragged batch's diagonal blocks off its page
+walk (`diagonal_impl`): "pallas" gives them to cuDNN where cuDNN takes their shapes; where none does
+(and on CPU, where one walk with the diagonal masked is cheaper than two passes), the walk keeps them.
+A new kernel (a Mosaic GPU one, say) is one `register` call and a name, and no caller changes.
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ register(Implementation("pallas_interpret", functools.partial(triton.attention, 
                         PALLAS_OPTIONS))
 register(Implementation("cudnn", self_attention=cudnn.self_attention, takes_self=cudnn.takes))
 
-# Which self-attention implementations an engine implementation tries, in order (itself last).
-SELF_ROUTES = {"pallas": ("cudnn", "pallas")}
+# Which implementations take an engine implementation's diagonal blocks off its page walk, in order.
+SELF_ROUTES = {"pallas": ("cudnn",)}
 
 
 def implementations() -> tuple[str, ...]:
@@ -141,30 +142,35 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float | None = None, imp
                            block_table=block_table, layer=layer, **quant, **kernel_options)
 
 
-def self_impl(impl: str | None, q, k, v) -> str:
-    """The self-attention implementation `impl`'s route picks for these tiles: the first that takes
-    their shapes (cuDNN only where a GPU backend is attached)."""
+def diagonal_impl(impl: str | None, q, k, v) -> str | None:
+    """The implementation that takes `impl`'s diagonal blocks of these tiles apart from its page walk
+    (the first of `SELF_ROUTES[impl]` that takes their shapes; cuDNN only on a GPU backend), or None:
+    the walk keeps them."""
     impl = _attention_impl(impl).name
-    for name in SELF_ROUTES.get(impl, (impl,)):
+    for name in SELF_ROUTES.get(impl, ()):
         found = REGISTRY[name]
         if found.takes_self is None or found.takes_self(q, k, v):
             return name
-    return impl
+    return None
 
 
 def self_attention(q, k, v, lengths, *, scale: float | None = None, impl: str | None = None,
                    v_dim: int | None = None, kv_quant: str | None = None):
-    """Causal attention of W tiles of T tokens over their own keys and values: q [W, T, H, Dk], k [W, T,
-    K, Dk], v [W, T, K, Dv] (or None: the keys' first v_dim features), lengths [W] (tile w's first
-    lengths[w] entries are its tokens; query j sees entries i <= j, i < lengths[w]). `kv_quant`: the
-    keys and values are rounded as the cache stores them (so a tile sees what a later read of the
-    cache would). Returns (o [W, T, H, Dv] in q.dtype, lse [W, T, H] float32); a query that sees
-    nothing gets o = 0 and lse = -inf."""
+    """Causal attention of W tiles of T tokens over their own keys and values through implementation
+    `impl`: q [W, T, H, Dk], k [W, T, K, Dk], v [W, T, K, Dv] (or None: the keys' first v_dim features),
+    lengths [W] (tile w's first lengths[w] entries are its tokens; query j sees entries i <= j,
+    i < lengths[w]). `kv_quant`: the keys and values are rounded as the cache stores them (so a tile
+    sees what a later read of the cache would). Returns (o [W, T, H, Dv] in q.dtype, lse [W, T, H]
+    float32); a query that sees nothing gets o = 0 and lse = -inf."""
+    impl = impl or default_impl()
+    found = REGISTRY.get(impl)
+    if found is None or found.self_attention is None:
+        raise ValueError(f"unknown self-attention impl {impl!r}; choose one of "
+                         f"{tuple(n for n, i in REGISTRY.items() if i.self_attention is not None)}")
     if kv_quant is not None:
         k = kvq.unpack(kvq.pack(k, kv_quant), kv_quant).astype(k.dtype)
         v = None if v is None else kvq.unpack(kvq.pack(v, kv_quant), kv_quant).astype(v.dtype)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
-    found = REGISTRY[self_impl(impl, q, k, v)]
     return found.self_attention(q, k, v, lengths, scale=scale, v_dim=v_dim)
 
 
@@ -182,8 +188,9 @@ def ragged_attention(q, k, v, q_pos, kv_pos, kv_len, block_table, tiles: ragged.
     the paged decode configuration, the prefill tiles apart), so every implementation serves it.
 
     fresh: (k_new [N, K, Dk], v_new [N, K, Dv] or None): the batch's own keys and values (as written to
-    the pages). With it, a prefill tile reads the pages only below its first token (`prefix_only`'s
-    part) and its diagonal block comes from `self_attention` over these (cuDNN on GPUs), merged by LSE.
+    the pages; the slice must hold whole sequences). With it, a prefill tile reads the pages only below
+    its first token (`prefix_only`'s part) and its diagonal block comes from `self_attention` over
+    these (through `diagonal_impl(impl)`, else `impl`), merged by LSE.
     prefix_only: return that pages part alone (the DCP island merges the diagonal after its combine).
     """
     def attend(qg, pos, lengths, table):
@@ -194,8 +201,9 @@ def ragged_attention(q, k, v, q_pos, kv_pos, kv_len, block_table, tiles: ragged.
     o, lse = ragged.attention(attend, q, q_pos, kv_len, block_table, tiles, split=split)
     if fresh is None:
         return o, lse
-    o_self, lse_self = ragged_self_attention(q, *fresh, tiles, scale=scale, impl=impl, v_dim=v_dim,
-                                             kv_quant=kv_quant)
+    diag = diagonal_impl(impl, q[None], fresh[0][None], None if fresh[1] is None else fresh[1][None])
+    o_self, lse_self = ragged_self_attention(q, *fresh, tiles, scale=scale, impl=diag or impl,
+                                             v_dim=v_dim, kv_quant=kv_quant)
     o, lse = merge_partials(jnp.stack([o, o_self]), jnp.stack([lse, lse_self]))
     return o.astype(q.dtype), lse
 
@@ -204,7 +212,7 @@ def ragged_self_attention(q, k_new, v_new, tiles: ragged.RaggedTiles, *, scale: 
                           impl: str | None = None, v_dim: int | None = None,
                           kv_quant: str | None = None):
     """The diagonal blocks of a ragged batch's prefill tiles (`ragged.self_attention`) through
-    `self_attention`: q [N, H, Dk], k_new [N, K, Dk], v_new [N, K, Dv] or None. Returns (o [N, H, Dv],
+    `self_attention` of implementation `impl`: q [N, H, Dk], k_new [N, K, Dk], v_new [N, K, Dv] or None. Returns (o [N, H, Dv],
     lse [N, H]); decode tokens get o = 0, lse = -inf."""
     def attend_self(qg, kg, vg, lengths):
         return self_attention(qg, kg, vg, lengths, scale=scale, impl=impl, v_dim=v_dim,
