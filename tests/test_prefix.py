@@ -131,7 +131,7 @@ def test_cached_prefill_starts_after_the_hit_and_recomputes_the_partial_block():
     assert serve.plans[0].prefills[0].start == 8  # 2 cached blocks; the partial third block is recomputed
     s = sched.stats()
     assert s["prefix_hit_tokens"] == 8 and s["prefix_query_tokens"] == 12 + 11 and s["pages_used"] == 0
-    # each request's share of the hits: its prompt tokens served from the cache (usage's cached_tokens)
+    # each request's share of the hits: its prompt tokens the cache served (usage's cached_tokens)
     assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 8)
     assert 0 < s["prefix_hit_rate"] < 1 and s["cached_blocks"] >= 4
 
