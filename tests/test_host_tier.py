@@ -212,3 +212,30 @@ def test_generate_stats_count_host_hits_as_prefix_hits():
     assert s["prefix_hit_rate"] == s["prefix_hit_tokens"] / s["prefix_query_tokens"] > 0
     assert s["host_bytes_to_device"] > 0 and s["host_copy_s"] > 0 and s["host_bytes"] > 0
     assert llm.engine.stats()["host_hit_tokens"] == s["host_hit_tokens"]  # the manager's total
+
+
+def test_each_requests_cached_tokens_are_its_device_and_host_hits():
+    # the setup above (a device pool holding one document): a request's num_cached_tokens (usage's
+    # cached_tokens over HTTP) is the prefix hits its admission counted: none the first time, a
+    # whole document's from the host tier the second, from the device when it comes right back
+    from dcp_jax import LLM
+    from dcp_jax.serving.engine import run_requests
+
+    block = 2 * 2  # page_size 2 x dcp 2
+    rng = np.random.default_rng(3)
+    docs = [[int(t) for t in rng.integers(1, 200, 4 * block)] + [5] for _ in range(3)]
+    pages = 1 + -(-(len(docs[0]) + 4) // block)
+    llm = LLM.load(FIXTURES / "llama-gqa", tp=1, dcp=2, page_size=2, max_num_seqs=1,
+                   num_pages=pages, max_model_len=24, kv_host_memory="1MiB")
+    seen = []
+    for i, doc in enumerate(docs + docs + docs[-1:]):
+        before = llm.engine.stats()
+        r = Request(f"d{i}", doc, max_tokens=2, ignore_eos=True)
+        run_requests(llm.engine, [r])
+        after = llm.engine.stats()
+        hits = after["prefix_hit_tokens"] - before["prefix_hit_tokens"]
+        host = after["host_hit_tokens"] - before["host_hit_tokens"]
+        assert r.num_cached_tokens == hits, (i, r.num_cached_tokens, hits)
+        seen.append((hits, host))
+    whole = 4 * block  # a document's full blocks (its last token's block is never a hit)
+    assert seen == [(0, 0)] * 3 + [(whole, whole)] * 3 + [(whole, 0)]

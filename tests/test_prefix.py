@@ -126,11 +126,13 @@ def serve(sched, dev, prompts, max_tokens=5):
 def test_cached_prefill_starts_after_the_hit_and_recomputes_the_partial_block():
     sched, dev = make()  # blocks of 4 tokens
     doc = list(range(1, 11))  # 2 full blocks + 2 tokens
-    serve(sched, dev, [doc + [20, 21]])
-    serve(sched, dev, [doc + [30]])
+    first, = serve(sched, dev, [doc + [20, 21]])
+    again, = serve(sched, dev, [doc + [30]])
     assert serve.plans[0].prefills[0].start == 8  # 2 cached blocks; the partial third block is recomputed
     s = sched.stats()
     assert s["prefix_hit_tokens"] == 8 and s["prefix_query_tokens"] == 12 + 11 and s["pages_used"] == 0
+    # each request's share of the hits: its prompt tokens the cache served (usage's cached_tokens)
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 8)
     assert 0 < s["prefix_hit_rate"] < 1 and s["cached_blocks"] >= 4
 
 
@@ -161,13 +163,18 @@ def test_preempted_request_resumes_after_its_cached_blocks():
     drive(sched, dev, on_step=lambda p: resumed.extend(c.start for c in p.prefills if c.request.num_preemptions))
     assert resumed and resumed[0] > 0
     assert [r.output_token_ids for r in reqs] == [reference(r, 32) for r in reqs]
+    # a resumed request's hit is its own output's blocks: its prompt's cached tokens stay those of
+    # its first admission
+    assert [r.num_cached_tokens for r in reqs] == [0, 0]
+    assert sched.stats()["prefix_hit_tokens"] >= resumed[0] > 0
     assert sched.stats()["evictions"] > 0 and sched.stats()["pages_used"] == 0
 
 
 def test_caching_off_never_hits():
     sched, dev = make(caching=False)
     serve(sched, dev, [list(range(1, 13))])
-    serve(sched, dev, [list(range(1, 13))])
+    again, = serve(sched, dev, [list(range(1, 13))])
+    assert again.num_cached_tokens == 0
     s = sched.stats()
     assert s["prefix_hit_tokens"] == 0 and s["prefix_hit_rate"] == 0 and s["cached_blocks"] == 0
     assert sched.kv.allocator.num_used == 0

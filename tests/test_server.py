@@ -400,6 +400,38 @@ def test_chat(server):
     assert chunks[-1].usage.total_tokens == r.usage.total_tokens
 
 
+def test_cached_tokens_are_the_prefix_cache_hits(server):
+    # a long prompt asked again: usage.prompt_tokens_details.cached_tokens is the prefix cache's hit
+    # count for it (its whole blocks of 16 tokens before its last token), in completions, chat and
+    # the final streamed usage chunk; the first time, whatever the cache held of it (here nothing)
+    c, kv = server["client"], server["served"].engine.scheduler.kv
+    words = np.random.default_rng(48).choice(["cache", "block", "page", "token", "prefix"], 22)
+    text = " ".join(words)
+    block = 16  # page_size 8 x dcp 2
+
+    def ask(create, **kw):
+        """(cached_tokens, the cache's hits while it ran, prompt tokens)."""
+        before = kv.prefix_hit_tokens  # (counted when it is admitted: before its first token)
+        if kw.get("stream"):
+            chunks = list(create(stream_options={"include_usage": True}, **kw))
+            assert chunks[-1].choices == []
+            usage = chunks[-1].usage
+        else:
+            usage = create(**kw).usage
+        return usage.prompt_tokens_details.cached_tokens, kv.prefix_hit_tokens - before, \
+            usage.prompt_tokens
+
+    kw = {"model": MODEL, "max_tokens": 2, "temperature": 0}
+    chat = dict(kw, messages=[{"role": "user", "content": text}])
+    for create, body in ((c.completions.create, dict(kw, prompt=text)),
+                         (c.chat.completions.create, chat)):
+        cached, hits, n = ask(create, **body)
+        assert cached == hits == 0 and 48 < n < MAX_MODEL_LEN - 8, (cached, hits, n)
+        for stream in (False, True):
+            cached, hits, n = ask(create, stream=stream, **body)
+            assert cached == hits == (n - 1) // block * block > 0, (stream, cached, hits, n)
+
+
 def test_concurrent_clients_match_generate_alone(server):
     c = server["client"]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -43,7 +44,8 @@ def test_handlers_reach_the_engine_only_through_the_client():
 
 
 class FakeClient(EngineClient):
-    """An engine that answers every request with tokens 5, 6, 7 (then "length"), or refuses it."""
+    """An engine that answers every request with tokens 5, 6, 7 (then "length"), its first prompt
+    token served from the prefix cache, or refuses it."""
 
     tokenizer = None
     chat_template = None
@@ -63,8 +65,8 @@ class FakeClient(EngineClient):
         if self.refuse is not None:
             sink.put_nowait(Update([], [], now, True, "error", self.refuse))
             return sink
-        sink.put_nowait(Update([5], [-0.5], now))
-        sink.put_nowait(Update([6, 7], [-0.25, -0.125], now, True, "length"))
+        sink.put_nowait(Update([5], [-0.5], now, num_cached_tokens=1))
+        sink.put_nowait(Update([6, 7], [-0.25, -0.125], now, True, "length", num_cached_tokens=1))
         return sink
 
     def cancel(self, request_id):
@@ -98,10 +100,14 @@ def test_an_app_over_a_fake_engine_client():
         choice = r.json()["choices"][0]
         assert choice["finish_reason"] == "length"
         assert choice["logprobs"]["token_logprobs"] == [-0.5, -0.25, -0.125]
-        assert r.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+        usage = {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
+                 "prompt_tokens_details": {"cached_tokens": 1}}  # the engine's count, carried
+        assert r.json()["usage"] == usage
         stream = tc.post("/v1/completions", json={"model": MODEL, "prompt": [3, 4], "max_tokens": 3,
-                                                  "stream": True})
+                                                  "stream": True,
+                                                  "stream_options": {"include_usage": True}})
         assert stream.status_code == 200 and stream.text.endswith("data: [DONE]\n\n")
+        assert json.loads(stream.text.split("data: ")[-2])["usage"] == usage
         r = tc.post("/v1/completions", json={"model": MODEL, "prompt": [3, 4], "max_tokens": 40})
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
         r = tc.post("/v1/completions", json={"model": MODEL, "prompt": "text"})

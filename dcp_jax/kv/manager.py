@@ -129,7 +129,8 @@ class KVCacheManager:
         """`r` takes the lowest free slot, the cached pages `hit` (from `lookup`) and, for the next
         `host_hits` blocks (from `lookup_host`), fresh pages their KV is copied back into (cached again
         at once: the copy runs before any step); counts the lookup (prefix hits: the device's and
-        the host's blocks; host hits: the host's alone)."""
+        the host's blocks; host hits: the host's alone) and, at `r`'s first admission, records its
+        hit in `r.num_cached_tokens`."""
         r.slot = min(self.free_slots)
         self.free_slots.remove(r.slot)
         pages = list(hit)
@@ -149,7 +150,10 @@ class KVCacheManager:
             r.pages, r.num_registered = pages, len(pages)
         self.prefix_query_tokens += r.num_tokens
         # a hit is a hit wherever its KV was: the device's and the host tier's (host_hit_tokens)
-        self.prefix_hit_tokens += self.layout.capacity_tokens(len(hit) + host_hits)
+        hit_tokens = self.layout.capacity_tokens(len(hit) + host_hits)
+        self.prefix_hit_tokens += hit_tokens
+        if r.num_cached_tokens is None:  # its first admission: the prompt tokens it did not compute
+            r.num_cached_tokens = min(hit_tokens, r.num_prompt_tokens)
 
     def grow(self, r, n: int) -> None:
         """Give running request `r` n more pages (the caller checked `num_available`)."""

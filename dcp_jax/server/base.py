@@ -29,8 +29,11 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def usage(prompt: int, n: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
+def usage(prompt: int, n: int, cached: int = 0) -> dict:
+    """OpenAI's usage: `cached` of the `prompt` tokens came from the prefix cache (device or host
+    tier: `Request.num_cached_tokens`)."""
+    return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def finish_reason(u) -> str:
@@ -153,9 +156,10 @@ class GeneratingHandler(Handler):
                 ok = True  # the stream owns the samples from here
                 events = self.stream(requests, sinks, firsts, out, include_usage, keep_output)
                 return StreamingResponse(events, media_type="text/event-stream")
-            choices, n_out = [], 0
+            choices, n_out, cached = [], 0, []
             for j, (r, sink, first) in enumerate(zip(requests, sinks, firsts)):
                 out_ids, out_lps, last = await self.generate(http, r, sink, first)
+                cached.append(last.num_cached_tokens)
                 text = self.final_text(r, last, out_ids)
                 if not keep_output:
                     out_ids, out_lps, text = [], ([], []), ""
@@ -164,7 +168,7 @@ class GeneratingHandler(Handler):
                 n_out += len(out_ids)
             ok = True
             n_prompt = requests[0].num_prompt_tokens
-            return dict(out.base, choices=choices, usage=usage(n_prompt, n_out))
+            return dict(out.base, choices=choices, usage=usage(n_prompt, n_out, cached[0]))
         finally:
             if not ok:
                 for r in requests:
@@ -207,10 +211,11 @@ class GeneratingHandler(Handler):
         pumps = await self.merge(sinks, firsts, merged)
         texts = self.text_streams(requests)
         ids_so_far, t_first = [[] for _ in requests], [None] * len(requests)
-        left, done = len(requests), False
+        left, done, cached = len(requests), False, [0] * len(requests)
         try:
             while left:
                 j, u = await merged.get()
+                cached[j] = u.num_cached_tokens
                 if not keep_output:
                     u = dataclasses.replace(u, token_ids=[], logprobs=[], top_logprobs=[],
                                             text="")
@@ -232,7 +237,7 @@ class GeneratingHandler(Handler):
             if not left and include_usage:
                 n_out = sum(map(len, ids_so_far))
                 yield sse(dict(out.chunk_base, choices=[],
-                               usage=usage(requests[0].num_prompt_tokens, n_out)))
+                               usage=usage(requests[0].num_prompt_tokens, n_out, cached[0])))
             yield "data: [DONE]\n\n"
             done = not left
         finally:

@@ -142,11 +142,11 @@ class Intake:
         return list(self.tokenizer.encode(text).ids)
 
     async def render(self, template, messages: list[dict],
-                     add_generation_prompt: bool = True) -> str:
+                     add_generation_prompt: bool = True, **options) -> str:
         """The chat template rendered on a worker thread (after a bound on the messages'
-        characters)."""
+        characters); `options`: `ChatTemplate.render`'s other keywords."""
         self.check_chars("".join(m["content"] for m in messages), param="messages")
-        return await asyncio.to_thread(template.render, messages, add_generation_prompt)
+        return await asyncio.to_thread(template.render, messages, add_generation_prompt, **options)
 
     # --- the request ---
     def requests(self, body: RequestBody, prompt_ids: list[int], default_max: int | None,

@@ -38,12 +38,15 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
 
-def authorized(header: str | None, api_key: str | None) -> bool:
-    """Whether an Authorization header carries `Bearer <api_key>` (always, without a key); constant
-    time."""
+def authorized(header: str | None, api_key: str | None, x_api_key: str | None = None) -> bool:
+    """Whether an Authorization header carries `Bearer <api_key>`, or an x-api-key header (what
+    Anthropic's clients send) `<api_key>` (always, without a key); constant time."""
     import hmac
 
-    return api_key is None or hmac.compare_digest((header or "").encode(), f"Bearer {api_key}".encode())
+    def same(given: str | None, want: str) -> bool:
+        return hmac.compare_digest((given or "").encode(), want.encode())
+
+    return api_key is None or (same(header, f"Bearer {api_key}") | same(x_api_key, api_key))
 
 
 def unauthorized():
@@ -55,12 +58,12 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
                         status_code=status, headers={"Retry-After": "1"} if status == 503 else None)
 
 
-def validation_response(errors: list[dict]):
+def validation_error(errors: list[dict]) -> APIError:
     """The 400 of a body pydantic refused (FastAPI's RequestValidationError.errors()), naming the
     field."""
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
-        return error_response(400, "the body is not valid JSON", code="invalid_json")
+        return APIError(400, "the body is not valid JSON", code="invalid_json")
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = loc[0] if loc else None  # the field; a union's member names follow it
     msg = first.get("msg", "invalid request")
@@ -68,8 +71,8 @@ def validation_response(errors: list[dict]):
         msg = f"missing required field {'.'.join(loc)!r}"
     elif param:
         msg = f"{param}: wrong type or value ({msg})"
-    return error_response(400, msg, param=param, code="invalid_type" if first.get("type") != "missing"
-                          else "missing_field")
+    return APIError(400, msg, param=param, code="invalid_type" if first.get("type") != "missing"
+                    else "missing_field")
 
 
 def vllm_prompt_logprobs(request, n: int | None, token_strings):

@@ -28,7 +28,10 @@ class QueueFull(Exception):
 @dataclasses.dataclass
 class Update:
     """What one request produced since its previous update. `finished` comes once, last; then
-    `finish_reason`, `error` and `text` (the final text, cut before a stop string) are set."""
+    `finish_reason`, `error`, `text` (the final text, cut before a stop string) and `stop_reason`
+    (the EOS or stop token id, or the stop string, that ended it: `Request.stop_reason`) are set.
+    `num_cached_tokens`: its prompt tokens the prefix cache held (`Request.num_cached_tokens`; 0
+    before it is admitted)."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -40,6 +43,8 @@ class Update:
     retryable: bool = False  # an error on the server's side (Request.error_retryable)
     # per token (id, logprob) pairs, if asked
     top_logprobs: list = dataclasses.field(default_factory=list)
+    num_cached_tokens: int = 0
+    stop_reason: int | str | None = None
 
 
 @dataclasses.dataclass
@@ -207,7 +212,8 @@ class AsyncEngine:
             n = len(r.output_token_ids)
             if n > t.emitted and not r.is_finished:
                 self.push(t, Update(r.output_token_ids[t.emitted:n], r.output_logprobs[t.emitted:n], now,
-                                    top_logprobs=r.output_top_logprobs[t.emitted:n]))
+                                    top_logprobs=r.output_top_logprobs[t.emitted:n],
+                                    num_cached_tokens=r.num_cached_tokens or 0))
                 t.emitted = n
         for r in self.engine.scheduler.pop_finished():
             t = self.tracked.pop(r.request_id, None)
@@ -216,7 +222,8 @@ class AsyncEngine:
             n = len(r.output_token_ids)
             self.push(t, Update(r.output_token_ids[t.emitted:n], r.output_logprobs[t.emitted:n], now, True,
                                 r.finish_reason, r.error or (error if r.finish_reason == "abort" else None), r.text,
-                                r.error_retryable, r.output_top_logprobs[t.emitted:n]))
+                                r.error_retryable, r.output_top_logprobs[t.emitted:n],
+                                r.num_cached_tokens or 0, r.stop_reason))
             with self.lock:
                 self.pending -= 1
             for listener in self.finish_listeners:

@@ -86,6 +86,10 @@ class Request:
     # not change), and how many of `pages` are registered in the prefix table (or were taken from it)
     block_keys: list[bytes] = dataclasses.field(default_factory=list)
     num_registered: int = 0
+    # prompt tokens whose KV the prefix cache held (device or host tier) when it was first admitted
+    # (None until then; a recompute after preemption does not change it): the KV manager's, read as
+    # OpenAI's usage.prompt_tokens_details.cached_tokens
+    num_cached_tokens: int | None = None
 
     def __post_init__(self):
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
