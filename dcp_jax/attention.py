@@ -105,12 +105,12 @@ def dcp_attention(
       return_lse: also return the merged LSE [B, T, H] (float32).
       kv_quant: "int8" / "fp8": the caches hold packed 8-bit rows (`pallas_kernels.attention.kv_quant`),
         dequantized inside each KV block by the kernel.
-      fresh: (k_new, v_new) [B, T, K, D] (MLA: (latent,)), the entries this call's tokens just wrote
-        (as `write_kv` took them: replicated over the context axes). With a ragged batch whose diagonal
-        blocks an implementation takes off the page walk (`kernels.diagonal_impl`: cuDNN under
-        "pallas"), each prefill tile reads the pages only below its first token, and after the combine
-        each context rank adds the tiles' diagonal blocks for the heads it keeps (`_diagonal`):
-        computed once, by the rank that owns the heads. Ignored otherwise.
+      fresh: (k_new, v_new) [B, T, K, D] (MLA: (latent,)), the entries this call's tokens just
+        wrote (as `write_kv` took them: replicated over the context axes). With a ragged batch whose
+        diagonal blocks an implementation takes off the page walk (`kernels.diagonal_impl`: cuDNN
+        under "pallas"), each prefill tile reads the pages only below its first token, and after
+        the combine each context rank adds the tiles' diagonal blocks for the heads it keeps
+        (`_diagonal`): computed once, by the rank that owns the heads. Ignored otherwise.
     Returns:
       out [B, T, H, Dv] in q.dtype, sharded per `mesh.attn_out_spec` (and the LSE if asked).
     """
@@ -124,9 +124,7 @@ def dcp_attention(
     scattered = resolve_combine(q.shape[2] // n_heads_shards, n_ctx, combine)
     exchanged = combine == "all_to_all"
     shared_v = v_cache is None
-    fresh = tuple(fresh) if ragged is not None and fresh is not None else ()
-    diag = fresh and kernels.diagonal_impl(impl, q, fresh[0], fresh[1] if len(fresh) > 1 else None)
-    fresh = fresh if diag else ()  # (no implementation takes the diagonal blocks: the walk keeps them)
+    diag, fresh = _split_diagonal(impl, q, fresh if ragged is not None else None)
     body = functools.partial(
         _island, layout=layout, context_axes=context_axes, n_ctx=n_ctx, scattered=scattered,
         exchanged=exchanged, shared_v=shared_v, paged=paged, stacked=stacked, ragged=ragged is not None,
@@ -157,6 +155,15 @@ def dcp_attention(
     if exchanged:
         return (out, lse) if return_lse else out
     return (out, lse[0]) if return_lse else out
+
+
+def _split_diagonal(impl, q, fresh):
+    """(the implementation that takes a ragged step's diagonal blocks, the fresh entries it reads),
+    or (None, ()) where none does (the page walk keeps them) or the call has no fresh entries."""
+    if not fresh:
+        return None, ()
+    diag = kernels.diagonal_impl(impl, q, fresh[0], fresh[1] if len(fresh) > 1 else None)
+    return (diag, tuple(fresh)) if diag else (None, ())
 
 
 def _island(q, k, *rest, layout, context_axes, n_ctx, scattered, exchanged, shared_v, paged,
@@ -201,9 +208,10 @@ def _island(q, k, *rest, layout, context_axes, n_ctx, scattered, exchanged, shar
 
 def _diagonal(o, lse, q, fresh, tiles, first, *, opts, owner=True):
     """A split ragged batch's (o [1, N, Hs, Dv], lse [1, N, Hs]) for query heads [first, first + Hs)
-    merged by LSE with the prefill tiles' diagonal blocks of those heads: their queries over the batch's
-    fresh keys and values (`kernels.ragged_self_attention` through opts["impl"]). owner False (may be traced):
-    the blocks count for nothing (a rank that must not add them again). Returns (o float32, lse)."""
+    merged by LSE with the prefill tiles' diagonal blocks of those heads: their queries over the
+    batch's fresh keys and values (`kernels.ragged_self_attention` through opts["impl"]). owner
+    False (may be traced): the blocks count for nothing (a rank that must not add them again).
+    Returns (o float32, lse)."""
     k_new = fresh[0][0]
     v_new = None if len(fresh) == 1 else fresh[1][0]
     hl, kl, hs = q.shape[2], k_new.shape[1], o.shape[2]
@@ -211,10 +219,14 @@ def _diagonal(o, lse, q, fresh, tiles, first, *, opts, owner=True):
     g = hl // kl
     if hs % g == 0 or g % hs == 0:  # whole kv heads, or a share of one: a contiguous slice
         kv_first, kv_n = first // g, max(hs // g, 1)
-        pick = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, kv_first, kv_n, axis=1)  # noqa: E731
+
+        def pick(x):
+            return None if x is None else lax.dynamic_slice_in_dim(x, kv_first, kv_n, axis=1)
     else:  # heads that straddle kv heads unevenly: each query head its own kv head
         heads = (first + jnp.arange(hs)) // g
-        pick = lambda x: None if x is None else jnp.take(x, heads, axis=1)  # noqa: E731
+
+        def pick(x):
+            return None if x is None else jnp.take(x, heads, axis=1)
     o_self, lse_self = kernels.ragged_self_attention(
         q_mine, pick(k_new), pick(v_new), tiles, scale=opts["scale"], impl=opts["impl"],
         v_dim=opts["v_dim"], kv_quant=opts["kv_quant"])

@@ -109,8 +109,8 @@ class MLAttention(nnx.Module):
             axes = dict(head_axes=HEAD_AXES, context_axes=self.context_axes)
             cache = attn_lib.write_kv(cache, (latent,), positions, valid, **ctx.placement(), **axes)
             o = attn_lib.dcp_attention(q_abs, cache[0], None, positions, kv_len, impl=ctx.impl,
-                                       combine=ctx.combine, fresh=(latent,), **ctx.placement(), **axes,
-                                       **opts)
+                                       combine=ctx.combine, fresh=(latent,), **ctx.placement(),
+                                       **axes, **opts)
         o = jnp.einsum("bthc,hvc->bthv", o, w_uv)  # [B, T, H, v_head_dim]
         return linear(o.reshape(b, t, -1), self.o_proj), cache
 

@@ -126,7 +126,8 @@ COMBINE_NAMES = ["scatter", "psum", "all_to_all"]
 @pytest.mark.parametrize("combine", COMBINE_NAMES)
 @pytest.mark.parametrize("tp,dcp,t", [(1, 8, 16), (2, 4, 1), (4, 2, 16)])
 def test_every_combine(combine, tp, dcp, t):
-    # 8 heads per tp rank on (1, 8) and 4 per tp rank on (2, 4), (4, 2): divisible, so every combine applies.
+    # 8 heads per tp rank on (1, 8) and 4 per tp rank on (2, 4), (4, 2): divisible, so every combine
+    # applies.
     run_case(tp, dcp, 4, 1, t, combine=combine)
 
 
@@ -207,8 +208,8 @@ def test_lengths_beyond_the_slice():
 
 
 def test_paged_write_past_the_block_table_is_dropped():
-    # Position 9 has no block in a 2-block table of 4-slot pages: it must be dropped, not folded into
-    # the last block's page on top of position 5 (same page slot).
+    # Position 9 has no block in a 2-block table of 4-slot pages: it must be dropped, not folded
+    # into the last block's page on top of position 5 (same page slot).
     from dcp_jax.attention import write_kv
 
     mesh = make_mesh(1, 1)
@@ -232,9 +233,9 @@ def split_diagonal(monkeypatch):
         monkeypatch.setitem(api.SELF_ROUTES, impl, (impl,))
 
 
-def run_ragged_case(tp, dcp, gqa, interleave, *, combine="auto", impl="reference", head_axes=("tp",),
-                    context_axes=("dcp",), kv_heads=None, page=4, dtype=jnp.float32, shared_v=False,
-                    fresh=True, seed=0):
+def run_ragged_case(tp, dcp, gqa, interleave, *, combine="auto", impl="reference",
+                    head_axes=("tp",), context_axes=("dcp",), kv_heads=None, page=4,
+                    dtype=jnp.float32, shared_v=False, fresh=True, seed=0):
     """A ragged step through the island against float64: decode rows deep in their context, a chunk
     after a cached prefix (in prefill tiles), a whole prompt, an empty row; flat q [1, N]; with
     `fresh`, the prefill tiles' diagonal blocks come from the step's own keys and values."""
@@ -254,30 +255,33 @@ def run_ragged_case(tp, dcp, gqa, interleave, *, combine="auto", impl="reference
     starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
     n = 48
     q = rng.standard_normal((1, n, h, dk)).astype(np.float32)
-    q_pos, k_new, v_new = np.zeros((1, n), np.int32), np.zeros((1, n, kh, dk)), np.zeros((1, n, kh, dv))
+    q_pos = np.zeros((1, n), np.int32)
+    k_new, v_new = np.zeros((1, n, kh, dk)), np.zeros((1, n, kh, dv))
     for r, (s0, m) in enumerate(zip(starts, q_lens)):
         pos = lengths[r] - m + np.arange(m)
         q_pos[0, s0:s0 + m] = pos
-        k_new[0, s0:s0 + m], v_new[0, s0:s0 + m] = k[r][:, pos].swapaxes(0, 1), v[r][:, pos].swapaxes(0, 1)
+        k_new[0, s0:s0 + m] = k[r][:, pos].swapaxes(0, 1)
+        v_new[0, s0:s0 + m] = v[r][:, pos].swapaxes(0, 1)
     tiles = ragged.plan(starts, q_lens, np.arange(5), n, ragged.group_shapes(n, rows=5, tile=8),
                         positions=lengths - q_lens)
     caches = (place(k, layout),) if shared_v else (place(k, layout), place(v, layout))
     pools, table = paginate(caches, layout, page, rng)
     paged = PagedLayout(n_ctx, layout.interleave, page)
-    extra = dict(fresh=tuple(jnp.asarray(x, dtype) for x in ((k_new,) if shared_v else (k_new, v_new)))
-                 if fresh else None, v_dim=dv if shared_v else None)
+    new = (k_new,) if shared_v else (k_new, v_new)
+    extra = dict(fresh=tuple(jnp.asarray(x, dtype) for x in new) if fresh else None,
+                 v_dim=dv if shared_v else None)
     fn = jax.jit(lambda q, pools, qp, kl, bt, t: dcp_attention(
         q, *pools, *((None,) if shared_v else ()), qp, kl, mesh=mesh, layout=paged, block_table=bt,
         ragged=t, head_axes=head_axes, context_axes=context_axes, combine=combine, impl=impl,
         return_lse=True, **extra))
-    o, lse = fn(jnp.asarray(q, dtype), tuple(jnp.asarray(p, dtype) for p in pools), jnp.asarray(q_pos),
-                jnp.asarray(lengths), jnp.asarray(table), tiles)
+    o, lse = fn(jnp.asarray(q, dtype), tuple(jnp.asarray(p, dtype) for p in pools),
+                jnp.asarray(q_pos), jnp.asarray(lengths), jnp.asarray(table), tiles)
     assert o.shape == (1, n, h, dv) and not np.isnan(np.asarray(o, np.float32)).any()
     for r, (s0, m) in enumerate(zip(starts, q_lens)):
         if m == 0:
             continue
-        ref_o, ref_lse = dense_attention(q[:, s0:s0 + m], k[r:r + 1], v[r:r + 1], q_pos[:, s0:s0 + m],
-                                         lengths[r:r + 1], 1.0 / np.sqrt(dk))
+        ref_o, ref_lse = dense_attention(q[:, s0:s0 + m], k[r:r + 1], v[r:r + 1],
+                                         q_pos[:, s0:s0 + m], lengths[r:r + 1], 1.0 / np.sqrt(dk))
         err = rel_err(o[:, s0:s0 + m], ref_o)
         assert err <= TOL[dtype], (r, err)
         assert_lse_close(lse[:, s0:s0 + m], ref_lse, TOL[dtype])
@@ -286,8 +290,8 @@ def run_ragged_case(tp, dcp, gqa, interleave, *, combine="auto", impl="reference
 @pytest.mark.parametrize("tp,dcp,gqa,interleave,combine", [
     (1, 1, 4, 1, "auto"),
     (1, 2, 4, 1, "scatter"),
-    (2, 4, 2, 4, "auto"),        # heads scattered over dcp: each rank adds its heads' diagonal blocks
-    (1, 4, 1, 2, "auto"),        # 2 heads over 4 ranks: the psum fallback (every rank all heads)
+    (2, 4, 2, 4, "auto"),        # 2 heads per tp rank over 4 dcp ranks: the psum fallback
+    (1, 4, 2, 2, "auto"),        # 4 heads scattered over 4 ranks: each adds its own head's blocks
     (1, 3, 3, 2, "all_to_all"),
     (2, 2, 2, 1, "psum"),
 ])
@@ -304,8 +308,8 @@ def test_ragged_split_query_heads_straddling_kv_heads(split_diagonal):
 
 @pytest.mark.parametrize("impl", ["reference", "pallas_interpret"])
 def test_ragged_split_latent_over_both_axes(split_diagonal, impl):
-    # MLA: one latent (the values its first features) over ("tp", "dcp") together, heads scattered over
-    # all 8 devices; the diagonal blocks' values are the new latent's first features.
+    # MLA: one latent (the values its first features) over ("tp", "dcp") together, heads scattered
+    # over all 8 devices; the diagonal blocks' values are the new latent's first features.
     run_ragged_case(2, 4, 8, 1, head_axes=(), context_axes=("tp", "dcp"), kv_heads=1, shared_v=True,
                     impl=impl)
 

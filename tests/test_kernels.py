@@ -136,8 +136,8 @@ def test_reference_blocked_walk(block_k, runs):
 @pytest.mark.parametrize("t", [1, 6])
 def test_reference_unmasked_and_masked_blocks(block_k, block_k_masked, runs, t):
     # One long sequence and a query block (t=1: decode, every slot seen by every query): the blocks
-    # before the diagonal take the unmasked loop body, the rest the masked one in smaller blocks, the
-    # last of them shifted back; block_k >= S is a single masked block.
+    # before the diagonal take the unmasked loop body, the rest the masked one in smaller blocks,
+    # the last of them shifted back; block_k >= S is a single masked block.
     x = make_inputs(1, t, 4, 2, 40, 8, 8, runs=runs)
     o, lse = attend(x, impl="reference", block_k=block_k, block_k_masked=block_k_masked)
     check_against_oracle(o, lse, x, 1e-5)
@@ -170,11 +170,12 @@ def test_bad_shapes(change, match):
         attention(**x)
 
 
-# --- the query-tiled kernel: long prefill chunks over cached prefixes --------------------------------
+# --- the query-tiled kernel: long prefill chunks over cached prefixes
+# --------------------------------
 
 @pytest.mark.parametrize("b,t,h,kh,prefix,runs,dtype,opts", [
-    # a 4096-token chunk after a 512-token cached prefix, ragged batch (one sequence empty, one shorter
-    # than the chunk: its first rows see nothing)
+    # a 4096-token chunk after a 512-token cached prefix, ragged batch (one sequence empty, one
+    # shorter than the chunk: its first rows see nothing)
     (3, 4096, 2, 1, 512, None, jnp.float32, dict(block_q=128, block_k=128)),
     (2, 1000, 8, 2, 300, (2, 2, 8), jnp.float32, dict(block_q=64, block_k=32)),   # G=4, interleaved shard
     (2, 257, 4, 4, 100, (0, 1, 3), jnp.bfloat16, dict(block_q=32, block_k=16)),   # G=1 (MHA), strided
@@ -220,10 +221,10 @@ def waves_used(programs, kv_blocks, splits, slots):
 
 
 def test_splits_fill_whole_waves():
-    # The GPU check's decode shape: batch 8, 32 q / 8 kv heads, d 128, bf16, 32K keys. The decode entry
-    # holds 3 programs per SM (70 KiB of shared memory each), so a wave is 396 programs; 64 programs × 6
-    # splits = 384 fill one wave (97%). The old rule (2 waves of SMs, one program each) took 5 splits:
-    # 320 programs = 2.42 waves of 132, i.e. three waves' time for 2.42 waves' work.
+    # The GPU check's decode shape: batch 8, 32 q / 8 kv heads, d 128, bf16, 32K keys. The decode
+    # entry holds 3 programs per SM (70 KiB of shared memory each), so a wave is 396 programs; 64
+    # programs × 6 splits = 384 fill one wave (97%). The old rule (2 waves of SMs, one program each)
+    # took 5 splits: 320 programs = 2.42 waves of 132, i.e. three waves' time for 2.42 waves' work.
     _, cfg = configs.pick(4, 128, 128, 2)
     ctas = configs.ctas_per_sm(cfg, 128, 128, 2)
     assert ctas == 3
@@ -234,7 +235,8 @@ def test_splits_fill_whole_waves():
     assert fill >= 0.95
     old_fill, old_time = waves_used(64, blocks, 5, 132)
     assert old_fill < 0.85 and time * ctas < old_time  # the same work in fewer block-times per SM slot
-    # whole-wave choice against every other split count (the cost it minimises is waves × blocks per split)
+    # whole-wave choice against every other split count (the cost it minimises is waves × blocks per
+    # split)
     for programs, kv_blocks, c in [(64, 512, 3), (8, 2048, 2), (24, 96, 1), (128, 4096, 2), (1, 64, 4)]:
         best = configs.num_splits(programs, kv_blocks, sms=132, ctas=c)
         most = min(kv_blocks // configs.MIN_BLOCKS_PER_SPLIT, configs.MAX_SPLITS)
@@ -248,8 +250,8 @@ def test_splits_fill_whole_waves():
 
 @pytest.mark.parametrize("dk,dv,shared_v", [(64, 64, False), (128, 128, False), (256, 256, False), (576, 512, True)])
 def test_decode_entries_hold_several_programs_per_sm(dk, dv, shared_v):
-    # bf16 decode: 2-3 (or more) programs per SM at every row count a decode call takes, shared memory
-    # and the float32 accumulator's registers within bounds for every entry of the table.
+    # bf16 decode: 2-3 (or more) programs per SM at every row count a decode call takes, shared
+    # memory and the float32 accumulator's registers within bounds for every entry of the table.
     for rows in (1, 4, 8, 16, 32, 64):
         phase, cfg = configs.pick(rows, dk, dv, 2, shared_v)
         assert phase == "decode"
@@ -265,9 +267,9 @@ def test_decode_entries_hold_several_programs_per_sm(dk, dv, shared_v):
 
 @pytest.mark.parametrize("heads", [16, 64, 128])
 def test_mla_decode_reads_each_latent_tile_at_most_twice(heads):
-    # DeepSeek decode: all query heads share one latent kv head, so the folded rows are the heads. At
-    # 128 heads the call stays a decode call (two query blocks of 64 rows), not the prefill entry's 4
-    # blocks of 32; one block at 64 heads or fewer.
+    # DeepSeek decode: all query heads share one latent kv head, so the folded rows are the heads.
+    # At 128 heads the call stays a decode call (two query blocks of 64 rows), not the prefill
+    # entry's 4 blocks of 32; one block at 64 heads or fewer.
     phase, cfg = configs.pick(heads, 576, 512, 2, shared_v=True)
     assert phase == "decode"
     assert math.ceil(heads / cfg.block_q) == (1 if heads <= 64 else 2)
@@ -282,7 +284,8 @@ def test_pallas_gpu_needs_head_dims_in_pieces_of_16():
         triton_kernel.attention(**x, scale=0.1)
 
 
-# --- paged KV: the same attention read through a block table ---------------------------------------
+# --- paged KV: the same attention read through a block table
+# ---------------------------------------
 
 def to_pages(x, page, seed=0, spare=3):
     """A dense slice x [B, K, S, D] as a page pool [P, K, page, D] + block table [B, S / page]: pages
@@ -341,8 +344,8 @@ def test_paged_bad_table():
 @pytest.mark.parametrize("impl", ["reference", PALLAS])
 @pytest.mark.parametrize("in_pages", [False, True])
 def test_layer_of_stacked_caches_is_read_in_place(impl, in_pages):
-    # Scanned layers keep their caches stacked [L, ...]: the kernels read layer i (traced) in place, the
-    # same result as the cache of that layer alone.
+    # Scanned layers keep their caches stacked [L, ...]: the kernels read layer i (traced) in place,
+    # the same result as the cache of that layer alone.
     x = make_inputs(2, 3, 8, 2, 32, 16, 16, runs=(1, 1, 2))
     rng = np.random.default_rng(3)
     others = [jnp.asarray(rng.standard_normal(x["k"].shape), jnp.float32) for _ in range(2)]
@@ -357,7 +360,8 @@ def test_layer_of_stacked_caches_is_read_in_place(impl, in_pages):
     check_against_oracle(o, lse, x, 1e-5)
 
 
-# --- what a step reads: only the last block masked, the walk over the filled part only ------------------
+# --- what a step reads: only the last block masked, the walk over the filled part only
+# ------------------
 
 class BlockCounter:
     """Counts the KV blocks each program visits through a kernel's `block_probe` (interpret mode)."""
@@ -382,9 +386,10 @@ class BlockCounter:
 @pytest.mark.parametrize("in_pages", [False, True])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_kernel_masks_only_the_last_block_and_walks_the_filled_part(monkeypatch, in_pages, splits):
-    # Decode over a 512-slot slice filled to 200 (and 208: whole blocks) of it, block_k 16: each program
-    # visits only blocks holding slots < the length (13 blocks, none of the 19 empty ones), every block
-    # exactly once over the splits, and masks at most one: the one the length ends inside.
+    # Decode over a 512-slot slice filled to 200 (and 208: whole blocks) of it, block_k 16: each
+    # program visits only blocks holding slots < the length (13 blocks, none of the 19 empty ones),
+    # every block exactly once over the splits, and masks at most one: the one the length ends
+    # inside.
     for length in (200, 208):
         x = make_inputs(1, 1, 4, 2, 512, 16, 16)
         x["kv_len"] = jnp.asarray([length], jnp.int32)
@@ -404,9 +409,9 @@ def test_kernel_masks_only_the_last_block_and_walks_the_filled_part(monkeypatch,
 
 
 def test_kernel_masks_only_the_diagonal_of_a_prefill_chunk(monkeypatch):
-    # A 48-token chunk after a 100-token prefix (one kv head, G = 2: 16-row query blocks of 8 tokens):
-    # each query block masks only the blocks its own 8 tokens end inside (at most 2 of 16 slots), walks
-    # nothing past its last token, and reads the prefix unmasked.
+    # A 48-token chunk after a 100-token prefix (one kv head, G = 2: 16-row query blocks of 8
+    # tokens): each query block masks only the blocks its own 8 tokens end inside (at most 2 of 16
+    # slots), walks nothing past its last token, and reads the prefix unmasked.
     x = make_inputs(1, 48, 2, 1, 512, 16, 16)
     x["kv_len"] = jnp.asarray([148], jnp.int32)
     x["q_pos"] = jnp.asarray(100 + np.arange(48)[None], jnp.int32)
@@ -426,8 +431,8 @@ def test_kernel_masks_only_the_diagonal_of_a_prefill_chunk(monkeypatch):
 @pytest.mark.parametrize("in_pages", [False, True])
 def test_reference_masks_only_the_tail_and_walks_the_filled_part(monkeypatch, in_pages):
     # The CPU path's block walk: decode at 300 of 1024 slots, blocks of 64 unmasked and 16 masked: 4
-    # unmasked blocks (256 slots) and 3 masked ones (48 slots); nothing past slot 303 of the 1024 is read.
-    # (A paged decode row walks pages by default: pages_per_step=0 asks for the block walk.)
+    # unmasked blocks (256 slots) and 3 masked ones (48 slots); nothing past slot 303 of the 1024 is
+    # read. (A paged decode row walks pages by default: pages_per_step=0 asks for the block walk.)
     x = make_inputs(1, 1, 4, 2, 1024, 8, 8)
     x["kv_len"] = jnp.asarray([300], jnp.int32)
     x["q_pos"] = jnp.asarray([[299]], jnp.int32)
@@ -443,9 +448,10 @@ def test_reference_masks_only_the_tail_and_walks_the_filled_part(monkeypatch, in
 
 @pytest.mark.parametrize("in_pages", [False, True])
 def test_reference_reads_nothing_for_queries_that_see_nothing(monkeypatch, in_pages):
-    # A ragged step's unused tiles (position -1) and empty rows: the CPU path visits no KV block for them
-    # (a step pads its tile groups with such tiles, so each would otherwise cost a block per layer) and
-    # returns o = 0, lse = -inf; a query block where some rows see something walks only what they see.
+    # A ragged step's unused tiles (position -1) and empty rows: the CPU path visits no KV block for
+    # them (a step pads its tile groups with such tiles, so each would otherwise cost a block per
+    # layer) and returns o = 0, lse = -inf; a query block where some rows see something walks only
+    # what they see.
     x = make_inputs(2, 3, 4, 2, 256, 8, 8)
     x["kv_len"] = jnp.asarray([100, 0], jnp.int32)
     x["q_pos"] = jnp.asarray([[-1, -1, -1], [5, 6, 7]], jnp.int32)
@@ -464,10 +470,11 @@ def test_reference_reads_nothing_for_queries_that_see_nothing(monkeypatch, in_pa
 
 
 def test_reference_walks_a_short_slice_page_by_page(monkeypatch):
-    # A slice shorter than one unmasked block (a serving pool of short requests: 3 pages of 64) is walked
-    # a page at a time by the block walk with the default block sizes, up to the last page some query
-    # sees: one whole-slice block would read all 192 slots of every tile of a ragged step whose prompts
-    # see a few dozen. (Tiles of up to 8 tokens walk pages by default: pages_per_step=0 asks for blocks.)
+    # A slice shorter than one unmasked block (a serving pool of short requests: 3 pages of 64) is
+    # walked a page at a time by the block walk with the default block sizes, up to the last page
+    # some query sees: one whole-slice block would read all 192 slots of every tile of a ragged step
+    # whose prompts see a few dozen. (Tiles of up to 8 tokens walk pages by default:
+    # pages_per_step=0 asks for blocks.)
     x = make_inputs(2, 4, 4, 2, 192, 8, 8)
     x["kv_len"] = jnp.asarray([20, 100], jnp.int32)
     x["q_pos"] = jnp.asarray([[16, 17, 18, 19], [96, 97, 98, 99]], jnp.int32)
@@ -480,7 +487,8 @@ def test_reference_walks_a_short_slice_page_by_page(monkeypatch):
     call["kv_len"], call["q_pos"] = x["kv_len"].at[1].set(10), x["q_pos"].at[1].set(jnp.arange(6, 10))
     jax.block_until_ready(attend(call, impl="reference", pages_per_step=0))  # both within the first page: one block
     assert [(s, n) for _, _, s, n in counter.seen] == [(0, 64)]
-    # a slice no block of at least half the masked size tiles (37 slots, blocks of 16): the last block overlaps
+    # a slice no block of at least half the masked size tiles (37 slots, blocks of 16): the last
+    # block overlaps
     x = make_inputs(2, 3, 4, 2, 37, 8, 8)
     counter.seen.clear()
     o, lse = attend(x, impl="reference", block_k_masked=16)
@@ -490,10 +498,11 @@ def test_reference_walks_a_short_slice_page_by_page(monkeypatch):
 
 @pytest.mark.parametrize("t,runs,quant", [(1, None, None), (3, (1, 2, 8), None), (1, None, "int8")])
 def test_reference_walks_pages_of_decode_rows_each_up_to_its_own_length(monkeypatch, t, runs, quant):
-    # Paged rows of at most 8 query tokens (decode, verify, a ragged step's decode tiles) walk pages: each
-    # row reads its own pages up to the last slot it may see, not the furthest row's span, 4 pages a step
-    # (so steps mix rows and the last step ends past the last page); on a dcp shard's interleaved slots
-    # too. The result is the oracle's, and the block walk's (pages_per_step=0) to float32 rounding.
+    # Paged rows of at most 8 query tokens (decode, verify, a ragged step's decode tiles) walk
+    # pages: each row reads its own pages up to the last slot it may see, not the furthest row's
+    # span, 4 pages a step (so steps mix rows and the last step ends past the last page); on a dcp
+    # shard's interleaved slots too. The result is the oracle's, and the block walk's
+    # (pages_per_step=0) to float32 rounding.
     x = make_inputs(4, t, 4, 2, 320, 16, 16, runs=runs)
     end = int(x["kv_pos"].at(319)) + 1
     x["kv_len"] = jnp.asarray([end, 0, 37, 150], jnp.int32)
@@ -515,7 +524,8 @@ def test_reference_walks_pages_of_decode_rows_each_up_to_its_own_length(monkeypa
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_blocks), rtol=1e-5, atol=1e-5)
 
 
-# --- lowering for CUDA without a GPU (the lowering convention in docs/ARCHITECTURE.md) -------------------------------------------------
+# --- lowering for CUDA without a GPU (the lowering convention in docs/ARCHITECTURE.md)
+# -------------------------------------------------
 
 def lower_for_cuda(b, t, h, kh, s, dk, dv, dtype, shared_v=False, page=0, layers=0, kv_quant=None, **opts):
     """The kernel exported for CUDA; with `page`, over a pool of s // page pages of `page` slots per
@@ -592,15 +602,16 @@ def test_pallas_lowers_for_cuda_without_copying_the_cache(name, shape, dtype, sh
     text = lower_for_cuda(*shape, dtype, shared_v=shared_v, page=page, layers=layers)
     assert "__gpu$xla.gpu.triton" in text
     assert "dcp_flash_attention" in text
-    # The cache goes to the kernel as it is: no pad, slice, concatenate, transpose or copy of it (or of
-    # anything half its size) anywhere in the module.
+    # The cache goes to the kernel as it is: no pad, slice, concatenate, transpose or copy of it (or
+    # of anything half its size) anywhere in the module.
     assert large_copies(text, b * kh * s * dk // 2) == []
     kernel_call = next(line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line)
     assert "%arg1" in kernel_call and ("%arg2" in kernel_call) != shared_v
 
 
 def test_no_copy_check_sees_a_padded_cache():
-    # The assertion above can fail: a wrapper that pads the cache (what the kernel did before) is caught.
+    # The assertion above can fail: a wrapper that pads the cache (what the kernel did before) is
+    # caught.
     def padded(q, k, v, *rest, **kw):
         return triton_kernel.attention(q, jnp.pad(k, ((0, 0), (0, 0), (0, 24), (0, 0))),
                                        jnp.pad(v, ((0, 0), (0, 0), (0, 24), (0, 0))), *rest, **kw)
@@ -623,8 +634,9 @@ def test_every_pallas_call_names_its_backend():
     found = []
     for path in [*root.glob("pallas_kernels/**/*.py"), *root.glob("dcp_jax/**/*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) \
-                    == "pallas_call":
+            name = getattr(node, "func", None)
+            name = getattr(name, "attr", getattr(name, "id", ""))
+            if isinstance(node, ast.Call) and name == "pallas_call":
                 names = {k.arg for k in node.keywords}
                 found.append((path.name, node.lineno, "compiler_params" in names))
     assert found and all(ok for *_, ok in found), found

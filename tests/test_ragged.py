@@ -126,14 +126,16 @@ def test_ragged_values_shared_with_keys(impl):
 
 
 def fresh_of(x, dense, shared_v=False):
-    """Each flat token's own key and value (what the step writes to the pages), from the rows' dense KV
-    (a slice holding whole sequences: slot = position); zero for padding."""
+    """Each flat token's own key and value (what the step writes to the pages), from the rows'
+    dense KV (a slice holding whole sequences: slot = position); zero for padding."""
     (k, v), starts, lens, _ = dense
     n = x["q"].shape[0]
-    kn, vn = np.zeros((n,) + k.shape[1:2] + k.shape[3:]), np.zeros((n,) + v.shape[1:2] + v.shape[3:])
+    kn = np.zeros((n,) + k.shape[1:2] + k.shape[3:])
+    vn = np.zeros((n,) + v.shape[1:2] + v.shape[3:])
     for r, (s0, m) in enumerate(zip(starts, lens)):
         pos = np.asarray(x["q_pos"][s0:s0 + m])
-        kn[s0:s0 + m], vn[s0:s0 + m] = k[r][:, pos].transpose(1, 0, 2), v[r][:, pos].transpose(1, 0, 2)
+        kn[s0:s0 + m] = k[r][:, pos].transpose(1, 0, 2)
+        vn[s0:s0 + m] = v[r][:, pos].transpose(1, 0, 2)
     dtype = x["q"].dtype
     return jnp.asarray(kn, dtype), None if shared_v else jnp.asarray(vn, dtype)
 
@@ -141,15 +143,15 @@ def fresh_of(x, dense, shared_v=False):
 @pytest.mark.parametrize("impl,opts", [("reference", dict(block_k=16, block_k_masked=8)),
                                        (PALLAS, dict(block_k=16))])
 @pytest.mark.parametrize("h,kh,dtype,tile,long_tile", [
-    (8, 2, jnp.float32, 8, 256),   # GQA 4: the 23-token chunk in 3 tiles of 8, the 9-token prompt in 2
+    (8, 2, jnp.float32, 8, 256),   # GQA 4: the 23-token chunk in tiles of 8, the 9-token prompt in 2
     (4, 4, jnp.float32, 4, 16),    # MHA; the 23-token chunk in the long-chunk group (tiles of 16)
     (8, 2, jnp.bfloat16, 16, 256),  # bf16
 ])
 def test_split_prefill_tiles_match_float64(impl, opts, h, kh, dtype, tile, long_tile):
-    # Decode rows through the decode launch; each prefill tile's cached prefix through the pages and its
-    # diagonal block through self_attention (the tile's own keys and values), merged by LSE: the same
-    # attention as float64 over decode rows, a chunk after a cached prefix, a whole prompt (no prefix:
-    # its first tile reads no page) and an empty row.
+    # Decode rows through the decode launch; each prefill tile's cached prefix through the pages and
+    # its diagonal block through self_attention (the tile's own keys and values), merged by LSE: the
+    # same attention as float64 over decode rows, a chunk after a cached prefix, a whole prompt (no
+    # prefix: its first tile reads no page) and an empty row.
     x, dense = ragged_case(dtype, h, kh, 16, 16, 16, (0, 1, 1))
     starts, lens, lengths = dense[1], dense[2], dense[3]
     n = x["q"].shape[0]
@@ -165,7 +167,8 @@ def test_split_prefill_tiles_match_float64(impl, opts, h, kh, dtype, tile, long_
 @pytest.mark.parametrize("impl", ["reference", PALLAS])
 def test_split_prefill_tiles_with_values_shared_with_keys(impl):
     # MLA's latent: the diagonal blocks take their values from the new keys' first v_dim features.
-    x, ((k, v), starts, lens, lengths) = ragged_case(jnp.float32, 8, 1, dim(24), dim(24), 16, (0, 1, 1))
+    x, ((k, v), starts, lens, lengths) = ragged_case(jnp.float32, 8, 1, dim(24), dim(24), 16,
+                                                     (0, 1, 1))
     dense = ((k, k[..., :16]), starts, lens, lengths)
     x = dict(x, v=None)
     tiles = ragged.plan(starts, lens, np.arange(5), 40, ragged.group_shapes(40, rows=5, tile=8),
@@ -178,8 +181,8 @@ def test_split_prefill_tiles_with_values_shared_with_keys(impl):
 
 def test_split_prefill_tiles_read_only_their_prefix():
     # The pages part of a split prefill tile sees only the slots below the tile's first token: the
-    # 9-token prompt's first tile (positions 0-7) sees none, its second (position 8) sees those 8; the
-    # 23-token chunk after 47 cached tokens sees less than its full attention does.
+    # 9-token prompt's first tile (positions 0-7) sees none, its second (position 8) sees those 8;
+    # the 23-token chunk after 47 cached tokens sees less than its full attention does.
     x, dense = ragged_case(jnp.float32, 8, 2, 16, 16, 16, (0, 1, 1))
     starts, lens, lengths = dense[1], dense[2], dense[3]
     tiles = ragged.plan(starts, lens, np.arange(5), 40, ragged.group_shapes(40, rows=5, tile=8),
@@ -192,18 +195,19 @@ def test_split_prefill_tiles_read_only_their_prefix():
     one = dict(x, q=x["q"][s2 + 8:s2 + 9][None], q_pos=jnp.full((1, 1), 7, jnp.int32),
                kv_len=x["kv_len"][2:3], block_table=x["block_table"][2:3])
     expected = attention(**one, impl="reference")  # position 8's query over positions 0..7
-    np.testing.assert_allclose(np.asarray(prefix[0][s2 + 8]), np.asarray(expected[0][0, 0]), rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(np.asarray(prefix[0][s2 + 8]), np.asarray(expected[0][0, 0]),
+                               rtol=1e-5, atol=1e-6)
     s1, m1 = starts[1], lens[1]
     assert np.isfinite(np.asarray(prefix[1][s1:s1 + m1])).all()
     assert (np.asarray(prefix[1][s1:s1 + m1]) < np.asarray(full[1][s1:s1 + m1])).all()
 
 
 def test_ragged_kernel_lowers_for_cuda_without_copying_the_cache():
-    # A ragged step of 8 decode rows and two prefill chunks (300 and 45 tokens) over a paged, layer-stacked
-    # pool, lowered for CUDA, split: each band of each tile group is one Triton call reading the pool as it
-    # is, each prefill group's diagonal blocks one more over the step's own keys and values; only q and
-    # those (a few rows) are gathered into tiles, nothing pool- or cache-sized is padded, sliced or copied.
+    # A ragged step of 8 decode rows and two prefill chunks (300 and 45 tokens) over a paged,
+    # layer-stacked pool, lowered for CUDA, split: each band of each tile group is one Triton call
+    # reading the pool as it is, each prefill group's diagonal blocks one more over the step's own
+    # keys and values; only q and those (a few rows) are gathered into tiles, nothing pool- or
+    # cache-sized is padded, sliced or copied.
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
     from tests.test_kernels import large_copies
@@ -254,9 +258,9 @@ def test_the_dcp_island_refuses_a_malformed_ragged_batch():
 
 
 def test_diagonal_blocks_route_to_cudnn_only_where_it_serves(monkeypatch):
-    # "pallas" gives its diagonal blocks to cuDNN: only on a GPU backend, in bf16/fp16, with separate
-    # values of one head dim (a multiple of 8 up to 128); otherwise (and for every other implementation)
-    # the page walk keeps them.
+    # "pallas" gives its diagonal blocks to cuDNN: only on a GPU backend, in bf16/fp16, with
+    # separate values of one head dim (a multiple of 8 up to 128); otherwise (and for every other
+    # implementation) the page walk keeps them.
     from pallas_kernels.attention import api
 
     def tiles(dtype=jnp.bfloat16, d=128, shared=False):
@@ -276,8 +280,8 @@ def test_diagonal_blocks_route_to_cudnn_only_where_it_serves(monkeypatch):
 
 
 def test_a_registered_implementation_serves_every_caller():
-    # A new implementation is one register() call: attention(impl=) and the ragged batch (its pages and
-    # its diagonal blocks) run it with no caller changed, and it gives what the reference gives.
+    # A new implementation is one register() call: attention(impl=) and the ragged batch (its pages
+    # and its diagonal blocks) run it with no caller changed, and it gives what the reference gives.
     from pallas_kernels.attention import api, reference
 
     calls = []
@@ -305,8 +309,8 @@ def test_a_registered_implementation_serves_every_caller():
 
 
 def triton_calls(fn, *args):
-    """The Triton custom calls of fn lowered for CUDA (on this CPU-only machine), each as its backend
-    config (grid, warps, stages; the kernel's IR left out) and its operand types."""
+    """The Triton custom calls of fn lowered for CUDA (on this CPU-only machine), each as its
+    backend config (grid, warps, stages; the kernel's IR left out) and its operand types."""
     import re
 
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
@@ -314,8 +318,9 @@ def triton_calls(fn, *args):
     gpu = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
         device_kind="NVIDIA H200", num_cores=None, platform="gpu"))
     with jax.sharding.use_abstract_mesh(gpu):
-        text = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
-            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
+        triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+        exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton])
+        text = exported(*args).mlir_module()
     calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
     config = re.compile(r"grid_x = \d+ : i32, grid_y = \d+ : i32, grid_z = \d+ : i32|num_\w+ = \d+")
     operands = re.compile(r"\(tensor<i32>, tensor<[^>]*>")
@@ -323,8 +328,9 @@ def triton_calls(fn, *args):
 
 
 def test_decode_rows_run_as_the_paged_decode_launch():
-    # The ragged step's decode rows are one launch with the paged decode kernel's grid, warps, stages
-    # and operands (8 rows of one token over the same pool); the prefill tiles are launches of their own.
+    # The ragged step's decode rows are one launch with the paged decode kernel's grid, warps,
+    # stages and operands (8 rows of one token over the same pool); the prefill tiles are launches
+    # of their own.
     n, rows, h, kh, d, page, pages = 64, 8, 32, 8, 128, 64, 512
     shapes = ragged.group_shapes(n, rows, 16)
     starts, lens = layout_rows([1] * 8)
@@ -333,12 +339,14 @@ def test_decode_rows_run_as_the_paged_decode_launch():
     pool = jax.ShapeDtypeStruct((pages, kh, page, d), jnp.bfloat16)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     pos = SlotPositions.dense(64 * page)
-    flat = triton_calls(lambda q, k, v, qp, kl, bt, t: ragged_attention(
-        q, k, v, qp, pos, kl, bt, t, impl="pallas"), jax.ShapeDtypeStruct((n, h, d), jnp.bfloat16), pool,
-        pool, i32(n), i32(rows), i32(rows, 64), tiles)
-    paged = triton_calls(lambda q, k, v, qp, kl, bt: attention(
-        q, k, v, qp, pos, kl, impl="pallas", block_table=bt), jax.ShapeDtypeStruct((rows, 1, h, d),
-        jnp.bfloat16), pool, pool, i32(rows, 1), i32(rows), i32(rows, 64))
+    flat = triton_calls(
+        lambda q, k, v, qp, kl, bt, t: ragged_attention(q, k, v, qp, pos, kl, bt, t, impl="pallas"),
+        jax.ShapeDtypeStruct((n, h, d), jnp.bfloat16), pool, pool, i32(n), i32(rows),
+        i32(rows, 64), tiles)
+    paged = triton_calls(
+        lambda q, k, v, qp, kl, bt: attention(q, k, v, qp, pos, kl, impl="pallas", block_table=bt),
+        jax.ShapeDtypeStruct((rows, 1, h, d), jnp.bfloat16), pool, pool, i32(rows, 1), i32(rows),
+        i32(rows, 64))
     assert len(paged) == 1 and len(flat) == len(shapes)
     assert flat[0] == paged[0]
     assert all(c[1] != paged[0][1] for c in flat[1:])

@@ -1,8 +1,8 @@
 """Attention of a query block over one KV slice, returning the output and its log-sum-exp.
 
-`api` holds the registry of implementations and picks from it: `reference` is the pure-jnp oracle and
-CPU path; `triton` the Pallas GPU kernel (flash-decoding); `cudnn` cuDNN's fused attention for prefill
-tiles' diagonal blocks.
+`api` holds the registry of implementations and picks from it: `reference` is the pure-jnp oracle
+and CPU path; `triton` the Pallas GPU kernel (flash-decoding); `cudnn` cuDNN's fused attention for
+prefill tiles' diagonal blocks.
 """
 
 from pallas_kernels.attention.api import (

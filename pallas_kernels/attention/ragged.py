@@ -23,11 +23,12 @@ last token.
 `plan` builds these on the host (NumPy); `attention` gathers q and positions into tiles, runs the
 batched implementation per group and gathers each token's output back: nothing KV-sized is copied.
 
-Group 0 is the decode group; the others hold prefill tiles. Split (RPA v3's decode / prefill ranges, and
-the serving path): the decode rows are one launch of the paged decode configuration; a prefill tile's
-attention is its cached prefix (the pages below its first token, every query seeing all of it:
-`attention(split=True)`) and its diagonal block (the tile's queries over its own new keys and values,
-causal: `self_attention`, which cuDNN serves on GPUs), merged by LSE.
+Group 0 is the decode group; the others hold prefill tiles. Split (RPA v3's decode / prefill
+ranges; the serving path where an implementation takes the diagonal blocks): the decode rows are one
+launch of the paged decode configuration; a prefill tile's attention is its cached prefix (the pages
+below its first token, every query seeing all of it: `attention(split=True)`) and its diagonal
+block (the tile's queries over its own new keys and values, causal: `self_attention`, which cuDNN
+serves on GPUs), merged by LSE.
 """
 
 from __future__ import annotations
@@ -148,11 +149,11 @@ def attention(attend, q, q_pos, kv_len, block_table, tiles: RaggedTiles, split: 
 
     attend(q [W,T,H,Dk], q_pos [W,T], kv_len [W], block_table [W,NB]) -> (o [W,T,H,Dv], lse [W,T,H]):
     the batched primitive with the KV, its positions and the options bound. q [N, H, Dk], q_pos [N];
-    kv_len [R] and block_table [R, NB] per row. Returns (o [N, H, Dv], lse [N, H] float32). Each group runs
-    as `bands` batched calls over consecutive tiles: the decode group is one launch of the decode
-    configuration, the prefill groups their own.
-    split: the prefill tiles read only the slots before their first token (every query of a tile sees the
-    same slots: no mask, and a tile with no cached prefix reads nothing); `self_attention` gives the
+    kv_len [R] and block_table [R, NB] per row. Returns (o [N, H, Dv], lse [N, H] float32). Each
+    group runs as `bands` batched calls over consecutive tiles: the decode group is one launch of the
+    decode configuration, the prefill groups their own.
+    split: the prefill tiles read only the slots before their first token (every query of a tile
+    sees the same slots, and a tile with no cached prefix reads nothing); `self_attention` gives the
     rest (the tile's diagonal block), to be merged by LSE.
     """
     outs, lses = [], []
@@ -182,8 +183,9 @@ def self_attention(attend_self, q, k_new, v_new, tiles: RaggedTiles):
     """The diagonal blocks of the prefill tiles: each tile's queries over its own tokens' keys and
     values, causal within the tile (the part `attention(split=True)` leaves out).
 
-    attend_self(q [W,T,H,Dk], k [W,T,K,Dk], v [W,T,K,Dv] or None, lengths [W]) -> (o [W,T,H,Dv], lse
-    [W,T,H]); q [N, H, Dk], k_new [N, K, Dk], v_new [N, K, Dv] or None (values shared with the keys).
+    attend_self(q [W,T,H,Dk], k [W,T,K,Dk], v [W,T,K,Dv] or None, lengths [W])
+        -> (o [W,T,H,Dv], lse [W,T,H]);
+    q [N, H, Dk], k_new [N, K, Dk], v_new [N, K, Dv] or None (values shared with the keys).
     Returns (o [N, H, Dv], lse [N, H]); the decode group's tokens get o = 0, lse = -inf (their whole
     attention is `attention`'s). One call per prefill group.
     """
