@@ -154,7 +154,7 @@ class LLM:
              impl: str | None = None, devices=None, scan_layers: bool = True, speculative: str | None = None,
              num_speculative_tokens: int = 4, draft_model=None, coordinator: str | None = None,
              num_processes: int | None = None, process_id: int | None = None, compile: str | None = None,
-             compilation_cache=None, **engine_kw) -> "LLM":
+             compilation_cache=None, chat_template=None, **engine_kw) -> "LLM":
         """Load a checkpoint onto a (tp, dcp) mesh: a Hugging Face directory, an orbax checkpoint or
         a GGUF file (`dcp_jax.gguf_checkpoint`). `engine_kw`: the
         constructor's (max_model_len, kv_cache_memory, page_size, max_num_seqs, prefill_chunk,
@@ -169,9 +169,10 @@ class LLM:
         when a step first needs it (a one-shot run's choice). `compilation_cache`: the directory of
         JAX's persistent compilation cache, or "off"; default `$DCP_JAX_CACHE_DIR`, else a cache
         configured in JAX, else ~/.cache/dcp_jax/xla (dcp_jax.compilation): a second process loads
-        the programs the first compiled."""
+        the programs the first compiled. `chat_template`: a Jinja template file served instead of
+        the checkpoint's (vLLM's --chat-template)."""
         from dcp_jax import compilation
-        from dcp_jax.weights import load_any, resolve_dtype
+        from dcp_jax.weights import load_any, resolve_dtype, template_file
 
         compile = compilation.check_mode(compile or compilation.default_mode())
         compilation.configure(compilation_cache)  # before this process compiles what it should keep
@@ -189,13 +190,16 @@ class LLM:
         mesh = mesh_lib.make_mesh(tp, dcp, devices)
         dtype = resolve_dtype(dtype, mesh)  # "auto": bfloat16 on GPUs, float32 elsewhere
         loaded = load_any(model_dir, mesh, dtype, scan_layers=scan_layers)
+        template = loaded.chat_template
+        if chat_template is not None:
+            template = template_file(chat_template, template, model_dir)
         spec = None
         if speculative is not None:
             draft = None if draft_model is None else load_any(draft_model, mesh, dtype,
                                                              scan_layers=scan_layers).model
             spec = SpeculativeConfig(speculative, num_speculative_tokens, draft=draft)
         llm = cls(loaded.model, mesh, loaded.tokenizer, interleave=interleave, impl=impl,
-                  source=loaded.source, speculative=spec, chat_template=loaded.chat_template,
+                  source=loaded.source, speculative=spec, chat_template=template,
                   **engine_kw)
         if compile == "all":
             llm.compile()
