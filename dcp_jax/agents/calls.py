@@ -218,8 +218,9 @@ def object_text(s: str, i: int, call: PartialCall | None = None) -> int:
 
 def call_object(s: str, i: int, call: PartialCall, names, args_keys=("arguments", "parameters"),
                 args_optional: bool = True) -> int:
-    """Read `{"name": "f", "arguments": {...}}` (keys in any order; "type" allowed) at s[i] into
-    `call`; the name is given out once the arguments begin (or the object closes). `names`: the
+    """Read `{"name": "f", "arguments": {...}}` (keys in any order; "type" and "id" allowed) at
+    s[i] into `call`; the name is given out once the arguments' object begins (or the object
+    closes). `names`: the
     functions the request offers (None: any). The index after the object."""
     i = literal(s, i, "{")
     name, has_args, first = None, False, True
@@ -237,7 +238,7 @@ def call_object(s: str, i: int, call: PartialCall, names, args_keys=("arguments"
         key_end = string_end(s, i)
         key = json.loads(s[i:key_end])
         i = skip_ws(s, literal(s, skip_ws(s, key_end), ":"))
-        if key == "name" or key == "type":
+        if key in ("name", "type", "id"):
             end = string_end(s, i)
             value = json.loads(s[i:end])
             if key == "name":
@@ -248,6 +249,8 @@ def call_object(s: str, i: int, call: PartialCall, names, args_keys=("arguments"
             i = end
         elif key in args_keys and not has_args:
             has_args = True
+            if not s.startswith("{", i):  # (the text ends there, or it is no object)
+                raise Incomplete if i >= len(s) else Malformed
             if name is not None:
                 call.set(name)
             i = object_text(s, i, call)
@@ -319,9 +322,8 @@ class ToolParser:
     # --- the two ways in ---
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content, calls) of a whole output."""
-        stream = self.stream()
         content, calls = [], {}
-        for delta in (*stream.feed(text), *stream.finish()):
+        for delta in self.stream().whole(text):
             if isinstance(delta, str):
                 content.append(delta)
             elif delta.name is not None:
@@ -349,6 +351,11 @@ class ToolStream:
         return self.run(final=False)
 
     def finish(self) -> list:
+        return self.run(final=True)
+
+    def whole(self, text: str) -> list:
+        """A whole output at once (nothing goes out before all of it is read)."""
+        self.buf += text
         return self.run(final=True)
 
     def text_out(self, n: int, out: list, hold_ws: bool) -> None:
