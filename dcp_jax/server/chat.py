@@ -16,7 +16,7 @@ from dcp_jax.server.base import GeneratingHandler
 from dcp_jax.server.protocol import (
     ChatBody,
     TokenBytes,
-    chat_messages,
+    message_dicts,
     vllm_prompt_logprobs,
 )
 
@@ -101,7 +101,7 @@ class ChatHandler(GeneratingHandler):
             raise self.error(400, "this model has no chat template (its checkpoint carries none): "
                              "use /v1/completions", param="messages",
                              code="no_chat_template")
-        plan = plan_chat(chat_messages(body.messages), body.tools, body.tool_choice,
+        plan = plan_chat(message_dicts(body.messages), body.tools, body.tool_choice,
                          body.parallel_tool_calls, tool_parser=self.tool_parser,
                          reasoning=self.reasoning_parser)
         text = await self.intake.render(template, plan.messages, **plan.template_variables())

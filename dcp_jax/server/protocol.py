@@ -191,12 +191,17 @@ class DetokenizeBody(BaseModel):
     tokens: list[int]
 
 
+def message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as OpenAI-shaped dicts (what `dcp_jax.agents.plan_chat` takes)."""
+    return [m.model_dump(exclude_none=True) for m in messages]
+
+
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     """The template's view of the messages (`dcp_jax.agents.template_messages`: text content,
     tool calls and results)."""
     from dcp_jax.agents.messages import template_messages
 
-    return template_messages([m.model_dump(exclude_none=True) for m in messages])
+    return template_messages(message_dicts(messages))
 
 
 # --- text deltas ----------------------------------------------------------------------------------
