@@ -20,6 +20,7 @@ than `max_num_seqs` sequences of `max_model_len` need. `max_model_len` defaults 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
@@ -33,7 +34,7 @@ from dcp_jax.chat_template import ChatTemplate
 from dcp_jax.errors import UserError
 from dcp_jax.layout import PagedLayout
 from dcp_jax.model import CausalLM
-from dcp_jax.outputs import Generation, generation, request_stats
+from dcp_jax.outputs import ChatGeneration, Generation, generation, request_stats
 from dcp_jax.sampling_params import SamplingParams
 from dcp_jax.serving.config import (DEFAULT_PAGE_SIZE, KV_CACHE_DTYPES, ServingConfig, default_prefill_chunk,
                                     parse_bytes)
@@ -340,6 +341,39 @@ class LLM:
             raise UserError("this checkpoint has no chat template: give a prompt instead")
         text = self.chat_template.render(messages, **variables)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, *, tools=None,
+             tool_choice=None, parallel_tool_calls: bool | None = None,
+             tool_parser: str | None = None, reasoning_parser: str | None = None,
+             **keywords) -> ChatGeneration:
+        """Answer a conversation (OpenAI-shaped messages, with assistant `tool_calls` and `role:
+        "tool"` results) or a list of them, as the server's chat endpoint does (the same
+        `dcp_jax.agents` path): `tools` and `tool_choice` ("auto", "none", "required" or
+        {"type": "function", "function": {"name": ...}}) as OpenAI's, the tools handed to the chat
+        template; `tool_parser` (hermes, llama3_json, mistral, qwen3_xml, deepseek_v3) reads calls
+        out of the answers (auto needs one; a required or named choice runs under the family's
+        grammar, or a JSON list's without one); `reasoning_parser` (deepseek_r1, qwen3) moves the
+        thinking into `reasoning_content`. `sampling_params` / `keywords`: as `generate`.
+        Returns a `ChatGeneration`: `.messages` (with `.tool_calls` as objects), `.generation`."""
+        from dcp_jax.agents.messages import plan_chat
+
+        one = isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if one else list(messages or ())
+        if not conversations:
+            raise UserError("no conversation given", field="messages")
+        plans = [plan_chat(c, tools, tool_choice, parallel_tool_calls, tool_parser=tool_parser,
+                           reasoning=reasoning_parser) for c in conversations]
+        params = SamplingParams.of(sampling_params, **keywords)
+        if plans[0].structured is not None:
+            if params.structured is not None:
+                raise UserError(f"tool_choice {tool_choice!r} constrains the answer already: drop "
+                                "structured", field="structured")
+            params = dataclasses.replace(params, structured=plans[0].structured)
+        prompts = [self.chat_prompt(p.messages, **p.template_variables()) for p in plans]
+        out = self.generate(prompts, params)
+        answers = [plans[k // params.n].parser.parse(text or "", reason) for k, (text, reason)
+                   in enumerate(zip(out.text or [""] * len(out.tokens), out.finish_reasons))]
+        return ChatGeneration(answers, out)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str | None:
         if self.tokenizer is None:

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 
-from dcp_jax.agents import (OutputParser, plan_chat, reasoning_parser, template_messages,
-                            tool_grammar, tool_parser)
+from dcp_jax.agents import (
+    OutputParser,
+    plan_chat,
+    reasoning_parser,
+    template_messages,
+    tool_grammar,
+    tool_parser,
+)
 from dcp_jax.agents.calls import CallDelta
 from dcp_jax.chat_template import ChatTemplate
 from dcp_jax.errors import UserError

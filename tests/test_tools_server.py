@@ -49,7 +49,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
          {"type": "function", "function": {"name": "get_time", "parameters": TIME_ARGS}}]
 SCHEMAS = {"get_weather": WEATHER_ARGS, "get_time": TIME_ARGS}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+CALL = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
+        "</tool_call>")
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +61,8 @@ def server(tmp_path_factory):
     ckpt = templated_checkpoint(tmp / "model", template="{{ messages }}")  # not the one served
     (tmp / "hermes.jinja").write_text(TEMPLATE)
     sizes = dict(max_num_seqs=16, max_model_len=256, page_size=8, prefill_chunk=64, decode_steps=2)
-    app, llm = make_app(ckpt, tp=1, dcp=2, served_model_name=MODEL, chat_template=tmp / "hermes.jinja",
-                        tool_call_parser="hermes", **sizes)
+    app, llm = make_app(ckpt, tp=1, dcp=2, served_model_name=MODEL,
+                        chat_template=tmp / "hermes.jinja", tool_call_parser="hermes", **sizes)
     base, stop = serve_in_thread(app, timeout_s=30)
     client = openai.OpenAI(base_url=base + "/v1", api_key="x", timeout=120, max_retries=0)
     yield dict(base=base, client=client, llm=llm, app=app)
@@ -128,8 +129,9 @@ def validate(choice, names) -> None:
 def test_required_and_named_calls_validate_in_100_of_100(server):
     c, n = server["client"], 0
     for seed in range(5):  # required: any of the tools, one call each
-        r = c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
-                                      parallel_tool_calls=False, n=10, seed=seed, max_tokens=150)
+        r = c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                      tool_choice="required", parallel_tool_calls=False, n=10,
+                                      seed=seed, max_tokens=150)
         for choice in r.choices:
             validate(choice, SCHEMAS)
             assert len(choice.message.tool_calls) == 1
@@ -233,8 +235,9 @@ def test_reasoning_goes_to_reasoning_content_and_auto_needs_a_parser(server):
         deltas = [json.loads(x[6:])["choices"][0]["delta"] for x in lines
                   if x.startswith("data: {")]
         assert "".join(d.get("reasoning_content", "") for d in deltas) == m["reasoning_content"]
-        assert "".join(t["function"]["arguments"] for d in deltas
-                       for t in d.get("tool_calls", ())) == m["tool_calls"][0]["function"]["arguments"]
+        streamed = "".join(t["function"]["arguments"] for d in deltas
+                           for t in d.get("tool_calls", ()))
+        assert streamed == m["tool_calls"][0]["function"]["arguments"]
     plain = create_app(shared, model_name=MODEL)  # no tool parser: auto is refused, required runs
     with TestClient(plain) as tc:
         r = tc.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "tools": TOOLS})
@@ -257,3 +260,37 @@ def test_serve_flags():
     assert run(["--role", "prefill", "--tool-call-parser", "hermes"]) == 2
     assert run(["--model", str(FIXTURES / "llama-tokenizer"), "--chat-template", "/no/such/file",
                 "--max-model-len", "64"]) == 1
+
+
+def test_llm_chat_gives_tool_calls_as_objects_on_the_same_path(server):
+    """LLM.chat (a notebook's) answers as the server does: the same greedy required call, calls as
+    ToolCall objects, thinking out of the answer, the same refusals."""
+    from dcp_jax import LLM, UserError
+    from dcp_jax.agents import ToolCall
+
+    served = server["llm"]
+    llm = LLM(served.model, served.mesh, served.tokenizer, chat_template=served.chat_template,
+              max_num_seqs=4, max_model_len=256, page_size=8, prefill_chunk=64, decode_steps=2)
+    kw = dict(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    out = llm.chat(ASK, max_tokens=150, temperature=0, **kw)
+    [call] = out.tool_calls
+    assert isinstance(call, ToolCall) and out.message.finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    http = server["client"].chat.completions.create(model=MODEL, messages=ASK, max_tokens=150,
+                                                     temperature=0, **kw)
+    assert [(c.function.name, c.function.arguments) for c in http.choices[0].message.tool_calls] \
+        == [(call.name, call.arguments)]
+    thought = llm.chat([ASK, ASK], max_tokens=150, tools=TOOLS, tool_parser="hermes",
+                       reasoning_parser="qwen3",
+                       structured={"choice": [f"<think>Weather, then.</think>{CALL}"]})
+    assert len(thought.messages) == 2
+    for m in thought.messages:
+        assert m.reasoning_content == "Weather, then." and m.content is None
+        assert [(c.name, json.loads(c.arguments)) for c in m.tool_calls] == [
+            ("get_weather", {"city": "Paris", "days": 2})]
+    with pytest.raises(UserError, match="tool-call parser") as e:
+        llm.chat(ASK, tools=TOOLS)
+    assert e.value.field == "tool_choice"
+    with pytest.raises(UserError) as e:
+        llm.chat(ASK, structured={"json_object": True}, **kw)
+    assert e.value.field == "structured"
