@@ -35,7 +35,7 @@ def load_llm(model_dir=None, *, tp: int | None = None, dcp: int | None = None, m
 
 def openai_app(runner, llm, path: Path, embedded: bool, served_model_name: str | None = None, **app_kw):
     """The OpenAI-compatible FastAPI app over `runner` (an AsyncEngine driving `llm`'s engine);
-    `app_kw`: `create_app`'s api_key and max_request_bytes."""
+    `app_kw`: `create_app`'s api_key, max_request_bytes, tool_call_parser and reasoning_parser."""
     from dcp_jax.server.app import create_app
     name = served_model_name or ("dcp-jax-tiny" if embedded else path.resolve().name)
     app = create_app(runner, model_name=name, max_model_len=llm.config.max_model_len, tokenizer=llm.tokenizer,
@@ -47,17 +47,26 @@ def openai_app(runner, llm, path: Path, embedded: bool, served_model_name: str |
 
 def make_app(model_dir=None, *, served_model_name: str | None = None, max_pending: int = 256,
              api_key: str | None = None, max_request_bytes: int | None = None, lockstep_timeout: float | None = None,
-             **llm_kw):
+             tool_call_parser: str | None = None, reasoning_parser: str | None = None, **llm_kw):
     """Load the model, size the pool, compile, and return (FastAPI app, LLM); `llm_kw` as
-    `load_llm`. `lockstep_timeout` (several processes, this one process 0): the engine leads the
-    others' (`follow`). Raises UserError/ValueError on bad sizes or checkpoints."""
+    `load_llm` (chat_template: a template file served instead of the checkpoint's).
+    `lockstep_timeout` (several processes, this one process 0): the engine leads the others'
+    (`follow`). `tool_call_parser`, `reasoning_parser`: the chat endpoint's (`dcp_jax.agents`).
+    Raises UserError/ValueError on bad sizes, checkpoints or parser names."""
+    from dcp_jax.agents.parsers import check_tool_parser
+    from dcp_jax.agents.reasoning import check_reasoning_parser
     from dcp_jax.serving.async_engine import AsyncEngine
+
+    check_tool_parser(tool_call_parser)  # before the model loads
+    check_reasoning_parser(reasoning_parser)
 
     llm, path, embedded = load_llm(model_dir, **serve_kw(llm_kw, lockstep_timeout))
     llm.engine.runner.compile_all()  # before the port opens: the first request pays no compile time
     if lockstep_timeout is not None:
         join_lockstep(llm, lockstep_timeout)
-    app_kw = dict(api_key=api_key) | ({} if max_request_bytes is None else dict(max_request_bytes=max_request_bytes))
+    app_kw = dict(api_key=api_key, tool_call_parser=tool_call_parser,
+                  reasoning_parser=reasoning_parser)
+    app_kw |= {} if max_request_bytes is None else dict(max_request_bytes=max_request_bytes)
     return openai_app(AsyncEngine(llm.engine, max_pending=max_pending), llm, path, embedded, served_model_name,
                       **app_kw), llm
 

@@ -20,6 +20,7 @@ than `max_num_seqs` sequences of `max_model_len` need. `max_model_len` defaults 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
@@ -33,7 +34,7 @@ from dcp_jax.chat_template import ChatTemplate
 from dcp_jax.errors import UserError
 from dcp_jax.layout import PagedLayout
 from dcp_jax.model import CausalLM
-from dcp_jax.outputs import Generation, generation, request_stats
+from dcp_jax.outputs import ChatGeneration, Generation, generation, request_stats
 from dcp_jax.sampling_params import SamplingParams
 from dcp_jax.serving.config import (DEFAULT_PAGE_SIZE, KV_CACHE_DTYPES, ServingConfig, default_prefill_chunk,
                                     parse_bytes)
@@ -154,7 +155,7 @@ class LLM:
              impl: str | None = None, devices=None, scan_layers: bool = True, speculative: str | None = None,
              num_speculative_tokens: int = 4, draft_model=None, coordinator: str | None = None,
              num_processes: int | None = None, process_id: int | None = None, compile: str | None = None,
-             compilation_cache=None, **engine_kw) -> "LLM":
+             compilation_cache=None, chat_template=None, **engine_kw) -> "LLM":
         """Load a checkpoint onto a (tp, dcp) mesh: a Hugging Face directory, an orbax checkpoint or
         a GGUF file (`dcp_jax.gguf_checkpoint`). `engine_kw`: the
         constructor's (max_model_len, kv_cache_memory, page_size, max_num_seqs, prefill_chunk,
@@ -169,9 +170,10 @@ class LLM:
         when a step first needs it (a one-shot run's choice). `compilation_cache`: the directory of
         JAX's persistent compilation cache, or "off"; default `$DCP_JAX_CACHE_DIR`, else a cache
         configured in JAX, else ~/.cache/dcp_jax/xla (dcp_jax.compilation): a second process loads
-        the programs the first compiled."""
+        the programs the first compiled. `chat_template`: a Jinja template file served instead of
+        the checkpoint's (vLLM's --chat-template)."""
         from dcp_jax import compilation
-        from dcp_jax.weights import load_any, resolve_dtype
+        from dcp_jax.weights import load_any, resolve_dtype, template_file
 
         compile = compilation.check_mode(compile or compilation.default_mode())
         compilation.configure(compilation_cache)  # before this process compiles what it should keep
@@ -189,13 +191,16 @@ class LLM:
         mesh = mesh_lib.make_mesh(tp, dcp, devices)
         dtype = resolve_dtype(dtype, mesh)  # "auto": bfloat16 on GPUs, float32 elsewhere
         loaded = load_any(model_dir, mesh, dtype, scan_layers=scan_layers)
+        template = loaded.chat_template
+        if chat_template is not None:
+            template = template_file(chat_template, template, model_dir)
         spec = None
         if speculative is not None:
             draft = None if draft_model is None else load_any(draft_model, mesh, dtype,
                                                              scan_layers=scan_layers).model
             spec = SpeculativeConfig(speculative, num_speculative_tokens, draft=draft)
         llm = cls(loaded.model, mesh, loaded.tokenizer, interleave=interleave, impl=impl,
-                  source=loaded.source, speculative=spec, chat_template=loaded.chat_template,
+                  source=loaded.source, speculative=spec, chat_template=template,
                   **engine_kw)
         if compile == "all":
             llm.compile()
@@ -336,6 +341,39 @@ class LLM:
             raise UserError("this checkpoint has no chat template: give a prompt instead")
         text = self.chat_template.render(messages, **variables)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, *, tools=None,
+             tool_choice=None, parallel_tool_calls: bool | None = None,
+             tool_parser: str | None = None, reasoning_parser: str | None = None,
+             **keywords) -> ChatGeneration:
+        """Answer a conversation (OpenAI-shaped messages, with assistant `tool_calls` and `role:
+        "tool"` results) or a list of them, as the server's chat endpoint does (the same
+        `dcp_jax.agents` path): `tools` and `tool_choice` ("auto", "none", "required" or
+        {"type": "function", "function": {"name": ...}}) as OpenAI's, the tools handed to the chat
+        template; `tool_parser` (hermes, llama3_json, mistral, qwen3_xml, deepseek_v3) reads calls
+        out of the answers (auto needs one; a required or named choice runs under the family's
+        grammar, or a JSON list's without one); `reasoning_parser` (deepseek_r1, qwen3) moves the
+        thinking into `reasoning_content`. `sampling_params` / `keywords`: as `generate`.
+        Returns a `ChatGeneration`: `.messages` (with `.tool_calls` as objects), `.generation`."""
+        from dcp_jax.agents.messages import plan_chat
+
+        one = isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if one else list(messages or ())
+        if not conversations:
+            raise UserError("no conversation given", field="messages")
+        plans = [plan_chat(c, tools, tool_choice, parallel_tool_calls, tool_parser=tool_parser,
+                           reasoning=reasoning_parser) for c in conversations]
+        params = SamplingParams.of(sampling_params, **keywords)
+        if plans[0].structured is not None:
+            if params.structured is not None:
+                raise UserError(f"tool_choice {tool_choice!r} constrains the answer already: drop "
+                                "structured", field="structured")
+            params = dataclasses.replace(params, structured=plans[0].structured)
+        prompts = [self.chat_prompt(p.messages, **p.template_variables()) for p in plans]
+        out = self.generate(prompts, params)
+        answers = [plans[k // params.n].parser.parse(text or "", reason) for k, (text, reason)
+                   in enumerate(zip(out.text or [""] * len(out.tokens), out.finish_reasons))]
+        return ChatGeneration(answers, out)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str | None:
         if self.tokenizer is None:

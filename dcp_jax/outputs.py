@@ -28,6 +28,27 @@ class Generation:
     prompt_top_logprobs: list[list[list[tuple[int, float]] | None]] | None = None
 
 
+@dataclasses.dataclass
+class ChatGeneration:
+    """Result of `LLM.chat`: each answer as an assistant message (`dcp_jax.agents.ParsedMessage`:
+    content, reasoning_content, tool_calls as `ToolCall(id, name, arguments)` objects,
+    finish_reason), conversation-major (conversation i's sample j is entry i·n + j), and the
+    `Generation` underneath (tokens, logprobs, stats)."""
+
+    messages: list
+    generation: Generation
+
+    @property
+    def message(self):
+        """The first answer."""
+        return self.messages[0]
+
+    @property
+    def tool_calls(self) -> tuple:
+        """The first answer's tool calls."""
+        return self.messages[0].tool_calls
+
+
 def request_stats(requests, first_token_s: dict, timing: dict) -> dict:
     """The stats every generation reports about its requests and the device's time: batch, prompt and
     generated tokens, TTFT (the slowest request's; each request's in `requests`), prefill and decode time,

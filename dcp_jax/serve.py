@@ -48,6 +48,17 @@ def build_parser():
     p.add_argument("--shutdown-timeout", type=positive_float("--shutdown-timeout"), default=30.0, metavar="S",
                    help="on SIGTERM/SIGINT, seconds requests in flight get to finish before the rest are aborted "
                         "(then the exit status is 0; default 30)")
+    t = p.add_argument_group("chat: templates, tools and reasoning (dcp_jax.agents)")
+    t.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="serve this Jinja chat template instead of the checkpoint's (e.g. one that "
+                        "renders tools)")
+    t.add_argument("--tool-call-parser", default=None, metavar="NAME", choices=tool_parsers(),
+                   help="read tool calls out of chat answers in this model family's format ("
+                        + ", ".join(tool_parsers()) + "); needed for tool_choice auto")
+    t.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   choices=reasoning_parsers(),
+                   help="move the model's thinking into reasoning_content ("
+                        + ", ".join(reasoning_parsers()) + ")")
     # --- prefill/decode disaggregation (dcp_jax.disagg, docs/DISAGG.md) ---------------------------------
     g = p.add_argument_group("prefill/decode disaggregation")
     g.add_argument("--role", choices=("single", "prefill", "decode"), default="single",
@@ -71,8 +82,26 @@ def build_parser():
     return p
 
 
+def tool_parsers() -> list[str]:
+    from dcp_jax.agents.parsers import TOOL_PARSERS
+
+    return list(TOOL_PARSERS)
+
+
+def reasoning_parsers() -> list[str]:
+    from dcp_jax.agents.reasoning import REASONING_PARSERS
+
+    return list(REASONING_PARSERS)
+
+
 def check_role_args(args) -> str | None:
     """The one-line usage error of an inconsistent role, or None."""
+    chat = [f for f, v in (("--chat-template", args.chat_template),
+                           ("--tool-call-parser", args.tool_call_parser),
+                           ("--reasoning-parser", args.reasoning_parser)) if v is not None]
+    if args.role != "single" and chat:
+        return (f"{chat[0]} is for --role single: the disaggregated roles serve the checkpoint's "
+                "template without tool or reasoning parsers")
     if args.role == "decode" and not args.prefill_at:
         return "--role decode needs --prefill-at HOST:PORT (the prefill instance's --host and --port)"
     if args.prefill_at and args.role != "decode":
@@ -133,7 +162,10 @@ def run(argv=None) -> int:
     try:
         app, llm = make_app(args.model, served_model_name=args.served_model_name, max_pending=args.max_pending,
                             api_key=api_key, max_request_bytes=args.max_request_bytes,
-                            lockstep_timeout=args.dist_timeout if multi else None, **llm_kw)
+                            lockstep_timeout=args.dist_timeout if multi else None,
+                            tool_call_parser=args.tool_call_parser,
+                            reasoning_parser=args.reasoning_parser,
+                            chat_template=args.chat_template, **llm_kw)
     except (ValueError, ImportError, LockstepError) as e:  # UserError and the library's own ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return RUN_ERROR

@@ -205,16 +205,17 @@ def load_tokenizer(model_dir: Path):
         raise UserError(f"cannot read {path}: {e}") from None
 
 
-def chat_template_of(model_dir: Path) -> ChatTemplate | None:
+def chat_template_of(model_dir: Path, source: str | None = None) -> ChatTemplate | None:
     """A Hugging Face directory's chat template: `chat_template` in tokenizer_config.json (named
     templates: the default one), else chat_template.jinja (what transformers 5 writes), else
-    chat_template.json; BOS/EOS strings from tokenizer_config.json. None when it has none."""
+    chat_template.json; BOS/EOS strings from tokenizer_config.json. None when it has none.
+    `source`: this template's text instead of the directory's."""
     cfg = {}
     path = model_dir / "tokenizer_config.json"
     try:
         if path.is_file():
             cfg = json.loads(path.read_text())
-        source = cfg.get("chat_template")
+        source = source or cfg.get("chat_template")
         if isinstance(source, list):
             source = next((t.get("template") for t in source if t.get("name") == "default"), None)
         if not source and (model_dir / "chat_template.jinja").is_file():
@@ -231,6 +232,19 @@ def chat_template_of(model_dir: Path) -> ChatTemplate | None:
         return (x.get("content", "") if isinstance(x, dict) else x) or ""
 
     return ChatTemplate(source, token(cfg.get("bos_token")), token(cfg.get("eos_token")))
+
+
+def template_file(path, loaded: ChatTemplate | None, model_dir) -> ChatTemplate:
+    """The chat template in the file `path` (vLLM's --chat-template), served instead of the
+    checkpoint's `loaded` one, with its BOS/EOS strings (else the directory's)."""
+    try:
+        source = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read the chat template {path}: {e}", field="chat_template") from None
+    if loaded is not None:
+        return dataclasses.replace(loaded, source=source)
+    model_dir = Path(model_dir)
+    return (chat_template_of(model_dir, source) if model_dir.is_dir() else None) or ChatTemplate(source)
 
 
 def load_hf(model_dir, mesh: Mesh, dtype: str = "auto", *, q_gather: bool = False, scan_layers: bool = True):

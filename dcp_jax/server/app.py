@@ -51,12 +51,16 @@ GUARDED = ("/tokenize", "/detokenize", "/tokenizer_info")  # besides /v1/*: what
 def create_app(engine, *, model_name: str, max_model_len: int | None = None, tokenizer=None,
                chat_template: ChatTemplate | None = None, tp: int = 1, dcp: int = 1,
                api_key: str | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               tool_call_parser: str | None = None,
+               reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app over `engine`: an `EngineClient`, or an `AsyncEngine` (wrapped in an
     `AsyncEngineClient` with `max_model_len`, `tokenizer` and `chat_template`). The app's lifespan
     starts the engine and shuts it down. `tokenizer` (a `tokenizers.Tokenizer`-like object, or
     None) encodes text prompts and decodes outputs. With `api_key`, every /v1 route answers 401
-    unless the request carries `Authorization: Bearer <key>` or `x-api-key: <key>`."""
+    unless the request carries `Authorization: Bearer <key>` or `x-api-key: <key>`.
+    `tool_call_parser`, `reasoning_parser`: the chat endpoint's parsers by name (`dcp_jax.agents`;
+    None: tool_choice auto is refused, thinking stays in the answer)."""
     from contextlib import asynccontextmanager
 
     client = engine if isinstance(engine, EngineClient) else AsyncEngineClient(
@@ -78,8 +82,9 @@ def create_app(engine, *, model_name: str, max_model_len: int | None = None, tok
     add_guard(app, metrics, api_key)
     add_error_handlers(app)
     args = (client, intake, metrics, model_name)
-    add_routes(app, ModelsHandler(*args), TokenizeHandler(*args), CompletionsHandler(*args),
-               ChatHandler(*args), MessagesHandler(*args))
+    chat = ChatHandler(*args, tool_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+    add_routes(app, ModelsHandler(*args), TokenizeHandler(*args), CompletionsHandler(*args), chat,
+               MessagesHandler(*args))
     return app
 
 

@@ -70,8 +70,8 @@ class Handler:
 
 class GeneratingHandler(Handler):
     """The shared tail of /v1/completions and /v1/chat/completions. An endpoint gives `respond` an
-    output (`base`, `chunk_base`, `chunk(j, delta, update, reason)`, `choice(j, text, ids, lps)`)
-    that shapes its chunks and choices."""
+    output (`base`, `chunk_base`, `chunk(j, delta, update, reason)`, `choice(j, text, ids, lps,
+    reason)`) that shapes its chunks and choices (a choice may give its own finish_reason)."""
 
     def submit(self, request: Request) -> asyncio.Queue:
         try:
@@ -163,8 +163,9 @@ class GeneratingHandler(Handler):
                 text = self.final_text(r, last, out_ids)
                 if not keep_output:
                     out_ids, out_lps, text = [], ([], []), ""
-                choice = out.choice(j, text, out_ids, out_lps)
-                choices.append(dict(choice, finish_reason=finish_reason(last)))
+                reason = finish_reason(last)
+                choice = out.choice(j, text, out_ids, out_lps, reason)
+                choices.append(dict(choice, finish_reason=choice.get("finish_reason", reason)))
                 n_out += len(out_ids)
             ok = True
             n_prompt = requests[0].num_prompt_tokens

@@ -65,7 +65,7 @@ class CompletionOutput:
         return dict(self.base, choices=[{"index": j, "text": text + delta, "finish_reason": reason,
                                          "logprobs": block}])
 
-    def choice(self, j, text, ids, lps) -> dict:
+    def choice(self, j, text, ids, lps, reason=None) -> dict:
         echo_text, scores = self.head(j)
         prompt_lps = vllm_prompt_logprobs(self.requests[0], self.body.prompt_logprobs,
                                           self.handler.token_strings)

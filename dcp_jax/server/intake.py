@@ -117,10 +117,12 @@ class Intake:
                            f"{self.model_name!r}", param="model", code="model_not_found")
 
     # --- the prompt ---
-    def check_chars(self, text: str, param: str = "prompt") -> None:
-        """Refuse text that cannot fit the context even if every token were the longest one."""
-        if len(text) > self.max_token_chars * (self.max_model_len - 1):
-            raise APIError(400, f"the prompt has {len(text):,} characters, more than "
+    def check_chars(self, text: str | int, param: str = "prompt") -> None:
+        """Refuse text (or so many characters) that cannot fit the context even if every token
+        were the longest one."""
+        n = text if isinstance(text, int) else len(text)
+        if n > self.max_token_chars * (self.max_model_len - 1):
+            raise APIError(400, f"the prompt has {n:,} characters, more than "
                            f"{self.max_model_len - 1:,} tokens of this tokenizer can hold (the "
                            f"model context is {self.max_model_len}): shorten it", param=param,
                            code="context_length_exceeded")
@@ -141,23 +143,28 @@ class Intake:
                 pass
         return list(self.tokenizer.encode(text).ids)
 
-    async def render(self, template, messages: list[dict],
-                     add_generation_prompt: bool = True, **options) -> str:
-        """The chat template rendered on a worker thread (after a bound on the messages'
-        characters); `options`: `ChatTemplate.render`'s other keywords."""
-        self.check_chars("".join(m["content"] for m in messages), param="messages")
-        return await asyncio.to_thread(template.render, messages, add_generation_prompt, **options)
+    async def render(self, template, messages: list[dict], add_generation_prompt: bool = True,
+                     **options) -> str:
+        """The chat template rendered on a worker thread (after a bound on the characters of the
+        messages and the other `options`: `ChatTemplate.render`'s keywords and the template's
+        variables, such as tools)."""
+        self.check_chars(len(json.dumps([messages, options], ensure_ascii=False)),
+                         param="messages")
+        return await asyncio.to_thread(template.render, messages, add_generation_prompt,
+                                       **options)
 
     # --- the request ---
     def requests(self, body: RequestBody, prompt_ids: list[int], default_max: int | None,
                  top_logprobs: tuple[str, int] = ("logprobs", 0),
-                 echo_logprobs: int | None = None) -> list[Request]:
+                 echo_logprobs: int | None = None,
+                 structured: tuple[dict, str] | None = None) -> list[Request]:
         """The `n` requests (samples) of a validated body: sample j has seed + j and follows
         sample 0 (whose prefill the others share); APIError (400) names the first bad field.
         `top_logprobs`: (the field that asked, how many alternatives each token reports);
         `echo_logprobs`: completions' echo with logprobs N (the prompt's tokens are scored with N
         alternatives; max_tokens 0 allowed: one token is generated, which the endpoint leaves
-        out)."""
+        out); `structured`: (spec, field) the endpoint constrains the output with (a required
+        tool call), refused beside the body's own structured output."""
         if not 1 <= body.n <= MAX_N:
             raise APIError(400, f"n must be in [1, {MAX_N}], got {body.n}", param="n")
         check_supported(body)
@@ -168,8 +175,8 @@ class Intake:
         if body.prompt_logprobs is not None and body.stream:
             raise APIError(400, "prompt_logprobs is not supported with stream: true",
                            param="prompt_logprobs")
-        sampling = self.sampling(body, top_logprobs, echo_logprobs, max_tokens=max_tokens,
-                                 seed=seed)
+        sampling = self.sampling(body, top_logprobs, echo_logprobs, structured,
+                                 max_tokens=max_tokens, seed=seed)
         stop = self.stop_strings(body)
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options needs stream: true", param="stream_options")
@@ -205,12 +212,18 @@ class Intake:
         return max_tokens
 
     def sampling(self, body: RequestBody, top_logprobs: tuple[str, int],
-                 echo_logprobs: int | None, **given) -> SamplingParams:
+                 echo_logprobs: int | None, endpoint: tuple[dict, str] | None = None,
+                 **given) -> SamplingParams:
         """The body's SamplingParams (which owns the ranges), read by field name
         (`SamplingParams.from_fields`), with `given` (the max_tokens and seed intake settled) and
         what the body names otherwise; its UserError is a 400 naming the field."""
         scored = [k for k in (body.prompt_logprobs, echo_logprobs) if k is not None]
         structured, structured_field = structured_of(body)
+        if endpoint is not None and structured is not None:
+            raise APIError(400, f"{endpoint[1]} constrains the answer already: drop "
+                           f"{structured_field}", param=structured_field)
+        if endpoint is not None:
+            structured, structured_field = endpoint
         if body.bad_words and self.tokenizer is None:
             raise APIError(400, "bad_words need a tokenizer", param="bad_words")
         try:

@@ -21,9 +21,11 @@ except ImportError as e:  # pragma: no cover - the message names the fix
 # the presence, frequency and repetition penalties, bad_words, prompt_logprobs,
 # include_stop_str_in_output, skip_special_tokens, ignore_eos and the structured outputs
 # (response_format, structured_outputs, guided_*) are implemented: fields of RequestBody;
-# completions' echo too: only chat's is refused here.)
-UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None, "tools": None, "tool_choice": None, "functions": None,
-               "function_call": None, "parallel_tool_calls": None, "prediction": None, "audio": None,
+# completions' echo too: only chat's is refused here; chat's tools, tool_choice and
+# parallel_tool_calls are fields of ChatBody, read by dcp_jax.agents. The older functions and
+# function_call are refused: send tools.)
+UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None, "functions": None,
+               "function_call": None, "prediction": None, "audio": None,
                "modalities": None,
                # vLLM's sampling and structured-output extensions
                "length_penalty": 1, "use_beam_search": False, "logits_processors": None,
@@ -148,16 +150,25 @@ class CompletionBody(RequestBody):
 
 
 class ChatMessage(BaseModel):
+    """One message (its other keys are refused by name: `dcp_jax.agents.template_messages`)."""
     model_config = ConfigDict(strict=True, extra="allow")
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool result's
+    reasoning_content: str | None = None  # an assistant's thinking, for templates that show it
 
 
 class ChatBody(RequestBody):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = None
+    # tools (dcp_jax.agents checks them: the function names, the choice against them)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeBody(BaseModel):
@@ -168,6 +179,7 @@ class TokenizeBody(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered with the messages
     # default: True for a prompt, False for messages (as vLLM)
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
@@ -182,17 +194,17 @@ class DetokenizeBody(BaseModel):
     tokens: list[int]
 
 
+def message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as OpenAI-shaped dicts (what `dcp_jax.agents.plan_chat` takes)."""
+    return [m.model_dump(exclude_none=True) for m in messages]
+
+
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
-    """The template's view of the messages: text content only (text parts joined)."""
-    out = []
-    for m in messages:
-        content = m.content
-        if isinstance(content, list):
-            if any(part.get("type") != "text" for part in content):
-                raise APIError(400, "only text content parts are supported", param="messages")
-            content = "".join(str(part.get("text", "")) for part in content)
-        out.append({"role": m.role, "content": content or ""})
-    return out
+    """The template's view of the messages (`dcp_jax.agents.template_messages`: text content,
+    tool calls and results)."""
+    from dcp_jax.agents.messages import template_messages
+
+    return template_messages(message_dicts(messages))
 
 
 # --- text deltas ----------------------------------------------------------------------------------

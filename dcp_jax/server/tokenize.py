@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+from dcp_jax.agents.messages import check_tools
 from dcp_jax.server.base import Handler
 from dcp_jax.server.protocol import DetokenizeBody, TokenizeBody, chat_messages
 
@@ -35,8 +36,9 @@ class TokenizeHandler(Handler):
             if template is None:
                 raise self.error(400, "this model has no chat template: tokenize a prompt instead",
                                  param="messages", code="no_chat_template")
+            tools = {} if body.tools is None else {"tools": check_tools(body.tools)}
             text = await self.intake.render(template, chat_messages(body.messages),
-                                            body.add_generation_prompt)
+                                            body.add_generation_prompt, **tools)
             ids = await self.intake.encode(text, special=bool(body.add_special_tokens))
         else:
             special = body.add_special_tokens is not False
