@@ -61,12 +61,20 @@ class KernelConfig:
 
 # (phase, widest head dim up to) -> config. Decode's block_q is the cap: the call uses the smallest
 # power of two >= its rows (>= 16) up to it. Occupancy at bf16 (`ctas_per_sm`): decode 128 and 256
-# hold 3 programs per SM at 16 rows and 2 at 64; the MLA latent (576 keys, 512 values shared) holds 4
-# at 16 rows and 2 at 64; prefill entries hold 1 (their grids are many query blocks deep).
+# hold 3 programs per SM at 16 rows and 2 at 64; prefill entries hold 1 (their grids are many query
+# blocks deep). MLA's decode (576-wide latent, its first 512 the values) is FlashMLA's shape in
+# Triton: a head block of 64 rows is the matrix unit's M, each latent tile is loaded once (in pieces
+# of 512 and 64) and used for both products, and the tile is 32 tokens. The float32 accumulator
+# [64, 512] is rescaled once per tile (64·512 FMAs on the CUDA cores against 2·64·32·1088
+# tensor-core FLOPs): at the old 16-token tile the rescale cost about as much as the matrix work,
+# and the P·V product's K dimension was the minimum 16. That is 151 KB of shared memory at two
+# stages: one program per SM, and the KV splits (`num_splits`, ctas=1) fill every SM. FlashMLA's
+# 64-token tile needs 229 KB at two stages, leaving Triton 3 KB for its own scratch;
+# `scripts/sweep_kernel.py` tries it on a GPU.
 TABLE = {
     ("decode", 128): KernelConfig(block_q=64, block_k=64, num_warps=4, num_stages=2),
     ("decode", 256): KernelConfig(block_q=64, block_k=32, num_warps=4, num_stages=2),
-    ("decode", 1024): KernelConfig(block_q=64, block_k=16, num_warps=8, num_stages=2),   # MLA latent 576
+    ("decode", 1024): KernelConfig(block_q=64, block_k=32, num_warps=8, num_stages=2),  # MLA 576
     ("prefill", 128): KernelConfig(block_q=64, block_k=64, num_warps=4, num_stages=3),
     ("prefill", 256): KernelConfig(block_q=64, block_k=32, num_warps=4, num_stages=2),
     ("prefill", 1024): KernelConfig(block_q=32, block_k=16, num_warps=4, num_stages=2),

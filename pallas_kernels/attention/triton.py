@@ -20,7 +20,8 @@ the keys' first Dv features: the loaded key pieces are reused, nothing is loaded
 8-bit pages (`kv_quant`): a stored row is D value bytes and its float32 scale's 4 bytes; the kernel
 loads the value pieces, widens them to the query dtype for the dot, loads the scale's bytes as four
 one-byte columns and rebuilds it in registers, and applies it to the scores (K: s · scale per slot) and
-to the probabilities (V: p · scale per slot), so nothing dequantized is ever written.
+to the probabilities (V: p · scale per slot), so nothing dequantized is ever written; fp8 widens
+through float16 (Hopper has no direct e4m3 -> bfloat16 conversion; both steps are exact).
 Slot positions are computed in registers from the slice's `SlotPositions` (no position array).
 """
 
@@ -46,6 +47,9 @@ LN2 = math.log(2.0)
 # the filled part of the cache, not its capacity"). It is read when the kernel is traced: a kernel
 # traced while it is None, as every compiled one is, carries nothing.
 block_probe = None
+# Likewise f(which, batch, kv_head, q_block, split, start, offset, width) for every K/V tile load
+# ("k" or "v"): the claim "MLA reads each latent tile once per head block, for both products".
+load_probe = None
 
 
 def _kernel(start_ref, q_ref, lim_ref, *refs, block_k, precision, run, stride, num_slots, num_splits,
@@ -72,10 +76,12 @@ def _kernel(start_ref, q_ref, lim_ref, *refs, block_k, precision, run, stride, n
     num_blocks = pl.cdiv(jnp.maximum(end - first, 0), block_k)
 
     lead = (layer_ref[()],) if layered else ()
-    probe = block_probe
-    program = [pl.program_id(a) for a in range(4)] if probe is not None else None
+    probe, loads = block_probe, load_probe
+    program = [pl.program_id(a) for a in range(4)] if probe or loads else None
 
     def load(ref, start, off, w, masked):
+        if loads is not None and w > 1:  # (not the scale's byte columns)
+            jax.debug.callback(loads, "v" if ref is v_ref else "k", *program, start, off, w)
         if page_size:  # a block lies inside one page (page_size % block_k == 0); slots never pass the table
             return ref[(*lead, table_ref[start // page_size], pl.ds(start % page_size, block_k), pl.ds(off, w))]
         idx = (*lead, pl.ds(start, block_k), pl.ds(off, w))
@@ -84,9 +90,9 @@ def _kernel(start_ref, q_ref, lim_ref, *refs, block_k, precision, run, stride, n
         inside = start + lax.broadcasted_iota(jnp.int32, (block_k, w), 0) < num_slots  # the slice's tail
         return plgpu.load(ref.at[idx], mask=inside, other=0)
 
-    def widen(x):  # 8-bit values -> the queries' dtype (int8 exactly; fp8's bits as float8_e4m3fn)
-        if kv_quant == "fp8":
-            x = lax.bitcast_convert_type(x, jnp.float8_e4m3fn)
+    def widen(x):  # 8-bit values -> the queries' dtype, exactly (int8; e4m3's 4 significant bits)
+        if kv_quant == "fp8":  # through float16: Hopper converts e4m3 to f16 in one instruction
+            x = lax.bitcast_convert_type(x, jnp.float8_e4m3fn).astype(jnp.float16)
         return x.astype(qs[0].dtype)
 
     def row_scale(ref, start, width, masked):  # the slots' scales [1, block_k] float32, from 4 byte columns
