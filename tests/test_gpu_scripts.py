@@ -168,7 +168,8 @@ def test_the_plan_fits_360_s_in_order_and_the_docs_say_so(gc):
                                       "e2e", "transformers", "chunk_sweep", "scan_cost", "e2e_b16"]
     assert gc["PLAN_S"] == sum(s.budget_s for s in plan) <= 360
     # the module docstring's table is the plan's (one source of truth, checked)
-    doc = {m[0]: float(m[1]) for m in re.findall(r"^  (\w+) +(\d+) s  ", gc["__doc__"], re.MULTILINE)}
+    table = re.findall(r"^  (\w+) +(\d+) s  ", gc["__doc__"], re.MULTILINE)
+    doc = {name: float(sec) for name, sec in table}
     assert doc == {s.name: s.budget_s for s in plan}
     # the wrapper's deadline is the plan's, and its hard stop comes after it
     sh = (SCRIPTS / "gpu_check.sh").read_text()
