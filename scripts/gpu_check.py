@@ -25,7 +25,8 @@ its stage: the largest cost measured so far for rows of its kind (the same progr
 length or shape: compiling dominates, and compiling does not grow with the context), or a cost its
 stage measured for it (a warm rerun: the cold run less its compile). A row of a kind not yet
 measured runs when a second is left. A stage still running 10 s past its allowance is interrupted
-(SIGALRM); stages past the deadline are listed as not run, in order.
+(SIGALRM); stages past the deadline are listed as not run, in order. `--budget gate=300` gives a
+stage more: a rerun of one that ran out of time, `--stages gate --budget gate=300 --deadline-s 300`.
 
 The raw results go to a JSON file (`--out`), rewritten after every row; `--report FILE` prints it
 and, last, the table of headline figures against their targets. scripts/gpu_check.sh does both.
@@ -222,9 +223,11 @@ class Runner:
     `alarm` are for tests (a fake clock; no SIGALRM)."""
 
     def __init__(self, results: dict, out: Path | None = None, deadline_s: float | None = None,
-                 clock=time.perf_counter, alarm: bool = True, quiet: bool = False):
+                 clock=time.perf_counter, alarm: bool = True, quiet: bool = False,
+                 budgets: dict | None = None):
         self.results, self.out, self.clock = results, out, clock
         self.alarm, self.quiet = alarm, quiet
+        self.budgets = dict(BUDGETS, **(budgets or {}))  # `--budget` overrides the plan's
         results.setdefault("meta", {})
         results.setdefault("stages", {})
         self.t0 = clock()
@@ -248,8 +251,8 @@ class Runner:
         past the deadline."""
         rec = self.results["stages"].setdefault(name, {})
         start = self.clock()
-        allowance = min(BUDGETS[name] + self.bank, self.deadline - start)
-        rec.update(budget_s=BUDGETS[name], allowance_s=round(allowance, 1),
+        allowance = min(self.budgets[name] + self.bank, self.deadline - start)
+        rec.update(budget_s=self.budgets[name], allowance_s=round(allowance, 1),
                    started_s=round(start - self.t0, 1))
         if allowance < MIN_STAGE_S:
             rec.update(status="skipped", error=f"no time left ({max(allowance, 0):.0f} s)")
@@ -733,8 +736,13 @@ def hf_peer(spec_path: str) -> int:
 
     spec = json.loads(Path(spec_path).read_text())
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(spec["checkpoint"], dtype=torch.bfloat16,
-                                                 attn_implementation="sdpa").to("cuda").eval()
+    kw = dict(attn_implementation="sdpa")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(spec["checkpoint"], dtype=torch.bfloat16, **kw)
+    except TypeError:  # transformers < 4.56 spells it torch_dtype
+        model = AutoModelForCausalLM.from_pretrained(spec["checkpoint"], torch_dtype=torch.bfloat16,
+                                                     **kw)
+    model = model.to("cuda").eval()
     load_s = time.perf_counter() - t0
     x = torch.from_numpy(np.load(spec["ids"])).long().to("cuda")
     n = spec["new_tokens"]
@@ -1155,6 +1163,30 @@ def _not_on_cpu(ctx: StageRun) -> None:
     raise NotRun("needs a GPU and torch (not run with --interpret)")
 
 
+def stages_asked(text: str) -> list[str]:
+    wanted = [s.strip() for s in text.split(",") if s.strip()]
+    if unknown := [s for s in wanted if s not in BUDGETS]:
+        raise ValueError(f"unknown stage {unknown[0]!r}: choose from {','.join(BUDGETS)}")
+    return wanted
+
+
+def parse_budgets(items) -> dict[str, float]:
+    """`--budget STAGE=SECONDS` items as {stage: seconds}; a bad one raises ValueError naming it."""
+    out = {}
+    for item in items:
+        name, _, sec = item.partition("=")
+        if name not in BUDGETS:
+            raise ValueError(f"--budget {item!r}: unknown stage {name!r}; choose from "
+                             f"{','.join(BUDGETS)}")
+        try:
+            out[name] = float(sec)
+        except ValueError:
+            out[name] = -1.0
+        if not out[name] > 0:
+            raise ValueError(f"--budget {item!r}: give a positive number of seconds, as gate=200")
+    return out
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, help="results JSON (default: in a temporary directory)")
@@ -1165,6 +1197,9 @@ def parse_args(argv):
                    default=float(os.environ.get("GPU_CHECK_DEADLINE_S") or PLAN_S))
     p.add_argument("--stages", default=",".join(s.name for s in PLAN),
                    help="comma-separated stages to run, of " + ",".join(s.name for s in PLAN))
+    p.add_argument("--budget", action="append", default=[], metavar="STAGE=SECONDS",
+                   help="a stage's budget instead of the plan's (a rerun of one stage that ran "
+                        "out of time); the deadline still holds")
     p.add_argument("--interpret", action="store_true",
                    help="on a CPU: the kernel stages at tiny shapes in Pallas' interpreter")
     p.add_argument("--make-checkpoint", metavar="DIR", help=argparse.SUPPRESS)
@@ -1180,9 +1215,10 @@ def main(argv=None) -> int:
         return make_checkpoint(args.make_checkpoint)
     if args.hf_peer:
         return hf_peer(args.hf_peer)
-    wanted = [s.strip() for s in args.stages.split(",") if s.strip()]
-    if unknown := [s for s in wanted if s not in BUDGETS]:
-        print(f"unknown stage {unknown[0]!r}: choose from {','.join(BUDGETS)}", file=sys.stderr)
+    try:
+        wanted, budgets = stages_asked(args.stages), parse_budgets(args.budget)
+    except ValueError as e:
+        print(e, file=sys.stderr)
         return 2
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
     import warnings
@@ -1209,8 +1245,9 @@ def main(argv=None) -> int:
         jax_version=jax.__version__, backend=backend, device_kind=dev.device_kind,
         num_sms=getattr(dev, "core_count", None), python=sys.version.split()[0],
         interpret=args.interpret, deadline_s=args.deadline_s, stages_asked=wanted,
-        started=time.strftime("%Y-%m-%d %H:%M:%S")), plan=[dataclasses.asdict(s) for s in PLAN])
-    runner = Runner(results, out, args.deadline_s)
+        started=time.strftime("%Y-%m-%d %H:%M:%S")),
+        plan=[dict(dataclasses.asdict(s), budget_s=budgets.get(s.name, s.budget_s)) for s in PLAN])
+    runner = Runner(results, out, args.deadline_s, budgets=budgets)
     runner.log(f"{dev.device_kind}, jax {jax.__version__}; results -> {out}")
     run_plan(runner, stage_funcs(sz, kernels, dict(work=work)), wanted)
     gate = results["stages"].get("gate")

@@ -45,12 +45,22 @@ def test_refuses_without_a_gpu_in_one_line(script):
     assert p.stdout.strip() == ""
 
 
-def test_an_unknown_stage_is_named_in_one_line():
-    p = run_on_cpu("gpu_check.py", "--stages", "copy,kernel_tests")
+STAGES = ("copy,gate,decode,serving,prefill,checkpoint,e2e,transformers,chunk_sweep,scan_cost,"
+          "e2e_b16")
+SECONDS = "give a positive number of seconds, as gate=200"
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--stages", "copy,kernel_tests"], f"unknown stage 'kernel_tests': choose from {STAGES}"),
+    (["--budget", "gates=100"],
+     f"--budget 'gates=100': unknown stage 'gates'; choose from {STAGES}"),
+    (["--budget", "gate=lots"], f"--budget 'gate=lots': {SECONDS}"),
+    (["--budget", "gate=-5"], f"--budget 'gate=-5': {SECONDS}"),
+])
+def test_a_bad_argument_is_named_in_one_line(args, line):
+    p = run_on_cpu("gpu_check.py", *args)
     assert p.returncode == 2 and "Traceback" not in p.stderr
-    assert p.stderr.strip() == (
-        "unknown stage 'kernel_tests': choose from copy,gate,decode,serving,prefill,checkpoint,e2e,"
-        "transformers,chunk_sweep,scan_cost,e2e_b16")
+    assert p.stderr.strip() == line
 
 
 def test_helpers_import_neither_torch_nor_transformers():
@@ -212,6 +222,15 @@ def test_a_row_is_skipped_only_by_its_own_measured_cost(gc):
     assert [rows[n]["status"] for n, _, _ in costs] == ["ok"] * 5 + ["skipped"]
     assert rows["cudnn 128K"]["reason"] == "skipped: its measured cost 4.5 s > the 1.0 s left"
     assert rows["paged 128K"]["seconds"] == 10.0
+
+
+def test_a_budget_given_replaces_the_plans_and_the_deadline_still_holds(gc):
+    clock = FakeClock()
+    run = gc["Runner"](dict(meta={}), None, 200, clock=clock, alarm=False, quiet=True,
+                       budgets=gc["parse_budgets"](["gate=300"]))
+    rec = run.stage("gate", rows_of(clock, [(f"case {i}", "paged", 50.0) for i in range(6)]))
+    assert (rec["budget_s"], rec["allowance_s"]) == (300.0, 200.0)
+    assert [r["status"] for r in rec["rows"].values()] == ["ok"] * 4 + ["skipped"] * 2
 
 
 def test_unused_time_carries_to_the_next_stage_and_a_measured_cost_skips_a_rerun(gc):
