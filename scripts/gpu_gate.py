@@ -180,20 +180,23 @@ def to_pages(x, page: int, order):
 def oracle(q, k, v, q_pos, kv_len, slot_pos, scale):
     """Float64 attention. q [B,T,H,Dk], k [B,K,S,Dk], v [B,K,S,Dv]; slot_pos [S]: the positions the
     slots hold. A slot is seen iff slot_pos <= q_pos and slot_pos < kv_len. Returns (o [B,T,H,Dv],
-    lse [B,T,H]); a row that sees nothing gets o = 0, lse = -inf."""
+    lse [B,T,H]); a row that sees nothing gets o = 0, lse = -inf. Query head i reads kv head
+    i // (H / K); the scores are batched matmuls (BLAS), per kv head over its T·G query rows."""
     b, t, h, dk = q.shape
-    kh = k.shape[1]
-    scores = np.einsum("btkgd,bksd->btkgs", q.reshape(b, t, kh, h // kh, dk), k) * scale
+    kh, g = k.shape[1], h // k.shape[1]
+    rows = q.reshape(b, t, kh, g, dk).transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, dk)
+    scores = (rows @ k.transpose(0, 1, 3, 2) * scale).reshape(b, kh, t, g, -1)
     seen = ((slot_pos[None, None] <= q_pos[:, :, None])
-            & (slot_pos[None, None] < kv_len[:, None, None]))
-    scores = np.where(seen[:, :, None, None], scores, -np.inf)
+            & (slot_pos[None, None] < kv_len[:, None, None]))  # [B, T, S]
+    scores = np.where(seen[:, None, :, None], scores, -np.inf)
     m = scores.max(axis=-1, keepdims=True)
     has = np.isfinite(m)
     p = np.exp(scores - np.where(has, m, 0.0))
     total = np.where(has, p.sum(axis=-1, keepdims=True), 1.0)
-    o = np.einsum("btkgs,bksd->btkgd", p, v) / total
-    lse = np.where(has, m + np.log(total), -np.inf)[..., 0]
-    return o.reshape(b, t, h, -1), lse.reshape(b, t, h)
+    o = (p.reshape(b, kh, t * g, -1) @ v).reshape(b, kh, t, g, -1) / total
+    lse = np.where(has, m + np.log(total), -np.inf)[..., 0]  # [B, K, T, G]
+    o = o.transpose(0, 2, 1, 3, 4).reshape(b, t, h, -1)
+    return o, lse.transpose(0, 2, 1, 3).reshape(b, t, h)
 
 
 def compare(o, lse, ref_o, ref_lse) -> dict:
@@ -243,8 +246,8 @@ def _kwargs(case: Case, impl: str) -> dict:
 
 
 def batched_call(case: Case, impl: str):
-    """(fn, args, float64 (o, lse), None) of a case of `api.attention`: B rows of t queries each,
-    the last t positions of each row's length."""
+    """(fn, args, reference, None) of a case of `api.attention`: B rows of t queries each, the
+    last t positions of each row's length; reference() -> the float64 (o, lse)."""
     rng = np.random.default_rng(zlib.crc32(case.name.encode()))
     call, ref_k, ref_v = _kv(case, rng, len(case.lengths))
     lengths = np.asarray(case.lengths, np.int32)
@@ -258,14 +261,16 @@ def batched_call(case: Case, impl: str):
         return api.attention(c["q"], c["k"], c["v"], c["q_pos"], pos, c["kv_len"],
                              block_table=c.get("block_table"), layer=c.get("layer"), **kw)
 
-    ref = oracle(ref_q, ref_k, ref_v, q_pos, lengths, slot_pos, 1.0 / np.sqrt(case.dk))
-    return fn, (call,), ref, None
+    def reference():
+        return oracle(ref_q, ref_k, ref_v, q_pos, lengths, slot_pos, 1.0 / np.sqrt(case.dk))
+
+    return fn, (call,), reference, None
 
 
 def ragged_call(case: Case, impl: str):
-    """(fn, args, float64 (o, lse), the real tokens) of a case of `api.ragged_attention`: the rows'
-    q_lens tokens end to end (each row's last ones), padded as a step's bucket is, cut into tiles by
-    `ragged.plan` as the engine cuts them."""
+    """(fn, args, reference, the real tokens) of a case of `api.ragged_attention`: the rows' q_lens
+    tokens end to end (each row's last ones), padded as a step's bucket is, cut into tiles by
+    `ragged.plan` as the engine cuts them; reference() -> the float64 (o, lse) of every token."""
     rng = np.random.default_rng(zlib.crc32(case.name.encode()))
     rows = len(case.lengths)
     call, ref_k, ref_v = _kv(case, rng, rows)
@@ -286,25 +291,29 @@ def ragged_call(case: Case, impl: str):
         return api.ragged_attention(c["q"], c["k"], c["v"], c["q_pos"], pos, c["kv_len"],
                                     c["block_table"], tiles, layer=c.get("layer"), **kw)
 
-    ref_o = np.zeros((n, case.heads, case.dv))
-    ref_lse = np.full((n, case.heads), -np.inf)
-    for r, (s0, m) in enumerate(zip(starts, lens)):
-        if m:
-            o, lse = oracle(ref_q[None, s0:s0 + m], ref_k[r:r + 1], ref_v[r:r + 1],
-                            q_pos[None, s0:s0 + m], lengths[r:r + 1], slot_pos,
-                            1.0 / np.sqrt(case.dk))
-            ref_o[s0:s0 + m], ref_lse[s0:s0 + m] = o[0], lse[0]
-    return fn, (call, tiles), (ref_o, ref_lse), real
+    def reference():
+        ref_o = np.zeros((n, case.heads, case.dv))
+        ref_lse = np.full((n, case.heads), -np.inf)
+        for r, (s0, m) in enumerate(zip(starts, lens)):
+            if m:
+                o, lse = oracle(ref_q[None, s0:s0 + m], ref_k[r:r + 1], ref_v[r:r + 1],
+                                q_pos[None, s0:s0 + m], lengths[r:r + 1], slot_pos,
+                                1.0 / np.sqrt(case.dk))
+                ref_o[s0:s0 + m], ref_lse[s0:s0 + m] = o[0], lse[0]
+        return ref_o, ref_lse
+
+    return fn, (call, tiles), reference, real
 
 
 def check_case(case: Case, impl: str) -> dict:
     """Compile the case for the device (timed), run it once (timed) and compare with float64."""
-    fn, args, (ref_o, ref_lse), real = (ragged_call if case.q_lens else batched_call)(case, impl)
+    fn, args, reference, real = (ragged_call if case.q_lens else batched_call)(case, impl)
     exe, compile_s = compile_apart(fn, *args)
     t = time.perf_counter()
     o, lse = jax.block_until_ready(exe(*args))
     run_s = time.perf_counter() - t
     o, lse = np.asarray(o.astype(jnp.float32)), np.asarray(lse)
+    ref_o, ref_lse = reference()
     if real is not None:
         o, lse, ref_o, ref_lse = o[real], lse[real], ref_o[real], ref_lse[real]
     err = compare(o, lse, ref_o, ref_lse)

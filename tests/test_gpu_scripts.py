@@ -338,6 +338,27 @@ def test_the_gate_table_takes_a_backend_in_one_line(gc, gate_mod):
     assert not rec["verdict"]
 
 
+@pytest.mark.parametrize("name", ["ragged mixed page 64", "mla 128 heads decode page 64",
+                                  "dense interleaved head dim 80"])
+def test_the_gates_device_cases_lower_for_cuda(gate_mod, name):
+    # The gate's device-sized cases as the GPU run builds them (impl "pallas"), exported for CUDA on
+    # this CPU: the Pallas kernel lowers to Triton for each (head dims, page blocks, shared memory).
+    import jax
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    case = next(c for c in gate_mod.cases() if c.name == name)
+    build = gate_mod.ragged_call if case.q_lens else gate_mod.batched_call
+    fn, args, _, _ = build(case, "pallas")
+    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+    gpu = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu"))
+    triton = "__gpu$xla.gpu.triton"
+    with jax.sharding.use_abstract_mesh(gpu):
+        exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call(triton)])(*spec)
+    assert triton in exported.mlir_module()
+
+
 def test_the_gate_covers_every_path_and_the_issue_shapes(gate_mod):
     device = gate_mod.cases()
     assert {c.path for c in device} == set(gate_mod.PATHS)
