@@ -366,7 +366,8 @@ def run_plan(runner: Runner, funcs: dict, wanted=None) -> None:
 
 def gate_module():
     """scripts/gpu_gate.py (the correctness gate; it imports jax and the kernels)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
     import gpu_gate
 
     return gpu_gate
@@ -514,6 +515,7 @@ def paged_fn(impl: str, s: int, **kw):
     from pallas_kernels.attention import SlotPositions, attention
 
     pos = SlotPositions.dense(s)
+
     def fn(q, k, v, qp, kl, t):
         return attention(q, k, v, qp, pos, kl, impl=impl, block_table=t, **kw)
 
@@ -552,8 +554,9 @@ def stage_decode(ctx: StageRun, sz: Sizes) -> None:
 
         def cudnn(s=s):
             shape = (sz.batch, s, sz.kv_heads, sz.head_dim)
-            row = cudnn_row(decode_queries(sz, s)[0], _normal(1, shape), _normal(2, shape), False)
-            return dict(row, keys=s)
+            k, v = _normal(1, shape), _normal(2, shape)
+            row = cudnn_row(decode_queries(sz, s)[0], k, v, False)
+            return dict(row, keys=s, gbs=(k.nbytes + v.nbytes) / (row["ms"] / 1e3) / 1e9)
 
         ctx.row(f"cudnn {_k(s)}", cudnn, "cudnn")
 
@@ -563,6 +566,7 @@ def ragged_fn(impl: str, s: int, **kw):
     from pallas_kernels.attention import SlotPositions, ragged_attention
 
     pos = SlotPositions.dense(s)
+
     def fn(q, k, v, qp, kl, t, tiles):
         return ragged_attention(q, k, v, qp, pos, kl, t, tiles, impl=impl, **kw)
 
@@ -675,10 +679,11 @@ def stage_serving(ctx: StageRun, sz: Sizes) -> None:
 
 
 def stage_prefill(ctx: StageRun, sz: Sizes, kernels) -> None:
-    from pallas_kernels.attention import IMPLEMENTATIONS, SlotPositions, attention
+    from pallas_kernels.attention import SlotPositions, attention
 
     h, kh, d = sz.heads, sz.kv_heads, sz.head_dim
-    impls = [kn.impl for kn in kernels if "chunk" in kn.paths and kn.impl in IMPLEMENTATIONS]
+    registered = gate_module().registered
+    impls = [kn.impl for kn in kernels if "chunk" in kn.paths and registered(kn.impl)]
     ctx.rec["shape"] = f"one causal chunk T = S, q [1,T,{h},{d}], {kh} kv heads, bf16"
     for t in sz.prefill_chunks:
         flops = attention_flops(1, h, t, t, d, causal=True)

@@ -56,6 +56,11 @@ KERNELS = (
 INTERPRET_KERNELS = (Kernel("pallas_interpret", PATHS),)
 
 
+def registered(impl: str) -> bool:
+    """Whether pallas_kernels.attention's registry has the implementation."""
+    return impl in api.IMPLEMENTATIONS
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One call of a kernel path. `lengths`: kv_len per row (0: an empty row); `slots`: slots per
@@ -335,7 +340,7 @@ def gate(row, rec: dict, kernels=KERNELS, tiny: bool = False, names=None) -> Non
     plan = []
     rec.update(kernels={}, failures=[], not_run=[], passed=0, verdict=False)
     for kernel in kernels:
-        if kernel.impl not in api.IMPLEMENTATIONS:
+        if not registered(kernel.impl):
             rec["kernels"][kernel.impl] = "absent from pallas_kernels' registry"
             if kernel.required:
                 rec["failures"].append(f"{kernel.impl}: absent from pallas_kernels' registry")
