@@ -184,7 +184,7 @@ def sweep_shape(name: str, phase: str, case: str, page: int, args, fn, configs: 
             if ref is None:
                 ref = o
             else:
-                row["max_abs_diff_vs_default"] = gc._max_abs_diff(o, ref)
+                row["max_abs_diff_vs_default"] = gc.max_abs_diff(o, ref)
             del o
         except Exception as e:  # noqa: BLE001 - a config that does not compile is recorded and skipped
             row["error"] = gc.first_line(e)

@@ -1,6 +1,9 @@
-"""The GPU scripts on a CPU-only machine: they refuse with one clear line (no traceback), and their pure
-helpers (roofline arithmetic, the checkpoint's parameter count, the tables) are right. No torch or
-transformers needed: those are imported only inside the scripts' GPU-side subprocess modes."""
+"""The GPU scripts on a CPU-only machine: they refuse with one clear line (no traceback); the
+check's plan fits its deadline, runs its stages in order, skips a row only by its own measured cost
+and stops in order when the time runs out (a fake clock); the correctness gate runs in Pallas'
+interpreter, passes, and fails when a kernel is wrong; the pure helpers (roofline arithmetic, the
+checkpoint's parameter count, the table) are right. No torch or transformers needed: those are
+imported only inside the check's GPU-side subprocess modes."""
 
 import json
 import os
@@ -26,10 +29,10 @@ def sk():
     return runpy.run_path(str(SCRIPTS / "sweep_kernel.py"), run_name="sweep_kernel")
 
 
-def run_on_cpu(script):
+def run_on_cpu(script, *args):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, str(SCRIPTS / script)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run([sys.executable, str(SCRIPTS / script), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize("script", ["gpu_check.py", "sweep_kernel.py"])
@@ -42,11 +45,30 @@ def test_refuses_without_a_gpu_in_one_line(script):
     assert p.stdout.strip() == ""
 
 
+STAGES = ("copy,gate,decode,serving,prefill,checkpoint,e2e,transformers,chunk_sweep,scan_cost,"
+          "e2e_b16")
+SECONDS = "give a positive number of seconds, as gate=200"
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--stages", "copy,kernel_tests"], f"unknown stage 'kernel_tests': choose from {STAGES}"),
+    (["--budget", "gates=100"],
+     f"--budget 'gates=100': unknown stage 'gates'; choose from {STAGES}"),
+    (["--budget", "gate=lots"], f"--budget 'gate=lots': {SECONDS}"),
+    (["--budget", "gate=-5"], f"--budget 'gate=-5': {SECONDS}"),
+])
+def test_a_bad_argument_is_named_in_one_line(args, line):
+    p = run_on_cpu("gpu_check.py", *args)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.strip() == line
+
+
 def test_helpers_import_neither_torch_nor_transformers():
     code = ("import runpy, sys; runpy.run_path('scripts/gpu_check.py', run_name='x'); "
             "runpy.run_path('scripts/sweep_kernel.py', run_name='y'); "
             "print(sorted(m for m in ('torch', 'transformers', 'jax') if m in sys.modules))")
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]"
 
@@ -54,16 +76,19 @@ def test_helpers_import_neither_torch_nor_transformers():
 def test_checkpoint_is_a_1_1b_llama(gc):
     cfg = gc["LLAMA_1B"]
     n = gc["llama_param_count"](cfg)
-    # embeddings + untied head: 2 × 32000 × 2048; per layer q,o 2048² each, k,v 2048 × 512 each, MLP 3 × 2048 × 8192
+    # embeddings + untied head: 2 × 32000 × 2048; per layer q,o 2048² each, k,v 2048 × 512 each,
+    # MLP 3 × 2048 × 8192
     per_layer = 2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 8192 + 2 * 2048
     assert n == 2 * 32000 * 2048 + 16 * per_layer + 2048 == 1_104_218_112
-    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
-            cfg["head_dim"], cfg["intermediate_size"], cfg["vocab_size"]) == (2048, 16, 32, 8, 64, 8192, 32000)
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
+            cfg["num_key_value_heads"], cfg["head_dim"], cfg["intermediate_size"],
+            cfg["vocab_size"]) == (2048, 16, 32, 8, 64, 8192, 32000)
     assert cfg["max_position_embeddings"] >= 32768 + 64
 
 
 def test_param_count_matches_a_real_checkpoint(gc):
-    """The count from config.json alone equals the tensors transformers wrote (tests/fixtures/llama-gqa)."""
+    """The count from config.json alone equals the tensors transformers wrote
+    (tests/fixtures/llama-gqa)."""
     from safetensors import safe_open
 
     fixture = ROOT / "tests" / "fixtures" / "llama-gqa"
@@ -82,9 +107,10 @@ def test_param_count_matches_a_real_checkpoint(gc):
 def test_roofline_arithmetic(gc):
     cfg = gc["LLAMA_1B"]
     # batch 16 × 32K × 16 layers × 2 (K, V) × 8 kv heads × 64 × 2 B = 17.2 GB of KV read per step
-    assert gc["kv_bytes_per_step"](cfg, 16, 32768) == 16 * 32768 * 16 * 2 * 8 * 64 * 2 == 17_179_869_184
+    kv = gc["kv_bytes_per_step"](cfg, 16, 32768)
+    assert kv == 16 * 32768 * 16 * 2 * 8 * 64 * 2 == 17_179_869_184
     w = gc["weight_bytes_per_step"](cfg)
-    assert w == 2 * (1_104_218_112 - 32000 * 2048)  # the input embedding table is gathered, not read
+    assert w == 2 * (1_104_218_112 - 32000 * 2048)  # the input embedding table is gathered
     roof = gc["decode_roofline"](cfg, 16, 32768, 64, copy_gbs=4000.0)
     kv = gc["kv_bytes_per_step"](cfg, 16, 32768 + 32)  # average context over the decode
     assert roof["bytes_per_step"] == pytest.approx(w + kv)
@@ -96,7 +122,8 @@ def test_roofline_arithmetic(gc):
 def test_prefill_flops_match_the_design_anchor(gc):
     flops = gc["attention_flops"](1, 32, 8192, 8192, 128, causal=True)
     assert flops == 4 * 32 * 8192 * 8192 * 128 / 2
-    assert flops / 0.96e-3 / 1e12 == pytest.approx(571, rel=0.01)  # the H200 prefill anchor: 0.96 ms = 571 TFLOP/s
+    # the H200 prefill anchor: 0.96 ms = 571 TFLOP/s
+    assert flops / 0.96e-3 / 1e12 == pytest.approx(571, rel=0.01)
 
 
 def test_small_helpers(gc):
@@ -105,20 +132,8 @@ def test_small_helpers(gc):
     m = gc["greedy_match"]([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 0, 6]])
     assert (m["row0"], m["rows_equal"], m["prefix_by_row"], m["compared"]) == (3, 1, [3, 1], 3)
     assert gc["first_line"](RuntimeError("\n  boom\nmore")) == "RuntimeError: boom"
-    assert gc["first_line"]("\nINTERNAL: out of shared memory\n  at ...") == "INTERNAL: out of shared memory"
-
-
-def test_parse_pytest(gc):
-    parse = gc["parse_pytest"]
-    done = parse("..........F.F\n=== FAILURES ===\nFAILED tests/test_kernels.py::test_x - AssertionError\n"
-                 "FAILED tests/test_ragged.py::test_y[a] - ValueError: no\n"
-                 "2 failed, 11 passed, 2 skipped in 3.21s\n")
-    assert (done["passed"], done["failed"], done["skipped"], done["complete"]) == (11, 2, 2, True)
-    assert done["first_failure"].startswith("FAILED tests/test_kernels.py::test_x")
-    assert [f.split(" - ")[0] for f in done["failures"]] == ["FAILED tests/test_kernels.py::test_x",
-                                                            "FAILED tests/test_ragged.py::test_y[a]"]
-    cut = parse("........................ [ 36%]\n....s...\n")
-    assert (cut["passed"], cut["skipped"], cut["complete"]) == (31, 1, False)
+    line = gc["first_line"]("\nINTERNAL: out of shared memory\n  at ...")
+    assert line == "INTERNAL: out of shared memory"
 
 
 def test_markdown_table_escapes_pipes(gc):
@@ -129,69 +144,313 @@ def test_markdown_table_escapes_pipes(gc):
     assert lines[2] == "| a\\|b | 1 | 2 | PASS |"
 
 
+# --- the plan and its skip rule, on a fake clock -------------------------------------------------
+
+class FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+    def advance(self, seconds, **row):
+        self.t += seconds
+        return dict(row, ran=True)
+
+
+def runner(gc, deadline_s=None):
+    clock = FakeClock()
+    run = gc["Runner"](dict(meta={}), None, deadline_s, clock=clock, alarm=False, quiet=True)
+    return run, clock
+
+
+def rows_of(clock, costs):
+    """A stage function whose rows (name, kind, seconds) each advance the fake clock so much."""
+    def stage(ctx):
+        for name, kind, sec in costs:
+            ctx.row(name, lambda sec=sec: clock.advance(sec), kind)
+    return stage
+
+
+def test_the_plan_fits_360_s_in_order_and_the_docs_say_so(gc):
+    plan = gc["PLAN"]
+    assert [s.name for s in plan] == ["copy", "gate", "decode", "serving", "prefill", "checkpoint",
+                                      "e2e", "transformers", "chunk_sweep", "scan_cost", "e2e_b16"]
+    assert gc["PLAN_S"] == sum(s.budget_s for s in plan) <= 360
+    # the module docstring's table is the plan's (one source of truth, checked)
+    table = re.findall(r"^  (\w+) +(\d+) s  ", gc["__doc__"], re.MULTILINE)
+    doc = {name: float(sec) for name, sec in table}
+    assert doc == {s.name: s.budget_s for s in plan}
+    # the wrapper's deadline is the plan's, and its hard stop comes after it
+    sh = (SCRIPTS / "gpu_check.sh").read_text()
+    assert "GPU_CHECK_DEADLINE_S=${GPU_CHECK_DEADLINE_S:-360}" in sh
+    assert "TOTAL_S=${GPU_CHECK_TIMEOUT_S:-$((GPU_CHECK_DEADLINE_S + 30))}" in sh
+
+
+def test_the_plan_runs_in_order_and_stops_in_order_on_a_tiny_budget(gc):
+    # A 60 s deadline instead of 360: copy takes 2 s; the gate's rows take 4 s each, so it runs 14
+    # of them in its 58 s and skips the rest by their measured cost; every later stage is skipped
+    # in plan order ("no time left"), none started.
+    run, clock = runner(gc, deadline_s=60)
+    funcs = {s.name: rows_of(clock, [(f"{s.name} row", s.name, 1.0)]) for s in gc["PLAN"]}
+    funcs["copy"] = rows_of(clock, [("copy", "copy", 2.0)])
+    funcs["gate"] = rows_of(clock, [(f"case {i}", "paged", 4.0) for i in range(20)])
+    gc["run_plan"](run, funcs)
+    st = run.results["stages"]
+    assert list(st) == [s.name for s in gc["PLAN"]]
+    assert st["copy"]["status"] == "ok" and st["gate"]["status"] == "ok"
+    gate = st["gate"]["rows"]
+    assert [r["status"] for r in gate.values()] == ["ok"] * 14 + ["skipped"] * 6
+    assert gate["case 14"]["reason"] == "skipped: its measured cost 4.0 s > the 2.0 s left"
+    assert st["gate"]["allowance_s"] == 58.0  # its 90 s cut to what the deadline leaves
+    later = [st[s.name] for s in gc["PLAN"][2:]]
+    assert all(r["status"] == "skipped" and r["error"].startswith("no time left") for r in later)
+    assert all("rows" not in r or not r["rows"] for r in later)
+    assert run.results["meta"]["not_ok"] == [s.name for s in gc["PLAN"][2:]]
+
+
+def test_a_row_is_skipped_only_by_its_own_measured_cost(gc):
+    # The decode stage's 40 s: each length's program costs what compiling it costs (10 s, whatever
+    # the context), so the 128K row runs where a rule scaling the 8K row's time by the context would
+    # have skipped it; the cuDNN row after it (4.5 s measured) does not fit the 1 s left.
+    run, clock = runner(gc)
+    costs = []
+    for s in ("8K", "32K", "128K"):
+        costs += [(f"paged {s}", "paged", 10.0), (f"cudnn {s}", "cudnn", 4.5)]
+    run.stage("decode", rows_of(clock, costs))
+    rows = run.results["stages"]["decode"]["rows"]
+    assert [rows[n]["status"] for n, _, _ in costs] == ["ok"] * 5 + ["skipped"]
+    assert rows["cudnn 128K"]["reason"] == "skipped: its measured cost 4.5 s > the 1.0 s left"
+    assert rows["paged 128K"]["seconds"] == 10.0
+
+
+def test_a_budget_given_replaces_the_plans_and_the_deadline_still_holds(gc):
+    clock = FakeClock()
+    run = gc["Runner"](dict(meta={}), None, 200, clock=clock, alarm=False, quiet=True,
+                       budgets=gc["parse_budgets"](["gate=300"]))
+    rec = run.stage("gate", rows_of(clock, [(f"case {i}", "paged", 50.0) for i in range(6)]))
+    assert (rec["budget_s"], rec["allowance_s"]) == (300.0, 200.0)
+    assert [r["status"] for r in rec["rows"].values()] == ["ok"] * 4 + ["skipped"] * 2
+
+
+def test_unused_time_carries_to_the_next_stage_and_a_measured_cost_skips_a_rerun(gc):
+    run, clock = runner(gc)
+    run.stage("copy", rows_of(clock, [("copy", "copy", 5.0)]))  # 10 s of its 15 unused
+
+    def e2e(ctx):
+        first = ctx.row("first run", lambda: clock.advance(50, compile_s=5))
+        ctx.row("warm run", lambda: dict(ran=True), "warm", cost=first["seconds"] - 5)
+
+    rec = run.stage("e2e", e2e)
+    assert rec["allowance_s"] == 70.0  # 60 s + the copy stage's 10
+    assert rec["rows"]["warm run"]["reason"] == (
+        "skipped: its measured cost 45.0 s > the 20.0 s left")
+
+
+def test_failures_are_recorded_and_the_run_goes_on(gc):
+    run, _ = runner(gc)
+
+    def bad_row(ctx):
+        ctx.row("compiles", lambda: 1 / 0)
+        ctx.row("after it", lambda: dict(ran=True))
+
+    def no_model(ctx):
+        raise gc["NotRun"]("no checkpoint (its stage did not finish)")
+
+    def broken(ctx):
+        raise RuntimeError("\n  out of memory\nmore")
+
+    gc["run_plan"](run, dict(copy=bad_row, e2e=no_model, gate=broken))
+    st = run.results["stages"]
+    assert st["copy"]["rows"]["compiles"] == dict(kind="copy", status="failed", seconds=0.0,
+                                                  error="ZeroDivisionError: division by zero")
+    assert st["copy"]["rows"]["after it"]["status"] == "ok" and st["copy"]["status"] == "ok"
+    assert (st["gate"]["status"], st["gate"]["error"]) == ("failed", "RuntimeError: out of memory")
+    assert (st["e2e"]["status"], st["e2e"]["error"]) == (
+        "skipped", "no checkpoint (its stage did not finish)")
+    assert list(st) == ["copy", "gate", "e2e"]  # in plan order, whatever the order funcs were given
+
+
+# --- the correctness gate, in Pallas' interpreter ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gate_mod():
+    sys.path.insert(0, str(SCRIPTS))
+    import gpu_gate
+
+    return gpu_gate
+
+
+GATE_CASES = ["ragged mixed page 64", "int8 paged decode page 64", "mla 128 heads decode page 64",
+              "paged decode 8 splits"]
+
+
+def run_gate(gc, gate_mod, kernels, names):
+    """The named cases of the tiny gate, through the check's own row runner (real clock)."""
+    run = gc["Runner"](dict(meta={}), None, 3600, alarm=False, quiet=True)
+    return run.stage("gate", lambda ctx: gate_mod.gate(ctx.row, ctx.rec, kernels, tiny=True,
+                                                       names=names))
+
+
+def test_the_gate_runs_in_the_interpreter_and_passes(gc, gate_mod):
+    # The serving paths (ragged mixed step, 8-bit pages, MLA at 128 heads, several KV splits) in the
+    # interpreter at tiny shapes: each compiled and run with its time apart, within its bound.
+    rec = run_gate(gc, gate_mod, gate_mod.INTERPRET_KERNELS, GATE_CASES)
+    assert (rec["planned"], rec["passed"], rec["failures"], rec["verdict"]) == (4, 4, [], True)
+    for name in GATE_CASES:
+        r = rec["rows"][f"pallas_interpret: {name}"]
+        assert r["passed"] and r["problem"] is None and r["compile_s"] > 0 and r["run_s"] > 0
+        assert 0 < max(r["o_err"], r["lse_err"]) <= r["bound"] == gate_mod.BOUNDS[r["dtype"]]
+    assert gate_mod.BOUNDS == {"float32": 1e-5, "bfloat16": 2e-2}
+
+
+def test_the_gate_fails_when_a_kernel_is_wrong(gc, gate_mod, monkeypatch):
+    # The Pallas kernel with its softmax in the wrong base (e instead of 2: LOG2E = 1): every case
+    # fails, each failure named with its error and bound; the verdict is a fail.
+    from pallas_kernels.attention import triton
+
+    monkeypatch.setattr(triton, "LOG2E", 1.0)
+    names = ["paged decode page 64", "dense decode 1 split"]
+    rec = run_gate(gc, gate_mod, gate_mod.INTERPRET_KERNELS, names)
+    assert (rec["planned"], rec["passed"], rec["verdict"]) == (2, 0, False)
+    failed = [f.split(": o error")[0] for f in rec["failures"]]
+    assert failed == [f"pallas_interpret: {n}" for n in names]
+    assert rec["failures"][1].endswith("> 1e-05") and rec["failures"][0].endswith("> 0.02")
+    row = gc["gate_row"](rec)
+    assert row[1].startswith("0/2 cases pass; pallas_interpret: paged decode page 64: o error")
+    assert row[3] == "FAIL"
+
+
+def test_the_gate_table_takes_a_backend_in_one_line(gc, gate_mod):
+    # A required backend the registry lacks fails the gate; an optional one is listed as absent.
+    # The entry's paths choose its cases, and cases with the Pallas kernel's options go to kernels
+    # taking them only.
+    kernels = (gate_mod.Kernel("pallas_interpret", ("dense",), options=False),
+               gate_mod.Kernel("not_a_backend", ("chunk",), required=False),
+               gate_mod.Kernel("mosaic_gpu_someday", gate_mod.PATHS))
+    names = ["dense decode", "dense decode 8 splits", "chunk causal 16"]
+    rec = run_gate(gc, gate_mod, kernels, names)
+    assert rec["kernels"] == {"pallas_interpret": 1,
+                              "not_a_backend": "absent from pallas_kernels' registry",
+                              "mosaic_gpu_someday": "absent from pallas_kernels' registry"}
+    assert list(rec["rows"]) == ["pallas_interpret: dense decode"] and rec["passed"] == 1
+    assert rec["failures"] == ["mosaic_gpu_someday: absent from pallas_kernels' registry"]
+    assert not rec["verdict"]
+
+
+@pytest.mark.parametrize("name", ["ragged mixed page 64", "mla 128 heads decode page 64",
+                                  "dense interleaved head dim 80"])
+def test_the_gates_device_cases_lower_for_cuda(gate_mod, name):
+    # The gate's device-sized cases as the GPU run builds them (impl "pallas"), exported for CUDA on
+    # this CPU: the Pallas kernel lowers to Triton for each (head dims, page blocks, shared memory).
+    import jax
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    case = next(c for c in gate_mod.cases() if c.name == name)
+    build = gate_mod.ragged_call if case.q_lens else gate_mod.batched_call
+    fn, args, _, _ = build(case, "pallas")
+    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+    gpu = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu"))
+    triton = "__gpu$xla.gpu.triton"
+    with jax.sharding.use_abstract_mesh(gpu):
+        exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call(triton)])(*spec)
+    assert triton in exported.mlir_module()
+
+
+def test_the_gate_covers_every_path_and_the_issue_shapes(gate_mod):
+    device = gate_mod.cases()
+    assert {c.path for c in device} == set(gate_mod.PATHS)
+    assert len({c.name for c in device}) == len(device)
+    assert {c.heads for c in device if c.dk == 576} == {16, 64, 128}
+    assert all(c.dv == 512 and c.shared_v for c in device if c.dk == 576)
+    assert {c.page for c in device} == {0, 16, 64, 128}
+    assert {c.quant for c in device} == {None, "int8", "fp8"}
+    assert {c.dtype for c in device} == {"float32", "bfloat16"}
+    assert {dict(c.options).get("num_splits") for c in device} == {None, 1, 8}
+    assert any(c.q_lens and set(c.q_lens) == {0, 1} for c in device)  # ragged decode-only
+    assert any(c.q_lens and max(c.q_lens) >= 256 for c in device)  # a chunk in the long-tile group
+    assert any(c.t == 5 and c.path == "verify" for c in device)
+    assert all(0 in c.lengths or 0 in c.q_lens or c.path == "chunk" for c in device)  # empty rows
+    assert all(c.dk % 16 == 0 and c.dv % 16 == 0 for c in device)  # the compiled kernel's dims
+    for c in device + gate_mod.cases(tiny=True):
+        assert c.slots % max(c.page, 1) == 0
+        assert all(q <= n for q, n in zip(c.q_lens, c.lengths))
+
+
+# --- the report ----------------------------------------------------------------------------------
+
 SAMPLE = dict(
-    meta=dict(device_kind="NVIDIA H200", jax_version="0.11.2", quick=False, elapsed_s=400, prompt_len=32768),
+    meta=dict(device_kind="NVIDIA H200", jax_version="0.11.2", elapsed_s=340, not_ok=["e2e_b16"]),
     stages=dict(
-        copy=dict(status="ok", copy_gbs=4280.0, copy_best="device_put"),
-        decode_kernel=dict(status="ok", lengths=[8192, 32768, 131072], rows=[
-            dict(keys=8192, pallas_ms=0.1, cudnn_ms=0.12, pallas_gbs=2600.0, fraction_of_copy=0.61,
-                 speedup_vs_cudnn=1.2, max_abs_diff_vs_reference=0.004),
-            dict(keys=32768, pallas_ms=0.3, cudnn_ms=0.28, pallas_gbs=3600.0, fraction_of_copy=0.84,
-                 speedup_vs_cudnn=0.93, pallas_verify5_ms=0.36, verify5_cost_vs_decode=1.2),
-            dict(keys=131072, error="skipped: 3 s left in the stage budget"),
-        ]),
-        prefill_kernel=dict(status="ok", t=8192, pallas_ms=1.5, pallas_tflops=366.0, cudnn_ms=0.96, cudnn_tflops=572.0),
-        e2e_dcp=dict(status="ok", prompt_len=32768, runs={"16": dict(
-            batch=16, prompt_len=32768, prefill_chunk=2048, ttft_s=9.0, decode_tokens_per_s=900.0,
-            roofline_tokens_per_s=1200.0, roofline_fraction=0.75)}),
-        e2e_transformers=dict(status="failed", error="timed out", runs={"16": dict(ttft_s=12.0, decode_tokens_per_s=300.0)},
-                              greedy_match=dict(batch=16, row0=7, compared=64, rows=16, rows_equal=3)),
-        prefill_chunk_sweep=dict(status="skipped", error="no time left (3 s)"),
-        kernel_tests=dict(status="ok", counts=dict(passed=65, failed=0, error=0, skipped=0, complete=True)),
+        copy=dict(status="ok", copy_gbs=4280.0, copy_best="jit a.copy()"),
+        gate=dict(status="ok", planned=33, passed=33, failures=[], not_run=[], verdict=True),
+        decode=dict(status="ok", lengths=[8192, 32768, 131072], rows={
+            "paged 8K": dict(ms=0.1, gbs=2600.0, fraction_of_copy=0.61),
+            "cudnn 8K": dict(ms=0.12),
+            "paged 32K": dict(ms=0.3, gbs=3600.0, fraction_of_copy=0.84),
+            "cudnn 32K": dict(ms=0.28),
+            "paged 128K": dict(status="skipped",
+                               reason="skipped: its measured cost 9.0 s > the 2.0 s left"),
+        }),
+        serving=dict(status="ok", keys=32768, chunk=512, rows={
+            "paged decode": dict(ms=0.3), "ragged decode-only": dict(ms=0.306, vs_paged=1.02),
+            "ragged mixed": dict(ms=0.5, vs_paged_decode_plus_chunk=1.1),
+            "int8 pages": dict(ms=0.17, vs_bf16=0.57, bytes_vs_bf16=0.52),
+            "fp8 pages": dict(ms=0.4, vs_bf16=1.34, bytes_vs_bf16=0.52),
+            "verify 5": dict(ms=0.36, vs_decode=1.2),
+            "mla 128 heads": dict(ms=1.2, gbs=400.0, fraction_of_copy=0.09, query_blocks=2)}),
+        prefill=dict(status="ok", rows={
+            "pallas 2K": dict(ms=0.2, tflops=300.0),
+            "jax.nn cudnn 2K": dict(ms=0.1, tflops=600.0)}),
+        e2e=dict(status="ok", headline="warm run", rows={"warm run": dict(
+            batch=4, prompt_len=32768, ttft_s=1.2, decode_tokens_per_s=1300.0,
+            roofline_tokens_per_s=1800.0, roofline_fraction=0.72)}),
+        transformers=dict(status="ok", rows={"batch 4": dict(ttft_s=1.3, decode_tokens_per_s=77.0)},
+                          greedy_match=dict(row0=64, compared=64, rows=4, rows_equal=4)),
+        e2e_b16=dict(status="skipped", error="no time left (2 s)"),
     ),
 )
 
 
 def test_headline_rows_verdicts(gc):
-    rows = {r[0]: r for r in gc["headline_rows"](SAMPLE)}
-    assert rows["decode kernel 8K: of copy / vs cuDNN"][3] == "PASS"  # 8K: only "faster than cuDNN"
-    assert rows["decode kernel 32K: of copy / vs cuDNN"][3] == "FAIL"  # 84% < 85% and slower than cuDNN
-    assert rows["decode kernel 128K: of copy / vs cuDNN"][1].startswith("skipped")
-    assert rows["verify step (5 queries) 32K: time vs 1 query"][1] == "0.360 ms = 1.20×"
-    assert "verify step (5 queries) 8K: time vs 1 query" not in rows  # not measured there: no row
-    assert rows["kernel tests on the GPU"][3] == "PASS"
-    assert "1.33× faster" in rows["TTFT b=16 @32K: ours vs transformers"][1]
-    assert "75% of 1200" in rows["e2e decode b=16 @32K: tok/s (roofline)"][1]
-    assert rows["e2e decode b=4 @32K: tok/s (roofline)"][1].startswith("skipped")
-    assert rows["best prefill chunk (TTFT b=4)"][1].startswith("skipped")
-    assert "7/64" in rows["greedy tokens = transformers'"][1]
+    rows = {r[0]: r[1:] for r in gc["headline_rows"](SAMPLE)}
+    assert rows["correctness gate: every kernel path vs float64"] == (
+        "33/33 cases pass", "all pass", "PASS")
+    assert rows["decode kernel 8K keys: of copy; cuDNN"][2] == "—"  # 8K: reported, no target
+    assert rows["decode kernel 32K keys: of copy; cuDNN"] == (
+        "84% (3600 GB/s, 0.300 ms); cuDNN 0.280 ms (0.93x the kernel's speed)", "≥ 85% of copy",
+        "FAIL")
+    assert rows["decode kernel 128K keys: of copy; cuDNN"][0] == (
+        "skipped: skipped: its measured cost 9.0 s > the 2.0 s left")
+    assert rows["ragged decode-only / paged decode, 32K"] == ("1.02x (0.306 ms)", "≤ 1.05x", "PASS")
+    assert rows["int8 pages / bf16 pages, paged decode 32K"][2] == "PASS"
+    assert rows["fp8 pages / bf16 pages, paged decode 32K"] == (
+        "1.34x (0.400 ms, 0.52x the bytes)", "≤ 0.6x", "FAIL")
+    assert rows["verify step (5 queries) / 1 query, 32K"][0] == "1.20x (0.360 ms)"
+    assert rows["prefill pallas 2K, causal chunk"][0] == (
+        "0.20 ms (300 TFLOP/s); cuDNN 0.10 ms (600 TFLOP/s)")
+    assert rows["e2e decode batch 4 x 32K: of the roofline"] == (
+        "1300 tok/s = 72% of 1800; transformers 77 tok/s", "≥ 70%", "PASS")
+    assert rows["TTFT batch 4 x 32K: ours vs transformers"] == (
+        "1.20 s vs 1.30 s", "≤ transformers'", "PASS")
+    assert rows["extra: e2e decode batch 16 x 32K: of the roofline"][0] == (
+        "skipped: no time left (2 s)")
 
 
-def test_fp8_page_row(gc):
-    # the fp8 decode row: ratio to the bf16 pages, its bytes, PASS at <= 0.6x; an error is a FAIL naming it
-    rows = dict(keys=32768, pallas_ms=1.0, fp8_vs_bf16=0.55, fp8_paged_ms=0.55, bf16_paged_ms=1.0,
-                fp8_bytes_ratio=0.52)
-    run = dict(meta={}, stages=dict(decode_kernel=dict(lengths=[32768, 131072], rows=[
-        rows, dict(keys=131072, pallas_ms=4.0, fp8_error="RuntimeError: no fp8 on this device")])))
-    got = {r[0]: r for r in gc["headline_rows"](run)}
-    assert got["decode kernel 32K: fp8 pages / bf16"][1:] == (
-        "0.55× (0.550 vs 1.000 ms, 0.52× the bytes)", "≤ 0.6×", "PASS")
-    assert got["decode kernel 128K: fp8 pages / bf16"][1:] == ("RuntimeError: no fp8 on this device", "≤ 0.6×", "FAIL")
-
-
-def test_kernel_test_row_lists_every_failure(gc):
-    fails = [f"FAILED tests/test_kernels.py::test_{i} - AssertionError" for i in range(7)]
-    run = dict(meta={}, stages=dict(kernel_tests=dict(status="failed", counts=dict(
-        passed=90, failed=7, error=0, skipped=0, complete=True, first_failure=fails[0], failures=fails))))
-    row = next(r for r in gc["headline_rows"](run) if r[0] == "kernel tests on the GPU")
+def test_the_gate_row_lists_every_failure(gc):
+    fails = [f"pallas: case {i}: o error 3.00e-01, lse error 1.00e-02 > 0.02" for i in range(7)]
+    row = gc["gate_row"](dict(planned=33, passed=25, failures=fails, not_run=["x"], verdict=False))
+    assert row[1].startswith("25/33 cases pass; 1 not run; pallas: case 0: o error")
+    assert all(f"case {i}:" in row[1] for i in range(5)) and "+2 more failures" in row[1]
     assert row[3] == "FAIL"
-    assert all(f"test_kernels.py::test_{i} " in row[1] for i in range(5)) and "+2 more" in row[1]
 
 
 def test_headline_rows_survive_an_empty_run(gc):
     rows = gc["headline_rows"](dict(meta={}, stages={}))
     assert all(len(r) == 4 for r in rows)
-    assert any(r[0] == "kernel tests on the GPU" and r[1] == "not run" for r in rows)
+    assert rows[0][1:] == ("not run", "all pass", "—")
 
 
 def test_report_prints_the_table_last(gc, tmp_path, capsys):
@@ -200,6 +459,8 @@ def test_report_prints_the_table_last(gc, tmp_path, capsys):
     assert gc["main"](["--report", str(path), "--print-json"]) == 0
     out = capsys.readouterr().out.rstrip().splitlines()
     assert out[0] == "{"
+    assert any(line == "## GPU check: NVIDIA H200, jax 0.11.2, 340 s; not ok: e2e_b16 (skipped)"
+               for line in out)
     table = out[-(len(gc["headline_rows"](SAMPLE)) + 2):]
     assert table[0] == "| metric | measured | target | verdict |"
     assert all(line.startswith("| ") and line.endswith(" |") for line in table[2:])
@@ -209,12 +470,13 @@ def test_sweep_space_and_best(sk):
     assert len(sk["space"]("decode")) == 5 * 3 * 2
     assert len(sk["space"]("prefill")) == 3 * 4 * 2 * 2
     a, b = dict(block_k=64, num_stages=2, num_warps=4), dict(block_k=128, num_stages=3, num_warps=4)
+    c = dict(block_k=256, num_stages=5, num_warps=8)
     results = [
         dict(shape="decode 32K", options="default", ms=1.0),
         dict(shape="decode 32K", options=a, ms=1.0), dict(shape="decode 32K", options=b, ms=1.1),
         dict(shape="decode 128K", options=a, ms=5.0), dict(shape="decode 128K", options=b, ms=4.0),
-        dict(shape="decode 128K", options=dict(block_k=256, num_stages=5, num_warps=8), ms=1.0),  # 128K only
-        dict(shape="decode 32K", options=dict(block_k=256, num_stages=5, num_warps=8), error="out of resource"),
+        dict(shape="decode 128K", options=c, ms=1.0),  # 128K only
+        dict(shape="decode 32K", options=c, error="out of resource"),
     ]
     # a: 1.0 and 5.0 -> geomean of (1, 5) = 2.24; b: (1.1, 4.0) -> 2.10
     assert sk["best_config"](results) == b
@@ -227,10 +489,14 @@ def test_sweep_rows_paste_into_configs(sk):
     from pallas_kernels.attention.configs import KernelConfig
 
     row = sk["table_row"]("decode", dict(block_k=128, num_stages=4, num_warps=8), block_q=64)
-    assert row == '("decode", 128): KernelConfig(block_q=64, block_k=128, num_warps=8, num_stages=4),'
-    key, cfg = eval("{" + row + "}", {"KernelConfig": KernelConfig}).popitem()  # noqa: S307 - our own text
-    assert key == ("decode", 128) and cfg == KernelConfig(block_q=64, block_k=128, num_warps=8, num_stages=4)
-    row = sk["table_row"]("prefill", dict(block_q=128, block_k=64, num_stages=2, num_warps=4), block_q=64)
+    assert row == ('("decode", 128): KernelConfig(block_q=64, block_k=128, num_warps=8, '
+                   'num_stages=4),')
+    # the row is our own text: eval is safe
+    key, cfg = eval("{" + row + "}", {"KernelConfig": KernelConfig}).popitem()  # noqa: S307
+    assert key == ("decode", 128)
+    assert cfg == KernelConfig(block_q=64, block_k=128, num_warps=8, num_stages=4)
+    row = sk["table_row"]("prefill", dict(block_q=128, block_k=64, num_stages=2, num_warps=4),
+                          block_q=64)
     assert re.search(r"block_q=128, block_k=64, num_warps=4, num_stages=2", row)
 
 
@@ -240,8 +506,8 @@ def test_sweep_skips_blocks_past_the_page_or_shared_memory(sk):
         "skipped: block_k 128 > page 64")
     assert skip(dict(block_k=64, num_stages=2, num_warps=4), "decode", "d128", 64, 4) is None
     # MLA prefill: 128 query rows × 576 plus 4 stages of 128 latent rows cannot fit one block
-    assert "shared memory" in skip(dict(block_q=128, block_k=128, num_stages=3, num_warps=8), "prefill", "mla", 128,
-                                   4096)
+    assert "shared memory" in skip(dict(block_q=128, block_k=128, num_stages=3, num_warps=8),
+                                   "prefill", "mla", 128, 4096)
     assert [sk["table_bucket"](c) for c in ("d64", "d128", "d256", "mla")] == [64, 128, 256, 1024]
 
 
@@ -249,36 +515,22 @@ def test_sweep_says_when_larger_pages_win(sk):
     a, b = dict(block_k=64, num_stages=2, num_warps=4), dict(block_k=128, num_stages=2, num_warps=4)
     rows = [dict(phase="decode", case="d128", page=64, options=a, ms=1.0),
             dict(phase="decode", case="d128", page=128, options=b, ms=0.8)]
-    assert "page 128 (KV blocks up to 128) is 1.25x faster than page 64" in sk["larger_pages"](rows, "decode", "d128")
+    assert "page 128 (KV blocks up to 128) is 1.25x faster than page 64" in sk["larger_pages"](
+        rows, "decode", "d128")
     rows[1]["ms"] = 1.1
     assert sk["larger_pages"](rows, "decode", "d128") is None
 
 
 def test_sweep_runs_the_paged_kernel_on_the_interpreter(sk):
-    # One small MLA decode shape through the sweep's own path: the default config and two swept ones run
-    # the paged kernel (values shared with the keys) and agree; one past the page is skipped.
+    # One small MLA decode shape through the sweep's own path: the default config and two swept
+    # ones run the paged kernel (values shared with the keys) and agree; one past the page is
+    # skipped.
     args, fn, nbytes, _ = sk["paged_inputs"]("mla", "decode", 16, 64, 16, batch=1)
     assert args[1].shape == (4, 1, 16, 576) and args[2] is None and nbytes == args[1].nbytes
     results = []
-    opts = [dict(block_k=16, num_stages=2, num_warps=8), dict(block_k=32, num_stages=2, num_warps=4)]
-    sk["sweep_shape"]("decode mla", "decode", "mla", 16, args, fn, opts, float("inf"), lambda s: "", results,
-                      impl="pallas_interpret")
+    opts = [dict(block_k=16, num_stages=2, num_warps=8),
+            dict(block_k=32, num_stages=2, num_warps=4)]
+    sk["sweep_shape"]("decode mla", "decode", "mla", 16, args, fn, opts, float("inf"), lambda s: "",
+                      results, impl="pallas_interpret")
     assert [r.get("error", "")[:7] for r in results] == ["", "", "skipped"]
     assert results[1]["ms"] > 0 and results[1]["max_abs_diff_vs_default"] < 1e-2
-
-
-def test_ragged_decode_row_runs_on_the_interpreter(gc):
-    # The GPU check's ragged-vs-paged row, on Pallas' interpreter: both kernels run over the same pages
-    # and give the same attention.
-    q, k, v, q_pos, kv_len = gc["decode_inputs"](128, b=2, h=4, kh=2, d=16)
-    row = gc["paged_vs_ragged"](q, k, v, q_pos, kv_len, page=16, impl="pallas_interpret")
-    assert row["paged_ms"] > 0 and row["ragged_decode_ms"] > 0
-    assert row["ragged_vs_paged"] > 0 and row["ragged_max_abs_diff"] < 2e-2  # bf16 inputs
-
-
-def test_mla_decode_row_runs_on_the_interpreter(gc):
-    # The GPU check's 128-head MLA decode row, on Pallas' interpreter at a small context: the kernel reads
-    # the latent in two query blocks and agrees with the reference.
-    row = gc["mla_decode"](64, b=1, heads=128, page=16, impl="pallas_interpret")
-    assert row["mla_query_blocks"] == 2 and row["mla_ms"] > 0 and row["mla_gbs"] > 0
-    assert row["mla_max_abs_diff_vs_reference"] < 2e-2  # bf16 inputs

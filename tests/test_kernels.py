@@ -19,8 +19,9 @@ from pallas_kernels.attention import triton as triton_kernel
 from tests.util import assert_lse_close, dense_attention, rel_err
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-# scripts/gpu_check.sh runs these tests with the kernel compiled for the GPU instead of interpreted.
-# (set without a GPU, the tests run the device's shapes in the interpreter)
+# Set on a GPU machine with pytest, these tests run with the kernel compiled for the GPU instead of
+# interpreted (scripts/gpu_check.sh's correctness gate, scripts/gpu_gate.py, checks the same paths
+# without pytest); set without a GPU, they run the device's shapes in the interpreter.
 ON_DEVICE = bool(os.environ.get("DCP_JAX_KERNEL_TESTS_ON_DEVICE"))
 PALLAS = "pallas" if ON_DEVICE and jax.default_backend() == "gpu" else "pallas_interpret"
 
