@@ -9,6 +9,11 @@ Paths (`Case.path`), each with odd lengths and an empty row:
   verify   k + 1 query tokens per row (speculative decoding's verify step)
   ragged   a serving step's flat batch through `ragged_attention`: decode rows alone, and decode
            rows with chunks after cached prefixes, a whole prompt, verify-sized rows and idle rows
+  split    that batch as the serving step runs it on a GPU: each prefill tile's pages below its
+           first token, its diagonal block from the step's own keys and values (`diagonal_impl`:
+           cuDNN where it takes the shapes), merged by LSE
+  self     causal attention of dense tiles over their own keys and values (`api.self_attention`,
+           what cuDNN serves), tiles of every length down to 0
   int8/fp8 8-bit pages (GQA and MLA) against the dequantized pages
   mla      DeepSeek's 576-wide latent whose first 512 features are the values, 16 / 64 / 128 heads
 in float32 and bfloat16.
@@ -36,7 +41,7 @@ import numpy as np
 from pallas_kernels.attention import SlotPositions, api, ragged
 from pallas_kernels.attention import kv_quant as kvq
 
-PATHS = ("dense", "chunk", "paged", "verify", "ragged", "int8", "fp8", "mla")
+PATHS = ("dense", "chunk", "paged", "verify", "ragged", "split", "self", "int8", "fp8", "mla")
 BOUNDS = {"float32": 1e-5, "bfloat16": 2e-2}
 RAGGED_TILE = 32  # the engine's ragged_tile (dcp_jax.serving.config)
 
@@ -51,14 +56,14 @@ class Kernel:
 
 KERNELS = (
     Kernel("pallas", PATHS),
-    Kernel("cudnn", ("chunk",), required=False, options=False),
+    Kernel("cudnn", ("self",), required=False, options=False),
 )
 INTERPRET_KERNELS = (Kernel("pallas_interpret", PATHS),)
 
 
 def registered(impl: str) -> bool:
-    """Whether pallas_kernels.attention's registry has the implementation."""
-    return impl in api.IMPLEMENTATIONS
+    """Whether pallas_kernels.attention's registry has the implementation (for any op)."""
+    return impl in api.REGISTRY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +98,7 @@ def cases(tiny: bool = False) -> list[Case]:
     h, kh, d, d_odd = (4, 2, 32, 24) if tiny else (32, 8, 128, 80)
     p16, p64, p128 = (8, 16, 32) if tiny else (16, 64, 128)
     chunk, prompt, verify = (9, 7, 5) if tiny else (77, 37, 5)
+    tile = 8 if tiny else RAGGED_TILE
     lens = (s, 0, s // 2 + 1, s - 25)
     shard, shard_lens = (1, 1, 2), (2 * s, 0, s + 1, 2 * s - 51)  # every second position from 1
     mixed = (1, 1, 30, 9, prompt, 0, 1, verify) if tiny else (1, 1, 300, 45, prompt, 0, 1, verify)
@@ -148,6 +154,12 @@ def cases(tiny: bool = False) -> list[Case]:
         Case("mla 64 heads decode", "mla", bf16, **mla(64), lengths=lens),
         Case("mla 16 heads chunk", "mla", bf16, **mla(16), lengths=lens, t=chunk // 2),
         Case("mla 16 heads decode float32 page 16", "mla", f32, **mla(16, p16), lengths=lens),
+        Case("split mixed page 64", "split", bf16, **paged, lengths=mixed_len, q_lens=mixed),
+        Case("split mixed float32 page 16", "split", f32, **dict(paged, page=p16),
+             lengths=mixed_len, q_lens=mixed),
+        Case("split mixed mla", "split", bf16, **mla(16), lengths=mixed_len, q_lens=mixed),
+        Case("self tiles", "self", bf16, **gqa, t=2 * tile, lengths=(2 * tile, tile + 5, 0, 1)),
+        Case("self tiles float32", "self", f32, **gqa, t=tile, lengths=(tile, 7, 0)),
     ]
 
 
@@ -291,10 +303,13 @@ def ragged_call(case: Case, impl: str):
     call.update(q=q, q_pos=jnp.asarray(q_pos), kv_len=jnp.asarray(lengths))
     pos, slot_pos = _positions(case)
     kw = _kwargs(case, impl)
+    if case.path == "split":  # the step's own keys and values, as it writes them to the pages
+        call["fresh"] = _fresh(case, ref_k, ref_v, q_pos, starts, lens, n)
 
     def fn(c, tiles):
         return api.ragged_attention(c["q"], c["k"], c["v"], c["q_pos"], pos, c["kv_len"],
-                                    c["block_table"], tiles, layer=c.get("layer"), **kw)
+                                    c["block_table"], tiles, layer=c.get("layer"),
+                                    fresh=c.get("fresh"), **kw)
 
     def reference():
         ref_o = np.zeros((n, case.heads, case.dv))
@@ -310,9 +325,43 @@ def ragged_call(case: Case, impl: str):
     return fn, (call, tiles), reference, real
 
 
+def _fresh(case: Case, ref_k, ref_v, q_pos, starts, lens, n):
+    """Each flat token's key and value from its row's (dense: slot = position) float64 ones, in the
+    case's dtype; zero for padding."""
+    k = np.zeros((n, case.kv_heads, case.dk))
+    v = np.zeros((n, case.kv_heads, case.dv))
+    for r, (s0, m) in enumerate(zip(starts, lens)):
+        k[s0:s0 + m] = ref_k[r][:, q_pos[s0:s0 + m]].swapaxes(0, 1)
+        v[s0:s0 + m] = ref_v[r][:, q_pos[s0:s0 + m]].swapaxes(0, 1)
+    return jnp.asarray(k, case.dtype), None if case.shared_v else jnp.asarray(v, case.dtype)
+
+
+def self_call(case: Case, impl: str):
+    """(fn, args, reference, the tiles' real rows) of a case of `api.self_attention`: len(lengths)
+    tiles of t tokens, tile w's first lengths[w] real; reference() -> the float64 (o, lse)."""
+    rng = np.random.default_rng(zlib.crc32(case.name.encode()))
+    w, t = len(case.lengths), case.t
+    q, ref_q = values(rng, (w, t, case.heads, case.dk), case.dtype)
+    k, ref_k = values(rng, (w, t, case.kv_heads, case.dk), case.dtype)
+    v, ref_v = values(rng, (w, t, case.kv_heads, case.dv), case.dtype)
+    lengths = np.asarray(case.lengths, np.int32)
+    real = np.arange(t)[None, :] < lengths[:, None]
+
+    def fn(c):
+        return api.self_attention(c["q"], c["k"], c["v"], c["lengths"], impl=impl)
+
+    def reference():
+        q_pos = np.broadcast_to(np.arange(t), (w, t))
+        return oracle(ref_q, ref_k.transpose(0, 2, 1, 3), ref_v.transpose(0, 2, 1, 3), q_pos,
+                      lengths, np.arange(t), 1.0 / np.sqrt(case.dk))
+
+    return fn, (dict(q=q, k=k, v=v, lengths=jnp.asarray(lengths)),), reference, real
+
+
 def check_case(case: Case, impl: str) -> dict:
     """Compile the case for the device (timed), run it once (timed) and compare with float64."""
-    fn, args, reference, real = (ragged_call if case.q_lens else batched_call)(case, impl)
+    make = self_call if case.path == "self" else ragged_call if case.q_lens else batched_call
+    fn, args, reference, real = make(case, impl)
     exe, compile_s = compile_apart(fn, *args)
     t = time.perf_counter()
     o, lse = jax.block_until_ready(exe(*args))

@@ -393,6 +393,7 @@ SAMPLE = dict(
             "cudnn 32K": dict(ms=0.28),
             "paged 128K": dict(status="skipped",
                                reason="skipped: its measured cost 9.0 s > the 2.0 s left"),
+            "fp8 paged 128K": dict(ms=0.5, vs_bf16=0.55),
         }),
         serving=dict(status="ok", keys=32768, chunk=512, rows={
             "paged decode": dict(ms=0.3), "ragged decode-only": dict(ms=0.306, vs_paged=1.02),
@@ -400,7 +401,11 @@ SAMPLE = dict(
             "int8 pages": dict(ms=0.17, vs_bf16=0.57, bytes_vs_bf16=0.52),
             "fp8 pages": dict(ms=0.4, vs_bf16=1.34, bytes_vs_bf16=0.52),
             "verify 5": dict(ms=0.36, vs_decode=1.2),
-            "mla 128 heads": dict(ms=1.2, gbs=400.0, fraction_of_copy=0.09, query_blocks=2)}),
+            "ragged mixed split": dict(ms=0.45, vs_unsplit=0.9),
+            "mla 128 heads 32K": dict(ms=1.2, gbs=400.0, tflops=100.0, fraction_of_copy=0.09,
+                                      fraction_of_tensor_peak=0.1, query_blocks=2),
+            "mla 64 heads 32K fp8": dict(ms=0.5, gbs=500.0, tflops=80.0, fraction_of_copy=0.1,
+                                         fraction_of_tensor_peak=0.08, query_blocks=1)}),
         prefill=dict(status="ok", rows={
             "pallas 2K": dict(ms=0.2, tflops=300.0),
             "jax.nn cudnn 2K": dict(ms=0.1, tflops=600.0)}),
@@ -429,6 +434,12 @@ def test_headline_rows_verdicts(gc):
     assert rows["fp8 pages / bf16 pages, paged decode 32K"] == (
         "1.34x (0.400 ms, 0.52x the bytes)", "≤ 0.6x", "FAIL")
     assert rows["verify step (5 queries) / 1 query, 32K"][0] == "1.20x (0.360 ms)"
+    assert rows["fp8 pages / bf16, decode 128K keys"] == ("0.55x (0.500 ms)", "≤ 0.6x", "PASS")
+    assert rows["ragged mixed, diagonal blocks split off (cuDNN) / unsplit, 32K"][0] == (
+        "0.90x (0.450 ms)")
+    assert rows["MLA decode, 128 heads 32K: of copy / of tensor peak"] == (
+        "9% / 10% (400 GB/s, 100 TFLOP/s, 1.200 ms)", "≥ 70% of copy or ≥ 50% of peak", "FAIL")
+    assert rows["MLA decode, 64 heads 32K fp8: of copy / of tensor peak"][1:] == ("report", "—")
     assert rows["prefill pallas 2K, causal chunk"][0] == (
         "0.20 ms (300 TFLOP/s); cuDNN 0.10 ms (600 TFLOP/s)")
     assert rows["e2e decode batch 4 x 32K: of the roofline"] == (
