@@ -294,10 +294,27 @@ BAD = [  # (body, the field its message names, status)
     (dict(OK, stream="yes"), "stream", 400),
     (dict(OK, metadata={"user_id": 5}), "metadata", 400),
     (dict(OK, metadata={"session": "x"}), "metadata", 400),
-    (dict(OK, thinking={"type": "enabled", "budget_tokens": 1024}), "thinking", 400),
+    # thinking: its shape first, then (this server has no reasoning parser) the parser it needs
+    (dict(OK, thinking={"type": "enabled", "budget_tokens": 2}), "--reasoning-parser", 400),
+    (dict(OK, thinking={"type": "adaptive"}), "--reasoning-parser", 400),
+    (dict(OK, thinking={"type": "sometimes"}), "thinking.type", 400),
+    (dict(OK, thinking={"type": "disabled", "budget_tokens": 2}), "thinking", 400),
+    (dict(OK, thinking={"type": "enabled", "budget_tokens": 4}), "thinking.budget_tokens", 400),
+    (dict(OK, thinking={"type": "enabled", "budget_tokens": "2"}), "thinking.budget_tokens",
+     400),
+    (dict(OK, thinking={"type": "enabled"}), "thinking.budget_tokens", 400),
+    (dict(OK, thinking={"type": "adaptive", "display": "omitted"}), "thinking.display", 400),
+    (dict(OK, messages=[HI[0], {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": 5, "signature": ""}]}]), "messages.1.content.0", 400),
+    (dict(OK, messages=[HI[0], {"role": "assistant", "content": [
+        {"type": "redacted_thinking", "data": "x"}]}]), "messages.1.content.0.type", 400),
+    (dict(OK, messages=[{"role": "user", "content": [
+        {"type": "thinking", "thinking": "x", "signature": ""}]}]), "messages.0.content.0.type",
+     400),
     (dict(OK, n=2), "n", 400),  # not a field of the Messages API
-    (dict(OK, tools=[TOOL]), "tools", 400),  # no tool-call parser yet
-    (dict(OK, tools=[TOOL], tool_choice={"type": "any"}), "tools", 400),
+    # auto (the default with tools) needs the server's tool-call parser: this one has none
+    (dict(OK, tools=[TOOL]), "--tool-call-parser", 400),
+    (dict(OK, tools=[TOOL], tool_choice={"type": "auto"}), "tool_choice", 400),
     (dict(OK, tools=[dict(TOOL, name="a b")]), "tools.0.name", 400),
     (dict(OK, tools=[TOOL, TOOL]), "tools.1.name", 400),
     (dict(OK, tools=[dict(TOOL, input_schema={"type": "string"})]), "tools.0.input_schema", 400),
@@ -309,6 +326,9 @@ BAD = [  # (body, the field its message names, status)
      400),
     (dict(OK, tools=[TOOL], tool_choice={"type": "auto", "disable_parallel_tool_use": "y"}),
      "tool_choice.disable_parallel_tool_use", 400),
+    (dict(OK, tools=[TOOL], tool_choice={"type": "none", "disable_parallel_tool_use": True}),
+     "tool_choice.disable_parallel_tool_use", 400),
+    (dict(OK, tools=[dict(TOOL, description=5)]), "tools.0.description", 400),
 ]
 
 
@@ -329,8 +349,8 @@ def test_the_client_raises_anthropics_errors_and_count_tokens_checks_too(server)
         c.messages.create(model=MODEL, max_tokens=4, messages=HI, **sampled(temperature=2))
     with pytest.raises(anthropic.NotFoundError):
         c.messages.create(model="claude-sonnet-4-5", max_tokens=4, messages=HI)
-    with pytest.raises(anthropic.BadRequestError, match="tools"):
-        c.messages.count_tokens(model=MODEL, messages=HI, tools=[TOOL])
+    with pytest.raises(anthropic.BadRequestError, match="--tool-call-parser"):
+        c.messages.count_tokens(model=MODEL, messages=HI, tools=[TOOL])  # (auto: no parser)
     r = post(server, "/v1/messages/count_tokens", {"model": MODEL, "messages": HI, "max_tokens": 4})
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
     r = post(server, "/v1/messages/count_tokens", {"model": MODEL, "messages": [
@@ -365,6 +385,7 @@ def test_a_request_as_an_openai_chat_request():
         "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                 {"type": "text", "text": "b"}]},
                   {"role": "assistant", "content": [
+                      {"type": "thinking", "thinking": "hm", "signature": "s"},
                       {"type": "tool_use", "id": "t", "name": "f", "input": {"x": 1}}]},
                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]},
                   {"role": "assistant", "content": ""}]})  # an empty prefill: none
@@ -372,7 +393,7 @@ def test_a_request_as_an_openai_chat_request():
         "model": MODEL, "max_tokens": 7, "temperature": 0.5, "top_k": 3, "stop": ["x"],
         "stream": True,
         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "a\nb"},
-                     {"role": "assistant", "content": "",
+                     {"role": "assistant", "content": "", "reasoning_content": "hm",
                       "tool_calls": [{"id": "t", "type": "function",
                                       "function": {"name": "f", "arguments": '{"x": 1}'}}]},
                      {"role": "tool", "tool_call_id": "t", "content": ""}]}
