@@ -229,6 +229,30 @@ def test_cache_read_input_tokens_are_the_prefix_cache_hits(server):
         assert used == [n - hits, hits] and hits == (0 if k == 0 else (n - 1) // 16 * 16), (k, used)
 
 
+def test_any_without_a_tool_parser_is_a_json_list_call(server):
+    # this server has no tool-call parser: auto is refused (BAD), any and a named tool run as
+    # chat's required does without one, a JSON list under the tools' grammar, read back as calls
+    c = server["client"]
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
+            "required": ["city"], "additionalProperties": False}
+    zone = {"type": "object", "properties": {"zone": {"enum": ["CET", "UTC"]}},
+            "required": ["zone"], "additionalProperties": False}
+    tools = [dict(TOOL, input_schema=city), {"name": "clock", "input_schema": zone}]
+    for choice in ({"type": "any", "disable_parallel_tool_use": True},
+                   {"type": "tool", "name": "clock"}):
+        kw = {"model": MODEL, "max_tokens": 80, "messages": HI, "tools": tools,
+              "tool_choice": choice}
+        r = c.messages.create(**kw, **sampled(temperature=0))
+        assert r.stop_reason == "tool_use" and [b.type for b in r.content] == ["tool_use"], r
+        name, arguments = r.content[0].name, r.content[0].input
+        assert name == choice.get("name", name) and len(arguments) == 1
+        assert (arguments["zone"] in ("CET", "UTC") if name == "clock" else
+                isinstance(arguments["city"], str) and len(arguments["city"]) <= 6)
+        with c.messages.stream(**kw, **sampled(temperature=0)) as stream:
+            final = stream.get_final_message()
+        assert [(b.name, b.input) for b in final.content] == [(name, arguments)]
+
+
 def test_api_key_rule(server):
     # Anthropic's clients send x-api-key; Bearer works too (on every route); anything else is a
     # 401 in Anthropic's shape on its routes
