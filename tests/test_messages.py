@@ -439,3 +439,42 @@ def test_continue_final_message_ends_at_its_text():
         hiding.render(msgs, False, continue_final_message=True)
     with pytest.raises(ValueError, match="exclude"):
         t.render(msgs, True, continue_final_message=True)
+
+
+def test_block_stream_orders_each_deltas_pieces():
+    """A delta may end one call's arguments, carry text and begin the next call: the events keep
+    the blocks one after another (the open call's arguments, then the text, then the new call);
+    hidden thinking opens no block; an answer with nothing is one empty text block."""
+    from dcp_jax.agents import CallDelta, MessageDelta
+
+    def replay(deltas, thinking=True):
+        s = wire.BlockStream(thinking)
+        out = [e for d in deltas for e in s.feed(d)] + s.finish()
+        return [json.loads(e.split("data: ", 1)[1]) for e in out]
+
+    got = replay([MessageDelta(reasoning_content="hm"),
+                  MessageDelta(content="Hi", tool_calls=(CallDelta(0, "call_a", "f"),
+                                                         CallDelta(0, arguments='{"x"'))),
+                  MessageDelta(content="so", tool_calls=(CallDelta(0, arguments=": 1}"),
+                                                         CallDelta(1, "call_b", "g"),
+                                                         CallDelta(1, arguments="{}")))])
+    starts = [(e["index"], e["content_block"]) for e in got if e["type"] == "content_block_start"]
+    assert starts == [(0, {"type": "thinking", "thinking": "", "signature": ""}),
+                      (1, {"type": "text", "text": ""}),
+                      (2, {"type": "tool_use", "id": "toolu_a", "name": "f", "input": {}}),
+                      (3, {"type": "text", "text": ""}),
+                      (4, {"type": "tool_use", "id": "toolu_b", "name": "g", "input": {}})]
+    pieces = [(e["index"], e["delta"]) for e in got if e["type"] == "content_block_delta"]
+    assert pieces == [(0, {"type": "thinking_delta", "thinking": "hm"}),
+                      (1, {"type": "text_delta", "text": "Hi"}),
+                      (2, {"type": "input_json_delta", "partial_json": '{"x"'}),
+                      (2, {"type": "input_json_delta", "partial_json": ": 1}"}),
+                      (3, {"type": "text_delta", "text": "so"}),
+                      (4, {"type": "input_json_delta", "partial_json": "{}"})]
+    kinds = [e["type"] for e in got]  # each block stops before the next starts
+    assert kinds.count("content_block_stop") == 5 and all(
+        kinds[i - 1] == "content_block_stop" for i, k in enumerate(kinds)
+        if k == "content_block_start" and i)
+    assert [e["type"] for e in replay([MessageDelta(reasoning_content="hm")], thinking=False)] \
+        == ["content_block_start", "content_block_stop"]
+    assert replay([])[0]["content_block"] == {"type": "text", "text": ""}
