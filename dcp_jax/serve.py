@@ -53,11 +53,13 @@ def build_parser():
                    help="serve this Jinja chat template instead of the checkpoint's (e.g. one that "
                         "renders tools)")
     t.add_argument("--tool-call-parser", default=None, metavar="NAME", choices=tool_parsers(),
-                   help="read tool calls out of chat answers in this model family's format ("
-                        + ", ".join(tool_parsers()) + "); needed for tool_choice auto")
+                   help="read tool calls out of chat and Messages answers in this model "
+                        "family's format (" + ", ".join(tool_parsers())
+                        + "); needed for tool_choice auto")
     t.add_argument("--reasoning-parser", default=None, metavar="NAME",
                    choices=reasoning_parsers(),
-                   help="move the model's thinking into reasoning_content ("
+                   help="move the model's thinking into reasoning_content (chat) or thinking "
+                        "blocks (the Messages API's, when asked) ("
                         + ", ".join(reasoning_parsers()) + ")")
     # --- prefill/decode disaggregation (dcp_jax.disagg, docs/DISAGG.md) ---------------------------------
     g = p.add_argument_group("prefill/decode disaggregation")

@@ -229,6 +229,30 @@ def test_cache_read_input_tokens_are_the_prefix_cache_hits(server):
         assert used == [n - hits, hits] and hits == (0 if k == 0 else (n - 1) // 16 * 16), (k, used)
 
 
+def test_any_without_a_tool_parser_is_a_json_list_call(server):
+    # this server has no tool-call parser: auto is refused (BAD), any and a named tool run as
+    # chat's required does without one, a JSON list under the tools' grammar, read back as calls
+    c = server["client"]
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
+            "required": ["city"], "additionalProperties": False}
+    zone = {"type": "object", "properties": {"zone": {"enum": ["CET", "UTC"]}},
+            "required": ["zone"], "additionalProperties": False}
+    tools = [dict(TOOL, input_schema=city), {"name": "clock", "input_schema": zone}]
+    for choice in ({"type": "any", "disable_parallel_tool_use": True},
+                   {"type": "tool", "name": "clock"}):
+        kw = {"model": MODEL, "max_tokens": 80, "messages": HI, "tools": tools,
+              "tool_choice": choice}
+        r = c.messages.create(**kw, **sampled(temperature=0))
+        assert r.stop_reason == "tool_use" and [b.type for b in r.content] == ["tool_use"], r
+        name, arguments = r.content[0].name, r.content[0].input
+        assert name == choice.get("name", name) and len(arguments) == 1
+        assert (arguments["zone"] in ("CET", "UTC") if name == "clock" else
+                isinstance(arguments["city"], str) and len(arguments["city"]) <= 6)
+        with c.messages.stream(**kw, **sampled(temperature=0)) as stream:
+            final = stream.get_final_message()
+        assert [(b.name, b.input) for b in final.content] == [(name, arguments)]
+
+
 def test_api_key_rule(server):
     # Anthropic's clients send x-api-key; Bearer works too (on every route); anything else is a
     # 401 in Anthropic's shape on its routes
@@ -294,10 +318,27 @@ BAD = [  # (body, the field its message names, status)
     (dict(OK, stream="yes"), "stream", 400),
     (dict(OK, metadata={"user_id": 5}), "metadata", 400),
     (dict(OK, metadata={"session": "x"}), "metadata", 400),
-    (dict(OK, thinking={"type": "enabled", "budget_tokens": 1024}), "thinking", 400),
+    # thinking: its shape first, then (this server has no reasoning parser) the parser it needs
+    (dict(OK, thinking={"type": "enabled", "budget_tokens": 2}), "--reasoning-parser", 400),
+    (dict(OK, thinking={"type": "adaptive"}), "--reasoning-parser", 400),
+    (dict(OK, thinking={"type": "sometimes"}), "thinking.type", 400),
+    (dict(OK, thinking={"type": "disabled", "budget_tokens": 2}), "thinking", 400),
+    (dict(OK, thinking={"type": "enabled", "budget_tokens": 4}), "thinking.budget_tokens", 400),
+    (dict(OK, thinking={"type": "enabled", "budget_tokens": "2"}), "thinking.budget_tokens",
+     400),
+    (dict(OK, thinking={"type": "enabled"}), "thinking.budget_tokens", 400),
+    (dict(OK, thinking={"type": "adaptive", "display": "omitted"}), "thinking.display", 400),
+    (dict(OK, messages=[HI[0], {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": 5, "signature": ""}]}]), "messages.1.content.0", 400),
+    (dict(OK, messages=[HI[0], {"role": "assistant", "content": [
+        {"type": "redacted_thinking", "data": "x"}]}]), "messages.1.content.0.type", 400),
+    (dict(OK, messages=[{"role": "user", "content": [
+        {"type": "thinking", "thinking": "x", "signature": ""}]}]), "messages.0.content.0.type",
+     400),
     (dict(OK, n=2), "n", 400),  # not a field of the Messages API
-    (dict(OK, tools=[TOOL]), "tools", 400),  # no tool-call parser yet
-    (dict(OK, tools=[TOOL], tool_choice={"type": "any"}), "tools", 400),
+    # auto (the default with tools) needs the server's tool-call parser: this one has none
+    (dict(OK, tools=[TOOL]), "--tool-call-parser", 400),
+    (dict(OK, tools=[TOOL], tool_choice={"type": "auto"}), "tool_choice", 400),
     (dict(OK, tools=[dict(TOOL, name="a b")]), "tools.0.name", 400),
     (dict(OK, tools=[TOOL, TOOL]), "tools.1.name", 400),
     (dict(OK, tools=[dict(TOOL, input_schema={"type": "string"})]), "tools.0.input_schema", 400),
@@ -309,6 +350,9 @@ BAD = [  # (body, the field its message names, status)
      400),
     (dict(OK, tools=[TOOL], tool_choice={"type": "auto", "disable_parallel_tool_use": "y"}),
      "tool_choice.disable_parallel_tool_use", 400),
+    (dict(OK, tools=[TOOL], tool_choice={"type": "none", "disable_parallel_tool_use": True}),
+     "tool_choice.disable_parallel_tool_use", 400),
+    (dict(OK, tools=[dict(TOOL, description=5)]), "tools.0.description", 400),
 ]
 
 
@@ -329,8 +373,8 @@ def test_the_client_raises_anthropics_errors_and_count_tokens_checks_too(server)
         c.messages.create(model=MODEL, max_tokens=4, messages=HI, **sampled(temperature=2))
     with pytest.raises(anthropic.NotFoundError):
         c.messages.create(model="claude-sonnet-4-5", max_tokens=4, messages=HI)
-    with pytest.raises(anthropic.BadRequestError, match="tools"):
-        c.messages.count_tokens(model=MODEL, messages=HI, tools=[TOOL])
+    with pytest.raises(anthropic.BadRequestError, match="--tool-call-parser"):
+        c.messages.count_tokens(model=MODEL, messages=HI, tools=[TOOL])  # (auto: no parser)
     r = post(server, "/v1/messages/count_tokens", {"model": MODEL, "messages": HI, "max_tokens": 4})
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
     r = post(server, "/v1/messages/count_tokens", {"model": MODEL, "messages": [
@@ -365,6 +409,7 @@ def test_a_request_as_an_openai_chat_request():
         "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                 {"type": "text", "text": "b"}]},
                   {"role": "assistant", "content": [
+                      {"type": "thinking", "thinking": "hm", "signature": "s"},
                       {"type": "tool_use", "id": "t", "name": "f", "input": {"x": 1}}]},
                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]},
                   {"role": "assistant", "content": ""}]})  # an empty prefill: none
@@ -372,7 +417,7 @@ def test_a_request_as_an_openai_chat_request():
         "model": MODEL, "max_tokens": 7, "temperature": 0.5, "top_k": 3, "stop": ["x"],
         "stream": True,
         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "a\nb"},
-                     {"role": "assistant", "content": "",
+                     {"role": "assistant", "content": "", "reasoning_content": "hm",
                       "tool_calls": [{"id": "t", "type": "function",
                                       "function": {"name": "f", "arguments": '{"x": 1}'}}]},
                      {"role": "tool", "tool_call_id": "t", "content": ""}]}
@@ -394,3 +439,42 @@ def test_continue_final_message_ends_at_its_text():
         hiding.render(msgs, False, continue_final_message=True)
     with pytest.raises(ValueError, match="exclude"):
         t.render(msgs, True, continue_final_message=True)
+
+
+def test_block_stream_orders_each_deltas_pieces():
+    """A delta may end one call's arguments, carry text and begin the next call: the events keep
+    the blocks one after another (the open call's arguments, then the text, then the new call);
+    hidden thinking opens no block; an answer with nothing is one empty text block."""
+    from dcp_jax.agents import CallDelta, MessageDelta
+
+    def replay(deltas, thinking=True):
+        s = wire.BlockStream(thinking)
+        out = [e for d in deltas for e in s.feed(d)] + s.finish()
+        return [json.loads(e.split("data: ", 1)[1]) for e in out]
+
+    got = replay([MessageDelta(reasoning_content="hm"),
+                  MessageDelta(content="Hi", tool_calls=(CallDelta(0, "call_a", "f"),
+                                                         CallDelta(0, arguments='{"x"'))),
+                  MessageDelta(content="so", tool_calls=(CallDelta(0, arguments=": 1}"),
+                                                         CallDelta(1, "call_b", "g"),
+                                                         CallDelta(1, arguments="{}")))])
+    starts = [(e["index"], e["content_block"]) for e in got if e["type"] == "content_block_start"]
+    assert starts == [(0, {"type": "thinking", "thinking": "", "signature": ""}),
+                      (1, {"type": "text", "text": ""}),
+                      (2, {"type": "tool_use", "id": "toolu_a", "name": "f", "input": {}}),
+                      (3, {"type": "text", "text": ""}),
+                      (4, {"type": "tool_use", "id": "toolu_b", "name": "g", "input": {}})]
+    pieces = [(e["index"], e["delta"]) for e in got if e["type"] == "content_block_delta"]
+    assert pieces == [(0, {"type": "thinking_delta", "thinking": "hm"}),
+                      (1, {"type": "text_delta", "text": "Hi"}),
+                      (2, {"type": "input_json_delta", "partial_json": '{"x"'}),
+                      (2, {"type": "input_json_delta", "partial_json": ": 1}"}),
+                      (3, {"type": "text_delta", "text": "so"}),
+                      (4, {"type": "input_json_delta", "partial_json": "{}"})]
+    kinds = [e["type"] for e in got]  # each block stops before the next starts
+    assert kinds.count("content_block_stop") == 5 and all(
+        kinds[i - 1] == "content_block_stop" for i, k in enumerate(kinds)
+        if k == "content_block_start" and i)
+    assert [e["type"] for e in replay([MessageDelta(reasoning_content="hm")], thinking=False)] \
+        == ["content_block_start", "content_block_stop"]
+    assert replay([])[0]["content_block"] == {"type": "text", "text": ""}

@@ -4,13 +4,28 @@ events. No engine here: `dcp_jax.server.messages` joins these to the chat path.
 
 A Messages request becomes an OpenAI chat request (`chat_request`): the system prompt a system
 message; text blocks a message's text (a message's blocks joined by newlines); an assistant's
-`tool_use` blocks its `tool_calls` (OpenAI's shape: id, type "function", function name, arguments
-as JSON text); each `tool_result` block a `role: "tool"` message (`tool_call_id`, its text; with
-`is_error` the message carries `is_error: true` for templates that show it); a final assistant
-message a prefill the model goes on from. `tools` and `tool_choice` become OpenAI's `tools`,
-`tool_choice` and `parallel_tool_calls` in one function (`openai_tools`); the chat path then takes
-or refuses them by its own rule (today: refused, naming `tools`). `cache_control` marks are
-accepted and need nothing: the prefix cache keeps every full block of every prompt.
+`thinking` blocks its `reasoning_content` (for templates that show it) and its `tool_use` blocks its
+`tool_calls` (OpenAI's shape: id, type "function", function name, arguments as JSON text); each
+`tool_result` block a `role: "tool"` message (`tool_call_id`, its text; with `is_error` the message
+carries `is_error: true` for templates that show it); a final assistant message a prefill the model
+goes on from. `tools` and `tool_choice` become OpenAI's `tools`, `tool_choice` and
+`parallel_tool_calls` in one function (`openai_tools`): auto, any (chat's required), a named tool
+and none, `disable_parallel_tool_use` as `parallel_tool_calls: false`. The chat path plans them
+(`dcp_jax.agents.plan_chat`: the server's tool-call parser, the grammar of any / a named tool) and
+reads the answer with the same `OutputParser`; here its `ParsedMessage` (or, streamed, its
+`MessageDelta`s) becomes content blocks: a `thinking` block (when the request enabled thinking), a
+`text` block, a `tool_use` block per call (`toolu_` ids, the arguments' object as `input`, streamed
+as `input_json_delta`s), and `stop_reason: "tool_use"` when the answer called tools and ended by
+itself. `cache_control` marks are accepted and need nothing: the prefix cache keeps every full
+block of every prompt.
+
+Thinking (`thinking: {"type": "enabled", "budget_tokens": N}` or `{"type": "adaptive"}`) needs the
+server's reasoning parser (`--reasoning-parser`; without one it is a 400 naming `thinking`). With a
+reasoning parser the thinking is always taken out of the answer (as chat's reasoning_content);
+it is a `thinking` block when the request enabled thinking, and left out otherwise (the output
+tokens still count it). `budget_tokens` is checked (an integer below `max_tokens`) but not
+enforced: the model ends its thinking by itself, within `max_tokens`. The blocks carry an empty
+`signature` (nothing here signs them); thinking blocks sent back are taken as they come.
 
 Usage is Anthropic's: `input_tokens` are the prompt tokens computed for this request,
 `cache_read_input_tokens` those the prefix cache served (their sum is the prompt),
@@ -23,6 +38,8 @@ import json
 import re
 from typing import Any
 
+from dcp_jax.agents.output import MessageDelta, ParsedMessage
+from dcp_jax.agents.reasoning import REASONING_PARSERS
 from dcp_jax.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, Rule
 from dcp_jax.server.protocol import APIError
 
@@ -41,6 +58,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 TEMPERATURE = Rule(float, 0, 1)  # Anthropic's range (OpenAI's has no upper bound here)
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and "tool": a named one
+THINKING_KEYS = {"disabled": {"type"}, "adaptive": {"type", "display"},
+                 "enabled": {"type", "budget_tokens", "display"}}  # each type's keys
 
 
 def speaks_anthropic(path: str) -> bool:
@@ -98,11 +117,12 @@ class MessagesBody(CountTokensBody):
 
 
 # --- a request as OpenAI's chat request -----------------------------------------------------------
-def chat_request(body: CountTokensBody) -> dict:
+def chat_request(body: CountTokensBody, reasoning: bool = False) -> dict:
     """The OpenAI chat request (a `ChatBody`'s fields) that asks what `body` asks; APIError (400)
     names the first bad field by its place in the body. When its last message is the assistant's,
-    the model goes on from it (`ChatTemplate.render`'s continue_final_message)."""
-    check_thinking(body.thinking)
+    the model goes on from it (`ChatTemplate.render`'s continue_final_message). `reasoning`: the
+    server has a reasoning parser (what thinking needs)."""
+    check_thinking(body.thinking, reasoning, getattr(body, "max_tokens", None))
     check_cache_control(body.cache_control, "cache_control")
     out = {"model": body.model, "messages": chat_messages(body.system, body.messages)}
     out.update(openai_tools(body.tools, body.tool_choice))
@@ -129,10 +149,33 @@ def sampling_fields(body: MessagesBody) -> dict:
                 stop=stops, stream=body.stream)
 
 
-def check_thinking(thinking: dict | None) -> None:
-    if thinking is not None and thinking != {"type": "disabled"}:
-        raise bad("thinking", "extended thinking is not supported by this server (it has no "
-                  "reasoning parser): leave thinking out or send {\"type\": \"disabled\"}")
+def check_thinking(thinking: dict | None, reasoning: bool, max_tokens: int | None) -> None:
+    """Anthropic's thinking: disabled, adaptive, or enabled with budget_tokens (an integer below
+    max_tokens: checked, not enforced); adaptive and enabled need the server's reasoning parser."""
+    if thinking is None:
+        return
+    kind = thinking.get("type")
+    if kind not in THINKING_KEYS:
+        raise bad("thinking.type", 'must be "enabled" (with budget_tokens), "adaptive" or '
+                  f'"disabled", got {kind!r}'[:300])
+    if set(thinking) - THINKING_KEYS[kind]:
+        raise bad("thinking", f"type {kind} takes {', '.join(sorted(THINKING_KEYS[kind]))}")
+    if thinking.get("display", "summarized") not in ("summarized", None):
+        raise bad("thinking.display", 'only "summarized" is supported (this server shows the '
+                  "thinking as it is, or not at all)")
+    budget = thinking.get("budget_tokens") if kind == "enabled" else 1
+    if type(budget) is not int or budget < 1 or (max_tokens is not None and budget >= max_tokens):
+        raise bad("thinking.budget_tokens", "must be an integer in [1, max_tokens) (thinking "
+                  f"counts toward max_tokens), got {budget!r}"[:300])
+    if kind != "disabled" and not reasoning:
+        raise bad("thinking", "thinking needs a reasoning parser, and this server has none: "
+                  f"start it with --reasoning-parser NAME (one of {', '.join(REASONING_PARSERS)}),"
+                  ' or leave thinking out (or send {"type": "disabled"})')
+
+
+def thinking_shown(thinking: dict | None) -> bool:
+    """Whether a (checked) thinking config asks for thinking blocks."""
+    return thinking is not None and thinking.get("type") != "disabled"
 
 
 def chat_messages(system, messages: list[dict]) -> list[dict]:
@@ -176,7 +219,7 @@ def check_block(block, where: str, kinds: tuple[str, ...]) -> str:
     kind = block.get("type")
     if kind not in kinds:
         raise bad(f"{where}.type", f"must be {' or '.join(kinds)} here, got {kind!r} (this server "
-                  "takes text, tool_use and tool_result blocks)")
+                  "takes text, thinking, tool_use and tool_result blocks)")
     check_cache_control(block.get("cache_control"), f"{where}.cache_control")
     return kind
 
@@ -244,16 +287,31 @@ def tool_message(block: dict, where: str) -> dict:
 
 
 def assistant_message(blocks: list, where: str) -> list[dict]:
-    """An assistant message's text blocks as its content, its tool_use blocks as its tool_calls."""
-    text, calls = [], []
+    """An assistant message's text blocks as its content, its thinking blocks as its
+    reasoning_content, its tool_use blocks as its tool_calls."""
+    text, thinking, calls = [], [], []
     for j, block in enumerate(blocks):
         at = f"{where}.{j}"
-        if check_block(block, at, ("text", "tool_use")) == "text":
+        kind = check_block(block, at, ("text", "thinking", "tool_use"))
+        if kind == "text":
             text.append(text_of(block, at))
+        elif kind == "thinking":
+            thinking.append(thinking_of(block, at))
         else:
             calls.append(tool_call(block, at))
-    return [{"role": "assistant", "content": "\n".join(text)} | (
-        {"tool_calls": calls} if calls else {})]
+    out = {"role": "assistant", "content": "\n".join(text)}
+    if thinking:
+        out["reasoning_content"] = "\n".join(thinking)
+    return [out | ({"tool_calls": calls} if calls else {})]
+
+
+def thinking_of(block: dict, where: str) -> str:
+    """A thinking block's text (its signature, whatever it is, is not checked: none is made
+    here)."""
+    if set(block) - {"type", "thinking", "signature"} or not isinstance(
+            block.get("thinking"), str) or not isinstance(block.get("signature", ""), str):
+        raise bad(where, "a thinking block has type, thinking (a string) and signature")
+    return block["thinking"]
 
 
 def tool_call(block: dict, where: str) -> dict:
@@ -327,11 +385,27 @@ def openai_tool_choice(choice: dict, names: list[str]) -> dict:
     return out
 
 
+# --- the prompt ---------------------------------------------------------------------------------
+def plannable(messages: list[dict]) -> list[dict]:
+    """The chat messages as `plan_chat` takes them (OpenAI's keys: a tool result's is_error mark
+    left out; `marked` puts it back)."""
+    return [{k: v for k, v in m.items() if k != "is_error"} for m in messages]
+
+
+def marked(template_messages: list[dict], messages: list[dict]) -> list[dict]:
+    """The template's messages (one per chat message) with the tool results' is_error marks."""
+    return [dict(t, is_error=True) if m.get("is_error") else t
+            for t, m in zip(template_messages, messages, strict=True)]
+
+
 # --- the response ---------------------------------------------------------------------------------
-def stop_reason(last) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of a finished request's last update."""
+def stop_reason(last, called: bool = False) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a finished request's last update; `called`: the answer
+    called tools (tool_use when it ended by itself, as chat's finish reason tool_calls)."""
     if last.finish_reason == "length":
         return "max_tokens", None
+    if called:
+        return "tool_use", None
     if isinstance(last.stop_reason, str):
         return "stop_sequence", last.stop_reason
     return "end_turn", None
@@ -342,11 +416,38 @@ def usage(prompt: int, cached: int, output: int) -> dict:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
-def message(message_id: str, model: str, text: str | None, reason: tuple, use: dict) -> dict:
-    """A Message (the whole response, or with `text` None the head message_start carries)."""
-    content = [] if text is None else [{"type": "text", "text": text}]
+def tool_use_id(call_id: str) -> str:
+    """A tool call's id as Anthropic's (toolu_...)."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def text_block(text: str = "") -> dict:
+    return {"type": "text", "text": text}
+
+
+def thinking_block(thinking: str = "") -> dict:
+    return {"type": "thinking", "thinking": thinking, "signature": ""}
+
+
+def tool_use_block(call_id: str, name: str, arguments: dict) -> dict:
+    return {"type": "tool_use", "id": tool_use_id(call_id), "name": name, "input": arguments}
+
+
+def content(parsed: ParsedMessage, thinking: bool) -> list[dict]:
+    """A whole answer's content blocks: its thinking (when `thinking` asks for it), its text, a
+    tool_use block per call; an answer with none of them is one empty text block."""
+    blocks = [thinking_block(parsed.reasoning_content)] if (
+        thinking and parsed.reasoning_content) else []
+    if parsed.content:
+        blocks.append(text_block(parsed.content))
+    blocks += [tool_use_block(c.id, c.name, json.loads(c.arguments)) for c in parsed.tool_calls]
+    return blocks or [text_block()]
+
+
+def message(message_id: str, model: str, blocks: list[dict], reason: tuple, use: dict) -> dict:
+    """A Message (the whole response, or with no blocks the head message_start carries)."""
     return {"id": message_id, "type": "message", "role": "assistant", "model": model,
-            "content": content, "stop_reason": reason[0], "stop_sequence": reason[1],
+            "content": blocks, "stop_reason": reason[0], "stop_sequence": reason[1],
             "usage": use}
 
 
@@ -356,36 +457,71 @@ def event(name: str, data: dict) -> str:
 
 
 def stream_head(message_id: str, model: str, use: dict) -> list[str]:
-    """A stream's first events: the message (no content, no stop reason yet) and its text block."""
-    return [event("message_start", {"message": message(message_id, model, None, (None, None),
-                                                        use)}),
-            event("content_block_start", {"index": 0, "content_block": {"type": "text",
-                                                                        "text": ""}})]
-
-
-def text_delta(text: str) -> str:
-    return event("content_block_delta", {"index": 0, "delta": {"type": "text_delta",
-                                                               "text": text}})
+    """A stream's first event: the message (no content, no stop reason yet)."""
+    return [event("message_start", {"message": message(message_id, model, [], (None, None),
+                                                        use)})]
 
 
 def stream_tail(reason: tuple, use: dict) -> list[str]:
-    """A stream's last events: the text block ends, the stop reason and the whole usage, the
-    end."""
-    return [event("content_block_stop", {"index": 0}),
-            event("message_delta", {"delta": {"stop_reason": reason[0],
+    """A stream's last events (after its blocks): the stop reason and the whole usage, the end."""
+    return [event("message_delta", {"delta": {"stop_reason": reason[0],
                                               "stop_sequence": reason[1]}, "usage": use}),
             event("message_stop", {})]
 
 
-def template_messages(messages: list[dict]) -> list[dict]:
-    """The chat template's view of OpenAI chat messages, as transformers takes them (and vLLM hands
-    them): a tool call's arguments as an object, not JSON text."""
-    out = []
-    for m in messages:
-        if "tool_calls" in m:
-            calls = [dict(c, function=dict(c["function"],
-                                           arguments=json.loads(c["function"]["arguments"])))
-                     for c in m["tool_calls"]]
-            m = dict(m, tool_calls=calls)
-        out.append(m)
-    return out
+class BlockStream:
+    """A streamed answer's content blocks: the chat path's `MessageDelta`s in (`feed`, then
+    `finish`), Anthropic's content_block_start / _delta / _stop events out. A block opens with its
+    first piece and closes when a piece of another block comes, or at the end: thinking deltas
+    (when `thinking` asks for them), text deltas, and per call a tool_use block (its id and name)
+    whose arguments' JSON text comes as input_json_delta pieces. An answer with none is one empty
+    text block, as the whole message (`content`)."""
+
+    def __init__(self, thinking: bool):
+        self.thinking, self.index, self.kind = thinking, -1, None
+
+    def feed(self, m: MessageDelta) -> list[str]:
+        out = []
+        if self.thinking and m.reasoning_content:
+            out += self.piece("thinking", {"type": "thinking_delta",
+                                           "thinking": m.reasoning_content})
+        # a delta's text comes after the arguments of a call already open (a call section ends
+        # before text follows it) and before the calls it names
+        first = next((k for k, c in enumerate(m.tool_calls) if c.name is not None),
+                     len(m.tool_calls))
+        out += self.calls(m.tool_calls[:first])
+        if m.content:
+            out += self.piece("text", {"type": "text_delta", "text": m.content})
+        return out + self.calls(m.tool_calls[first:])
+
+    def finish(self) -> list[str]:
+        return (self.open(text_block()) if self.index < 0 else []) + self.close()
+
+    def calls(self, deltas) -> list[str]:
+        out = []
+        for c in deltas:
+            if c.name is not None:
+                out += self.open(tool_use_block(c.id, c.name, {}))
+            if c.arguments:
+                out.append(self.delta({"type": "input_json_delta", "partial_json": c.arguments}))
+        return out
+
+    def piece(self, kind: str, delta: dict) -> list[str]:
+        """A thinking or text delta, in a block of its kind (opened if another is open)."""
+        start = [] if self.kind == kind else self.open(
+            thinking_block() if kind == "thinking" else text_block())
+        return start + [self.delta(delta)]
+
+    def open(self, block: dict) -> list[str]:
+        out = self.close()
+        self.index, self.kind = self.index + 1, block["type"]
+        return out + [event("content_block_start", {"index": self.index, "content_block": block})]
+
+    def close(self) -> list[str]:
+        if self.kind is None:
+            return []
+        self.kind = None
+        return [event("content_block_stop", {"index": self.index})]
+
+    def delta(self, delta: dict) -> str:
+        return event("content_block_delta", {"index": self.index, "delta": delta})

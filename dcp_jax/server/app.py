@@ -59,8 +59,9 @@ def create_app(engine, *, model_name: str, max_model_len: int | None = None, tok
     starts the engine and shuts it down. `tokenizer` (a `tokenizers.Tokenizer`-like object, or
     None) encodes text prompts and decodes outputs. With `api_key`, every /v1 route answers 401
     unless the request carries `Authorization: Bearer <key>` or `x-api-key: <key>`.
-    `tool_call_parser`, `reasoning_parser`: the chat endpoint's parsers by name (`dcp_jax.agents`;
-    None: tool_choice auto is refused, thinking stays in the answer)."""
+    `tool_call_parser`, `reasoning_parser`: the parsers by name (`dcp_jax.agents`) of the chat
+    endpoint and the Messages API (None: tool_choice auto is refused, thinking stays in the answer
+    and the Messages API refuses thinking)."""
     from contextlib import asynccontextmanager
 
     client = engine if isinstance(engine, EngineClient) else AsyncEngineClient(
@@ -82,9 +83,9 @@ def create_app(engine, *, model_name: str, max_model_len: int | None = None, tok
     add_guard(app, metrics, api_key)
     add_error_handlers(app)
     args = (client, intake, metrics, model_name)
-    chat = ChatHandler(*args, tool_parser=tool_call_parser, reasoning_parser=reasoning_parser)
-    add_routes(app, ModelsHandler(*args), TokenizeHandler(*args), CompletionsHandler(*args), chat,
-               MessagesHandler(*args))
+    parsers = {"tool_parser": tool_call_parser, "reasoning_parser": reasoning_parser}
+    add_routes(app, ModelsHandler(*args), TokenizeHandler(*args), CompletionsHandler(*args),
+               ChatHandler(*args, **parsers), MessagesHandler(*args, **parsers))
     return app
 
 
