@@ -121,7 +121,8 @@ def make() -> dict:
     for attempt in range(mf.MAX_SEED_TRIES):
         seed = 11000 + attempt
         rng = np.random.default_rng(seed)
-        prompts = [rng.integers(0, mf.COMMON["vocab_size"], size=n).tolist() for n in PROMPT_LENGTHS]
+        vocab = mf.COMMON["vocab_size"]
+        prompts = [rng.integers(0, vocab, size=n).tolist() for n in PROMPT_LENGTHS]
         model = build(seed)
         recorder = TopkRecorder()
         with recorder.active():
