@@ -454,13 +454,13 @@ def _sparse_island(q, latent, index_keys, index_q, index_w, q_pos, kv_len, *extr
 
     keys = _rows_of(one_layer(index_keys), table, paged)  # [R, S_loc, Di], logical local slots
     slots = layout.slice_positions(rank).at(jnp.arange(keys.shape[1], dtype=jnp.int32))
-    if ragged:  # each token its row's keys
-        scores = sparse.index_scores(index_q.reshape(m, 1, *index_q.shape[2:]),
-                                     index_w.reshape(m, 1, -1), keys[rows], index_scale)[:, 0]
+    if ragged:  # tile by tile: each tile's queries against its row's keys
+        vals, pos = _ragged_candidates(index_q[0], index_w[0], keys, slots, pos_q, kv_len, tiles,
+                                       topk=topk, index_scale=index_scale)
     else:
         scores = sparse.index_scores(index_q, index_w, keys, index_scale).reshape(m, -1)
-    visible = (slots[None] <= pos_q[:, None]) & (slots[None] < kv_len[rows][:, None])
-    vals, pos = sparse.local_topk(scores, slots, visible, topk)
+        visible = (slots[None] <= pos_q[:, None]) & (slots[None] < kv_len[rows][:, None])
+        vals, pos = sparse.local_topk(scores, slots, visible, topk)
     if context_axes:  # the candidates, topk per rank per query
         vals = lax.all_gather(vals, context_axes, axis=1, tiled=True)
         pos = lax.all_gather(pos, context_axes, axis=1, tiled=True)
@@ -481,6 +481,24 @@ def _sparse_island(q, latent, index_keys, index_q, index_w, q_pos, kv_len, *extr
     out, _ = _combine(o, lse, rank, context_axes=context_axes, n_ctx=n_ctx, scattered=scattered,
                       exchanged=exchanged)
     return out.astype(q.dtype), chosen
+
+
+def _ragged_candidates(iq, iw, keys, slots, q_pos, kv_len, tiles: RaggedTiles, *, topk: int,
+                       index_scale: float):
+    """A ragged batch's local candidates ([N, topk] scores and positions), scored per tile group as
+    the attention kernels run it: each tile's queries (iq [N, Hi, Di], iw [N, Hi]) against its row's
+    keys (keys [R, S_loc, Di] gathered once per tile, not once per token), then each token's entry
+    picked back out (`tiles.where`)."""
+    vals, pos = [], []
+    for g in tiles.groups:
+        safe = jnp.maximum(g.index, 0)  # [W, T]
+        scores = sparse.index_scores(iq[safe], iw[safe], keys[g.row], index_scale)  # [W, T, S]
+        visible = ((slots[None, None] <= q_pos[safe][..., None])
+                   & (slots[None, None] < kv_len[g.row][:, None, None]))
+        v, p = sparse.local_topk(scores, slots, visible, topk)
+        vals.append(v.reshape(-1, topk))
+        pos.append(p.reshape(-1, topk))
+    return jnp.concatenate(vals)[tiles.where], jnp.concatenate(pos)[tiles.where]
 
 
 def _rows_of(cache, table, paged: bool):

@@ -17,8 +17,16 @@ chosen tokens are one island (`attention.dcp_sparse_attention`): every rank scor
 the candidates (index_topk per rank per query) are all-gathered, every rank makes the same choice
 (higher score, then lower position) and attends the chosen tokens it owns; the MLA combine finishes.
 
-The indexer's weights are replicated (a few MB a layer): every device computes the same index
-queries, keys and weights, bit for bit on every mesh, so the choice does not depend on the mesh.
+The indexer's weights are replicated: every device computes the same index queries, keys and
+weights, bit for bit on every mesh, so the choice does not depend on the mesh. They are 14M values a
+layer in DeepSeek-V3.2 (wq_b 8192 x 1536, wk 128 x 7168, weights_proj 64 x 7168), 0.85G over its 61
+layers (1.7 GB a device in bf16, against 84 GB of fp8 weights at tp = 8); splitting wq_b's heads
+over the mesh, with the index queries all-gathered before the island, would cut that to 1/(tp·dcp).
+
+Memory of the selection (jnp; a fused indexer kernel is the follow-up): per query it scores every
+token its rank holds, [tokens, index heads, S_local] float32 before the head sum, and gathers at
+most index_topk latents [tokens, index_topk, latent] for the attention. Decode rows are small; a
+long prefill chunk pays tokens x S_local, so prefill_chunk bounds it.
 """
 
 from __future__ import annotations
