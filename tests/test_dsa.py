@@ -250,8 +250,9 @@ def test_chosen_positions_are_one_global_top_k_on_every_mesh(mesh, interleave, p
     assert rel_err(out, want_out) <= 1e-5
 
 
-@pytest.mark.parametrize("combine", ["psum"] + full_only(("all_to_all",), ("scatter",)))
+@pytest.mark.parametrize("combine", full_only(("psum",), ("all_to_all",), ("scatter",)))
 def test_every_combine_gives_the_same_selection_and_output(combine):
+    # (in CI, 1x3 above combines by psum, the others by scatter: 8 heads over 3 ranks and over 8)
     base, base_out = select((2, 4), 1, combine="auto")
     chosen, out = select((2, 4), 1, combine=combine)
     np.testing.assert_array_equal(chosen, base)
