@@ -17,6 +17,12 @@ each rank 1/N of the LSEs that "scatter" all-gathers.
 
 Standard attention: heads over ("tp",), context over ("dcp",). MLA (one latent per token, no head axis):
 heads over (), context over ("tp", "dcp"): the island takes its axes as parameters.
+
+DeepSeek Sparse Attention (`dcp_sparse_attention`, DeepSeek-V3.2): the same island and combine, with
+a selection before the attention: each rank scores its own tokens with the indexer and keeps its
+top-k candidates, the candidates (k per rank per query) are all-gathered over the context axes,
+every rank makes the same global choice (`pallas_kernels.attention.sparse`: the one tie-break rule)
+and attends only the chosen tokens it owns.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from dcp_jax import mesh as mesh_lib
 from dcp_jax.layout import KVLayout, PagedLayout
 from pallas_kernels.attention import api as kernels
 from pallas_kernels.attention import kv_quant as kvq
+from pallas_kernels.attention import sparse
 from pallas_kernels.attention.common import check_inputs, merge_partials, merge_weights
 from pallas_kernels.attention.ragged import RaggedTiles
 
@@ -361,3 +368,144 @@ def write_kv(
                   mesh_lib.lengths_spec(), *(mesh_lib.lengths_spec() for _ in extras)),  # block table, layer: replicated
         out_specs=(cache_spec,) * n,
     )(*caches, *new, positions, valid, *extras)
+
+
+def dcp_sparse_attention(
+    q, latent, index_keys, index_q, index_w, q_pos, kv_len, *, mesh: Mesh,
+    layout: KVLayout | PagedLayout, topk: int, index_scale: float, scale: float, v_dim: int,
+    context_axes: tuple[str, ...] = mesh_lib.AXES, combine: str = "auto", block_table=None,
+    layer=None, ragged: RaggedTiles | None = None, return_chosen: bool = False,
+):
+    """DeepSeek Sparse Attention (DeepSeek-V3.2) over MLA's latent cache sharded along the sequence,
+    with ONE exact top-k per query across the context ranks.
+
+    Per context rank (the island): score every cached token it holds with the indexer
+    (`sparse.index_scores` of the query's index heads against the rank's index keys, causal and
+    within the sequence's length), keep its best `topk` (score, position) (`sparse.local_topk`);
+    all-gather those candidates over `context_axes` (topk per rank per query: the bytes do not grow
+    with the context); every rank makes the same choice from them (`sparse.merge_topk`: higher
+    score, then lower position); then attend only the chosen tokens it owns (their latents gathered
+    from its own pages: at most topk per query) and the LSE combine (`_combine`) finishes the sum. A
+    query that sees fewer than topk tokens attends all of them.
+
+    Args (MLA's layout: heads replicated, the caches' one "kv head" and slots over `context_axes`):
+      q: [B, T, H, D] absorbed queries; latent, index_keys: the caches ([B, 1, S, D] and
+        [B, 1, S, Di], or page pools with `block_table`, stacked over layers with `layer`),
+        written already;
+      index_q [B, T, Hi, Di], index_w [B, T, Hi] (float32): the indexer's queries and head weights;
+      q_pos, kv_len, block_table, layer, ragged, combine: as `dcp_attention`.
+      return_chosen: also return the chosen positions [B, T, topk] (replicated; NO_POSITION where a
+        query sees fewer than topk tokens), the same on every mesh and placement.
+    Returns out [B, T, H, v_dim] in q.dtype (sharded as `dcp_attention`'s), and the chosen
+    positions if asked.
+    """
+    paged, stacked = block_table is not None, layer is not None
+    n_ctx = mesh_lib.axis_size(mesh, context_axes)
+    if layout.num_shards != n_ctx:
+        raise ValueError(f"layout has {layout.num_shards} shards but context axes {context_axes} "
+                         f"have {n_ctx}")
+    if paged != isinstance(layout, PagedLayout):
+        raise ValueError("a paged pool takes a PagedLayout and its block_table; a dense cache a "
+                         "KVLayout")
+    if ragged is not None:
+        check_ragged(q, q_pos, kv_len, block_table, ragged)
+    scattered = resolve_combine(q.shape[2], n_ctx, combine)
+    exchanged = combine == "all_to_all"
+    body = functools.partial(
+        _sparse_island, layout=layout, context_axes=context_axes, n_ctx=n_ctx, scattered=scattered,
+        exchanged=exchanged, paged=paged, stacked=stacked, ragged=ragged is not None,
+        topk=topk, index_scale=index_scale, scale=scale, v_dim=v_dim)
+    make_spec = mesh_lib.kv_pool_spec if paged else mesh_lib.kv_cache_spec
+    cache_spec = make_spec((), context_axes, stacked)
+    extras = (((block_table,) if paged else ())
+              + ((jnp.asarray(layer, jnp.int32),) if stacked else ())
+              + ((ragged,) if ragged is not None else ()))
+    rep = mesh_lib.lengths_spec()
+    out, chosen = jax.shard_map(
+        body, mesh=mesh,
+        in_specs=(mesh_lib.q_spec(()), cache_spec, cache_spec, mesh_lib.q_spec(()), rep, rep, rep,
+                  *(rep for _ in extras)),
+        # the chosen positions stacked over the ranks (each holds the same): no replication claim
+        out_specs=(mesh_lib.attn_out_spec((), context_axes, scattered),
+                   mesh_lib.stacked_lse_spec((), context_axes)),
+    )(q, latent, index_keys, index_q, index_w.astype(jnp.float32), q_pos, kv_len, *extras)
+    return (out, chosen[0]) if return_chosen else out
+
+
+def _sparse_island(q, latent, index_keys, index_q, index_w, q_pos, kv_len, *extra, layout,
+                   context_axes, n_ctx, scattered, exchanged, paged, stacked, ragged, topk,
+                   index_scale, scale, v_dim):
+    """One device's part of `dcp_sparse_attention`: its candidates, the gathered choice, the
+    attention over the chosen tokens it owns, then the combine. Tokens are handled flat [M] (B·T,
+    or a ragged batch's N), each with its row (its sequence's length, block-table row, cache
+    row)."""
+    extra = list(extra)
+    table = extra.pop(0) if paged else None
+    layer = extra.pop(0) if stacked else None
+    tiles = extra.pop(0) if ragged else None
+    rank = lax.axis_index(context_axes) if context_axes else 0
+    b, t, h, d = q.shape
+    m = b * t
+    rows = tiles.token_row if ragged else jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+    pos_q = q_pos.reshape(m)
+
+    def one_layer(c):
+        return c[layer] if stacked else c
+
+    keys = _rows_of(one_layer(index_keys), table, paged)  # [R, S_loc, Di], logical local slots
+    slots = layout.slice_positions(rank).at(jnp.arange(keys.shape[1], dtype=jnp.int32))
+    if ragged:  # tile by tile: each tile's queries against its row's keys
+        vals, pos = _ragged_candidates(index_q[0], index_w[0], keys, slots, pos_q, kv_len, tiles,
+                                       topk=topk, index_scale=index_scale)
+    else:
+        scores = sparse.index_scores(index_q, index_w, keys, index_scale).reshape(m, -1)
+        visible = (slots[None] <= pos_q[:, None]) & (slots[None] < kv_len[rows][:, None])
+        vals, pos = sparse.local_topk(scores, slots, visible, topk)
+    if context_axes:  # the candidates, topk per rank per query
+        vals = lax.all_gather(vals, context_axes, axis=1, tiled=True)
+        pos = lax.all_gather(pos, context_axes, axis=1, tiled=True)
+    vals, chosen = sparse.merge_topk(vals, pos, topk)
+    mine = (vals > -jnp.inf) & (layout.rank_of(chosen) == rank)
+    at = jnp.where(mine, chosen, 0)
+    lat = one_layer(latent)
+    if paged:
+        page = layout.page_of(table, at, mine, rows=jnp.broadcast_to(rows[:, None], at.shape))
+        kv = lat[page, 0, layout.page_slot_of(at)]  # [M, topk, D]
+    else:
+        kv = lat[rows[:, None], 0, layout.slot_of(at)]
+    o, lse = sparse.gathered_attention(q.reshape(m, h, d), kv, mine, scale=scale, v_dim=v_dim)
+    o, lse = o.reshape(b, t, h, v_dim), lse.reshape(b, t, h)
+    chosen = chosen.reshape(b, t, topk)[None]
+    if not context_axes:
+        return o.astype(q.dtype), chosen
+    out, _ = _combine(o, lse, rank, context_axes=context_axes, n_ctx=n_ctx, scattered=scattered,
+                      exchanged=exchanged)
+    return out.astype(q.dtype), chosen
+
+
+def _ragged_candidates(iq, iw, keys, slots, q_pos, kv_len, tiles: RaggedTiles, *, topk: int,
+                       index_scale: float):
+    """A ragged batch's local candidates ([N, topk] scores and positions), scored per tile group as
+    the attention kernels run it: each tile's queries (iq [N, Hi, Di], iw [N, Hi]) against its row's
+    keys (keys [R, S_loc, Di] gathered once per tile, not once per token), then each token's entry
+    picked back out (`tiles.where`)."""
+    vals, pos = [], []
+    for g in tiles.groups:
+        safe = jnp.maximum(g.index, 0)  # [W, T]
+        scores = sparse.index_scores(iq[safe], iw[safe], keys[g.row], index_scale)  # [W, T, S]
+        visible = ((slots[None, None] <= q_pos[safe][..., None])
+                   & (slots[None, None] < kv_len[g.row][:, None, None]))
+        v, p = sparse.local_topk(scores, slots, visible, topk)
+        vals.append(v.reshape(-1, topk))
+        pos.append(p.reshape(-1, topk))
+    return jnp.concatenate(vals)[tiles.where], jnp.concatenate(pos)[tiles.where]
+
+
+def _rows_of(cache, table, paged: bool):
+    """Every row's entries in this device's logical local slot order [R, S_loc, D]: a page pool
+    [P, 1, page, D] through the block table [R, NB] (slot j at page table[r, j // page], j % page),
+    or a dense cache [B, 1, S_loc, D]."""
+    if not paged:
+        return cache[:, 0]
+    pages = cache[table, 0]  # [R, NB, page, D]
+    return pages.reshape(table.shape[0], -1, cache.shape[-1])

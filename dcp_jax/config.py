@@ -1,7 +1,8 @@
 """Model configuration read from a Hugging Face `config.json`.
 
 Families: Llama, Mistral, Qwen2, Qwen3 (grouped-query attention), DeepSeek-V2/V3 (multi-head latent
-attention, dense and mixture-of-experts layers).
+attention, dense and mixture-of-experts layers), DeepSeek-V3.2 (V3 with DeepSeek Sparse Attention's
+lightning indexer: `IndexerConfig`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ FAMILIES = {
     "Qwen3ForCausalLM": (False, True),
     "DeepseekV2ForCausalLM": (False, False),
     "DeepseekV3ForCausalLM": (False, False),
+    "DeepseekV32ForCausalLM": (False, False),
 }
-MLA_FAMILIES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+MLA_FAMILIES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+V3_ROUTERS = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")  # sigmoid scores, noaux_tc
+DSA_FAMILIES = ("DeepseekV32ForCausalLM",)  # MLA + the lightning indexer
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -137,6 +141,22 @@ class MLAConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class IndexerConfig:
+    """DeepSeek Sparse Attention (DeepSeek-V3.2): a lightning indexer scores every cached token for
+    each query, `Σ_h w_h · relu(q_h · k_t · head_dim^-0.5)` over `num_heads` index heads of
+    `head_dim` (one cached key of `head_dim` per token, beside the latent), and the query attends
+    only the `topk` best-scoring visible tokens (every visible token when it sees fewer)."""
+
+    topk: int
+    num_heads: int
+    head_dim: int
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+
+@dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """DeepSeek mixture of experts: routed experts picked per token, plus always-on shared experts."""
 
@@ -176,6 +196,7 @@ class ModelConfig:
     sliding_window: int | None = None
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
+    indexer: IndexerConfig | None = None  # DeepSeek-V3.2's sparse attention
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     hf_config: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -210,6 +231,7 @@ class ModelConfig:
                 sliding_window=_sliding_window(d),
                 mla=mla,
                 moe=_moe(d, arch) if mla else None,
+                indexer=_indexer(d, mla) if arch in DSA_FAMILIES else None,
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=_ids(d.get("eos_token_id")),
                 hf_config=dict(d),
@@ -290,7 +312,7 @@ def _moe(d: dict, arch: str) -> MoEConfig | None:
     experts = d.get("n_routed_experts")
     if not experts:
         return None
-    v3 = arch == "DeepseekV3ForCausalLM"
+    v3 = arch in V3_ROUTERS
     method = "noaux_tc" if v3 else (d.get("topk_method") or "greedy")
     if method not in ("noaux_tc", "greedy", "group_limited_greedy"):
         raise UserError(f"config.json: topk_method {method!r} is not supported")
@@ -318,7 +340,30 @@ def _moe(d: dict, arch: str) -> MoEConfig | None:
                         f"groups with topk_group={moe.topk_groups}")
     if moe.top_k > moe.num_experts:
         raise UserError(f"config.json: num_experts_per_tok={moe.top_k} exceeds n_routed_experts={moe.num_experts}")
+    kinds = d.get("mlp_layer_types")
+    if kinds is not None:
+        layers = range(int(d["num_hidden_layers"]))
+        ours = ["sparse" if moe.is_moe_layer(i) else "dense" for i in layers]
+        if list(kinds) != ours:
+            raise UserError(f"config.json: mlp_layer_types {list(kinds)} is not what "
+                            f"first_k_dense_replace and moe_layer_freq give ({ours}); dcp_jax "
+                            "reads only those two")
     return moe
+
+
+def _indexer(d: dict, mla: MLAConfig) -> IndexerConfig:
+    """DeepSeek-V3.2's lightning indexer (its queries come from MLA's q_lora path)."""
+    if not mla.q_lora_rank:
+        raise UserError("config.json: DeepSeek-V3.2's indexer reads the query's low-rank "
+                        "projection; give q_lora_rank")
+    cfg = IndexerConfig(topk=int(d.get("index_topk", 2048)),
+                        num_heads=int(d.get("index_n_heads", 64)),
+                        head_dim=int(d.get("index_head_dim", 128)))
+    if cfg.topk < 1 or cfg.num_heads < 1 or cfg.head_dim < mla.qk_rope_head_dim:
+        raise UserError(f"config.json: index_topk ({cfg.topk}) and index_n_heads ({cfg.num_heads}) "
+                        f"must be >= 1 and index_head_dim ({cfg.head_dim}) at least "
+                        f"qk_rope_head_dim ({mla.qk_rope_head_dim})")
+    return cfg
 
 
 def _rope(d: dict) -> RopeConfig:

@@ -126,6 +126,9 @@ class LLM:
             check_draft(model, speculative.draft)
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise UserError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        if kv_cache_dtype != "auto" and model.config.indexer is not None:
+            raise UserError(f"kv_cache_dtype {kv_cache_dtype!r}: DeepSeek-V3.2's sparse attention "
+                            "reads no 8-bit KV cache yet; drop kv_cache_dtype (--kv-cache-dtype)")
         self.kv_cache_dtype = kv_cache_dtype
         self.page_size, self.max_num_seqs, self.decode_steps = page_size, max_num_seqs, decode_steps
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -81,14 +81,19 @@ class MLAttention(nnx.Module):
                   else mesh_lib.spec(mesh_lib.fit_axes(mesh, e), ()))
         self.o_proj = param(get, f"{prefix}.o_proj.weight", (e, h * m.v_head_dim), o_spec)
 
-    def __call__(self, x, positions, valid, kv_len, inv_freq, cache, ctx: AttentionContext):
+    def absorbed(self, x, positions, inv_freq):
+        """The absorbed queries [B, T, H, lora + rope], the latent [B, T, 1, lora + rope], W_UV
+        [H, v_head_dim, lora] and the query's low-rank activation [B, T, q_lora_rank] (None without
+        q_lora_rank; DeepSeek-V3.2's indexer reads it)."""
         cfg, m = self.cfg, self.cfg.mla
         b, t, _ = x.shape
         h, nope, lora = cfg.num_heads, m.qk_nope_head_dim, m.kv_lora_rank
+        q_resid = None
         if self.q_proj is not None:
             q = linear(x, self.q_proj)
         else:
-            q = linear(self.q_a_layernorm(linear(x, self.q_a_proj)), self.q_b_proj)
+            q_resid = self.q_a_layernorm(linear(x, self.q_a_proj))
+            q = linear(q_resid, self.q_b_proj)
         q = q.reshape(b, t, h, m.qk_head_dim)
         kv = linear(x, self.kv_a_proj_with_mqa)  # [B, T, lora + rope]
         c_kv = self.kv_a_layernorm(kv[..., :lora])
@@ -100,7 +105,19 @@ class MLAttention(nnx.Module):
         q_lat = jnp.einsum("bthn,hnc->bthc", q[..., :nope], w_uk)
         q_abs = jnp.concatenate([q_lat, q_pe], axis=-1)  # [B, T, H, lora + rope]
         latent = jnp.concatenate([c_kv, k_pe], axis=-1)[:, :, None, :]  # [B, T, 1, lora + rope]
-        opts = dict(scale=cfg.softmax_scale, v_dim=lora)
+        return q_abs, latent, w_uv, q_resid
+
+    def output(self, o, w_uv):
+        """Attention's output over the latent [B, T, H, lora] -> the layer's [B, T, E]."""
+        b, t = o.shape[:2]
+        o = jnp.einsum("bthc,hvc->bthv", o, w_uv)  # [B, T, H, v_head_dim]
+        return linear(o.reshape(b, t, -1), self.o_proj)
+
+    def __call__(self, x, positions, valid, kv_len, inv_freq, cache, ctx: AttentionContext):
+        cfg = self.cfg
+        t = x.shape[1]
+        q_abs, latent, w_uv, _ = self.absorbed(x, positions, inv_freq)
+        opts = dict(scale=cfg.softmax_scale, v_dim=cfg.mla.kv_lora_rank)
         if cache is None:  # cache-free causal attention over the block (training / scoring)
             o, _ = kernels.attention(q_abs, latent.transpose(0, 2, 1, 3), None, positions,
                                      SlotPositions.dense(t), kv_len, impl="reference", block_k=t, block_k_masked=t,
@@ -111,8 +128,7 @@ class MLAttention(nnx.Module):
             o = attn_lib.dcp_attention(q_abs, cache[0], None, positions, kv_len, impl=ctx.impl,
                                        combine=ctx.combine, fresh=(latent,), **ctx.placement(),
                                        **axes, **opts)
-        o = jnp.einsum("bthc,hvc->bthv", o, w_uv)  # [B, T, H, v_head_dim]
-        return linear(o.reshape(b, t, -1), self.o_proj), cache
+        return self.output(o, w_uv), cache
 
 
 def route(logits, bias, moe: MoEConfig):

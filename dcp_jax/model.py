@@ -1,4 +1,5 @@
-"""Flax NNX decoders: the Llama family (Llama, Mistral, Qwen2, Qwen3) and DeepSeek-V2/V3 (`dcp_jax.mla`).
+"""Flax NNX decoders: the Llama family (Llama, Mistral, Qwen2, Qwen3), DeepSeek-V2/V3
+(`dcp_jax.mla`) and DeepSeek-V3.2 (`dcp_jax.dsa`: MLA with the lightning indexer's sparse attention).
 
 Models hold no collectives and no shard_map: their weights carry shardings (heads over "tp"; o_proj,
 the MLP and the vocabulary over ("tp","dcp") where the sizes divide) and XLA inserts the reductions.
@@ -8,7 +9,8 @@ Attention goes through `dcp_jax.attention`, the one shard_map island. Shared lay
 source protocol are in `dcp_jax.layers`.
 
 The KV cache, per layer: (k, v) [B, K, S, D] with kv heads over "tp" and slots over "dcp" (GQA), or
-one latent [B, 1, S, kv_lora_rank + rope] with slots over ("tp","dcp") (MLA).
+one latent [B, 1, S, kv_lora_rank + rope] with slots over ("tp","dcp") (MLA), and beside it for
+DeepSeek-V3.2 the indexer's keys [B, 1, S, index_head_dim], placed the same way.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dcp_jax import attention as attn_lib
+from dcp_jax import dsa, mla
 from dcp_jax import mesh as mesh_lib
-from dcp_jax import mla
 from dcp_jax.config import ModelConfig
 from dcp_jax.errors import UserError
 from dcp_jax.layers import (LAYER, MLP, AttentionContext, WeightSource, expand_kv_rows, linear, norm, param, rope,
@@ -135,7 +137,9 @@ class Block(nnx.Module):
         p = prefix or f"model.layers.{index}"
         e = cfg.hidden_size
         self.input_layernorm = norm(get, f"{p}.input_layernorm.weight", e, cfg.rms_norm_eps)
-        if cfg.mla:
+        if cfg.indexer:  # DeepSeek-V3.2: MLA with the lightning indexer's top-k
+            self.self_attn = dsa.DSAttention(cfg, f"{p}.self_attn", get, mesh, latent_axes)
+        elif cfg.mla:
             self.self_attn = mla.MLAttention(cfg, f"{p}.self_attn", get, mesh, latent_axes)
         else:
             self.self_attn = Attention(cfg, f"{p}.self_attn", get, mesh, q_gather)
@@ -238,9 +242,17 @@ class CausalLM(nnx.Module):
         ((n,B,1,S,latent),) for MLA."""
         return self.stacked_shapes((batch, self.kv_heads, max_seq_len, self.config.head_dim))
 
+    def cache_widths(self, width: int) -> tuple[int, ...]:
+        """The last dim of each of a layer's cache arrays, `width` being the KV's (its head dim, or
+        an 8-bit row's): (k, v); MLA's (latent,); DeepSeek-V3.2's (latent, index keys)."""
+        if self.config.indexer:
+            return (width, self.config.indexer.head_dim)
+        return (width,) if self.config.mla else (width, width)
+
     def stacked_shapes(self, one: tuple) -> tuple:
-        """Per layer stack, (k, v) (MLA: (latent,)) shapes of `one` layer's array stacked over its layers."""
-        return tuple(tuple((len(st.indices), *one) for _ in range(1 if self.config.mla else 2))
+        """Per layer stack, (k, v) (MLA: (latent,); DeepSeek-V3.2: (latent, index keys)) shapes of
+        `one` layer's array stacked over its layers (`one`'s last dim is the KV's width)."""
+        return tuple(tuple((len(st.indices), *one[:-1], w) for w in self.cache_widths(one[-1]))
                      for st in self.stacks)
 
     def __call__(self, tokens, positions, valid, kv_len, cache, ctx: AttentionContext, logits_at=None,

@@ -9,10 +9,13 @@ The script checks XLA's per-layer figure against the arrays' shard shapes before
 XLA:CPU's: they include float32 copies of bf16 weights that CPU dots need (e.g. the lm_head shard), which a
 GPU compile would not make, so they overstate what an H200 needs.
 
+DeepSeek-V3.2's rows add its indexer's keys (128 values per token and layer beside the 576-value
+latent, sharded like it): `index_bytes_per_device` and `index_bytes_total`, parts of the KV figures.
+
 From these: the longest context that fits one device's budget (default 141 GB, an H200; `--budget-gb`)
 at batch 1, and the largest batch at 128K.
 
-    python scripts/bench_memory.py                  # 4 models, meshes of 8 and 16, contexts 8K..1M
+    python scripts/bench_memory.py                  # all models, meshes of 8 and 16, 8K..1M
     python scripts/bench_memory.py --quick --json   # one model, 8 devices, two contexts
     python scripts/bench_memory.py --models DeepSeek-V3 Llama-3.1-70B --contexts 131072 --kv-cache-dtype fp8
 Writes docs/bench_memory.json and docs/bench_memory.png (context that fits vs dcp) unless --quick, or a
@@ -59,12 +62,16 @@ MODELS = {  # published shapes (config.json of each release)
                         rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096,
                                           beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
 }
+# DeepSeek-V3.2(-Exp): V3's shapes plus the lightning indexer (DeepSeek Sparse Attention): one index
+# key of 128 values per token and layer beside the 576-value latent, placed like it.
+MODELS["DeepSeek-V3.2"] = dict(MODELS["DeepSeek-V3"], architectures=["DeepseekV32ForCausalLM"],
+                               index_topk=2048, index_n_heads=64, index_head_dim=128)
 CONTEXTS = [8192, 131072, 1048576]
 DTYPE = jnp.bfloat16
 # DeepSeek-V3 is published with float8 (e4m3) projection and expert weights (embeddings, norms, router
 # and lm_head in bf16); its rows store those weights in float8 (the per-block scales, ~0.02%, are not
 # modelled), computing in bf16. Other models: bf16 throughout.
-FP8_WEIGHTS = {"DeepSeek-V3"}
+FP8_WEIGHTS = {"DeepSeek-V3", "DeepSeek-V3.2"}
 
 
 def meshes(devices: int, cfg) -> list[tuple[int, int]]:
@@ -84,7 +91,8 @@ def meshes(devices: int, cfg) -> list[tuple[int, int]]:
 
 def analyse(name: str, layers: int, tp: int, dcp: int, context: int, batch: int, latent: str = "sharded",
             first_dense: int | None = None):
-    """(argument bytes, temp bytes, kv shard bytes, weight shard bytes) of the compiled decode loop.
+    """(argument bytes, temp bytes, kv shard bytes, weight shard bytes, index-key shard bytes) of
+    the compiled decode loop (the index keys: DeepSeek-V3.2's, a part of the kv bytes; 0 otherwise).
 
     latent (MLA): "sharded" over the whole mesh (dcp_jax) or "replicated" on every device (TP alone).
     first_dense (MoE): how many of the `layers` are dense.
@@ -115,8 +123,9 @@ def analyse(name: str, layers: int, tp: int, dcp: int, context: int, batch: int,
     def shard_bytes(tree):
         return sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
+    index = [stack[1] for stack in cache] if cfg.indexer else []
     return (memory.argument_size_in_bytes, memory.temp_size_in_bytes, shard_bytes(cache),
-            shard_bytes(engine.params))
+            shard_bytes(engine.params), shard_bytes(index))
 
 
 def measure(name: str, tp: int, dcp: int, context: int, batch: int, latent: str = "sharded") -> dict:
@@ -128,13 +137,14 @@ def measure(name: str, tp: int, dcp: int, context: int, batch: int, latent: str 
     run = lambda layers, **kw: analyse(name, layers, tp, dcp, context, batch, latent, **kw)  # noqa: E731
     moe = full.moe is not None and full.moe.first_dense > 0
     # one layer, then two: XLA's argument bytes differ by one layer's weights + KV cache on one device
-    arg1, _, kv1, w1 = run(1, **(dict(first_dense=1) if moe else {}))
-    arg2, temp2, kv2, w2 = run(2, **(dict(first_dense=1) if moe else {}))  # (MoE: dense + MoE layer)
+    arg1, _, kv1, w1, idx1 = run(1, **(dict(first_dense=1) if moe else {}))
+    # (MoE: dense + MoE layer)
+    arg2, temp2, kv2, w2, idx2 = run(2, **(dict(first_dense=1) if moe else {}))
     per_layer = arg2 - arg1
     assert per_layer == (kv2 - kv1) + (w2 - w1), (per_layer, kv2 - kv1, w2 - w1)
     kv_layer = kv2 - kv1
     if moe:  # dense layers weigh differently: two dense layers against one
-        arg_dd, temp_dd, kv_dd, w_dd = run(2, first_dense=2)
+        arg_dd, temp_dd, kv_dd, w_dd, _ = run(2, first_dense=2)
         assert arg_dd - arg1 == (kv_dd - kv1) + (w_dd - w1)
         dense_w, moe_w = w_dd - w1, w2 - w1
         weights = (w1 - dense_w) + full.moe.first_dense * dense_w + (full.num_layers - full.moe.first_dense) * moe_w
@@ -143,16 +153,29 @@ def measure(name: str, tp: int, dcp: int, context: int, batch: int, latent: str 
         weights = (w1 - (w2 - w1)) + full.num_layers * (w2 - w1)  # embeddings/norms + L layers
     kv = full.num_layers * kv_layer
     rep = kv_replication(full, tp)
+    index_dim = full.indexer.head_dim if full.indexer else 0
     if full.mla:  # one latent per token: key = [c_kv | k_pe], value = its first kv_lora_rank (not stored twice)
+        # (DeepSeek-V3.2: and one index key per token)
         kv_total = kv_cache_bytes(batch=batch, num_layers=full.num_layers, kv_heads=1, max_seq_len=context,
-                                  k_dim=full.mla.latent_dim, v_dim=0, dtype=DTYPE)
+                                  k_dim=full.mla.latent_dim + index_dim, v_dim=0, dtype=DTYPE)
     else:
         kv_total = kv_cache_bytes(batch=batch, num_layers=full.num_layers, kv_heads=full.num_kv_heads,
                                   max_seq_len=context, k_dim=full.head_dim, v_dim=full.head_dim, dtype=DTYPE)
     return dict(model=name, tp=tp, dcp=dcp, devices=tp * dcp, context=context, batch=batch,
                 kv_heads=full.num_kv_heads, kv_replication=rep, kv_bytes_per_device=kv,
                 kv_bytes_total=kv_total, weight_bytes_per_device=weights, temp_bytes_per_device=temp2,
-                xla_layer_bytes=per_layer, layout=layout_name(full, latent))
+                xla_layer_bytes=per_layer, layout=layout_name(full, latent),
+                **(index_rows(full, batch, context, full.num_layers * (idx2 - idx1))
+                   if index_dim else {}))
+
+
+def index_rows(cfg, batch: int, context: int, per_device: int) -> dict:
+    """DeepSeek-V3.2's index keys: their bytes per device (XLA's) and in all (counted once)."""
+    from dcp_jax.layout import kv_cache_bytes
+
+    total = kv_cache_bytes(batch=batch, num_layers=cfg.num_layers, kv_heads=1, max_seq_len=context,
+                           k_dim=cfg.indexer.head_dim, v_dim=0, dtype=DTYPE)
+    return {"index_bytes_per_device": per_device, "index_bytes_total": total}
 
 
 def layout_name(cfg, latent: str) -> str:
@@ -174,6 +197,9 @@ def eight_bit(row, kind: str) -> dict:
     from pallas_kernels.attention import kv_quant as kvq
 
     cfg = ModelConfig.from_dict(MODELS[row["model"]])
+    if cfg.indexer:
+        raise SystemExit(f"{row['model']}: dcp_jax serves DeepSeek-V3.2's sparse attention with no "
+                         "8-bit KV cache yet; drop --kv-cache-dtype or --models it")
     d = cfg.mla.latent_dim if cfg.mla else cfg.head_dim
     ratio = kvq.width(d, kind) / (2 * d)
     return dict(row, kv_cache_dtype=kind, kv_bytes_per_device=int(row["kv_bytes_per_device"] * ratio),
@@ -227,9 +253,16 @@ def main(argv=None):
                 # XLA's KV bytes per device are exactly total / (min(tp, kv_heads) * dcp); MLA: / (tp * dcp)
                 assert abs(row["kv_bytes_per_device"] * kv_shards(cfg, tp, dcp, latent) - row["kv_bytes_total"]) \
                     <= kv_shards(cfg, tp, dcp, latent), row
+                if "index_bytes_per_device" in row:  # the index keys: placed like the latent
+                    shards = kv_shards(cfg, tp, dcp, latent)
+                    error = row["index_bytes_per_device"] * shards - row["index_bytes_total"]
+                    assert abs(error) <= shards, row
                 rows.append(row)
                 if not args.json:
                     tag = " (replicated latent)" if latent == "replicated" else ""
+                    if "index_bytes_per_device" in row:  # (DeepSeek-V3.2: its index keys' share)
+                        index_gb = row["index_bytes_per_device"] / 1e9
+                        tag += f" (index keys {index_gb:.2f} GB of the KV)"
                     print(f"{name:15s} tp={tp:2d} dcp={dcp:2d}{tag} ctx {context:>9,}: weights "
                           f"{row['weight_bytes_per_device'] / 1e9:7.2f} GB  KV {row['kv_bytes_per_device'] / 1e9:8.2f} GB"
                           f"  temp {row['temp_bytes_per_device'] / 1e9:6.3f} GB  fits {row['fits']!s:5s}  "

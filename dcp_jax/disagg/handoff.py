@@ -47,6 +47,13 @@ def describe(engine, role: str, address: str) -> dict:
                 transfer_address=address)
 
 
+def check_model(engine) -> None:
+    """Refuse, with one line, a model whose KV the handoff does not move yet."""
+    if engine.runner.model.config.indexer is not None:
+        raise UserError("prefill/decode disaggregation does not move DeepSeek-V3.2's indexer cache "
+                        "yet: serve the model on one instance (drop --role / DisaggregatedLLM)")
+
+
 def check_pairing(prefill: dict, decode: dict) -> None:
     """Refuse a pair that could not exchange KV, with one line naming both sides' values."""
     if prefill.get("role") != "prefill":

@@ -34,8 +34,8 @@ import dataclasses
 import threading
 import time
 
-from dcp_jax.disagg.handoff import (Offer, check_pairing, describe, head_ranges, new_uuid, placement, process_groups,
-                                   src_layout)
+from dcp_jax.disagg.handoff import (Offer, check_model, check_pairing, describe, head_ranges,
+                                    new_uuid, placement, process_groups, src_layout)
 from dcp_jax.disagg.spanning import Follower, Span
 from dcp_jax.disagg.transfer import Receiver, Stager, TransferError, TransferPort
 from dcp_jax.errors import UserError
@@ -58,6 +58,7 @@ class PrefillInstance:
     this instance's transfer server for the decode instance to pull it. Thread-safe (one lock)."""
 
     def __init__(self, engine, port: TransferPort):
+        check_model(engine)
         self.engine, self.port = engine, port
         self.stager = Stager(engine.runner)
         self.lock = threading.Lock()
@@ -193,6 +194,7 @@ class DecodeInstance:
     it within `timeout_s`, and admits the request into `engine`'s decoding."""
 
     def __init__(self, engine, prefill, port: TransferPort, *, timeout_s: float = 60.0):
+        check_model(engine)
         self.engine, self.prefill, self.port, self.timeout_s = engine, prefill, port, timeout_s
         lockstep = engine.lockstep  # several processes, a server: process 0 leads the others' writes
         self.source = prefill.handshake()

@@ -423,13 +423,14 @@ def prompt_scores(rows, scores) -> list:
 
 def page_bytes_per_device(model: CausalLM, mesh: Mesh, page_size: int, dtype,
                           kv_quant: str | None = None) -> int:
-    """Bytes one page (one block-table entry) costs each device, over all layers and (k, v); 8-bit
-    pages (`kv_quant`) count their scales."""
+    """Bytes one page (one block-table entry) costs each device, over all layers and every cache
+    array of a layer ((k, v), MLA's latent, DeepSeek-V3.2's index keys beside it); 8-bit pages
+    (`kv_quant`) count their scales."""
     n_ctx = mesh_lib.axis_size(mesh, model.context_axes)
     sharding = mesh_lib.named(mesh, mesh_lib.kv_pool_spec(model.head_axes, model.context_axes))
-    one = (n_ctx, model.kv_heads, page_size, kvq.width(model.config.head_dim, kv_quant))
-    per_layer = math.prod(sharding.shard_shape(one)) * (1 if model.config.mla else 2)
     itemsize = np.dtype(kvq.storage_dtype(kv_quant, dtype)).itemsize
+    per_layer = sum(math.prod(sharding.shard_shape((n_ctx, model.kv_heads, page_size, w)))
+                    for w in model.cache_widths(kvq.width(model.config.head_dim, kv_quant)))
     return per_layer * model.config.num_layers * itemsize
 
 
