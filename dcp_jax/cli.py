@@ -196,6 +196,10 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                    metavar="K", help="drafts per verify step (default 4)")
     s.add_argument("--draft-model", default=None, metavar="DIR",
                    help="--speculative draft: a smaller checkpoint with the target's vocabulary")
+    s.add_argument("--speculative-auto-off", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode plainly for a while where speculation measures slower than "
+                        "plain decoding, then try it again (default on; "
+                        "--no-speculative-auto-off: always speculate)")
 
 
 def speculative_kwargs(args) -> dict:
@@ -206,8 +210,13 @@ def speculative_kwargs(args) -> dict:
         raise UsageError("--speculative draft needs --draft-model DIR (a checkpoint with the same vocabulary)")
     if args.num_speculative_tokens is not None and args.speculative is None:
         raise UsageError("--num-speculative-tokens needs --speculative ngram|draft")
-    return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens or 4,
-                draft_model=args.draft_model)
+    if args.speculative_auto_off is not None and args.speculative is None:
+        raise UsageError("--speculative-auto-off needs --speculative ngram|draft")
+    out = dict(speculative=args.speculative, draft_model=args.draft_model,
+               num_speculative_tokens=args.num_speculative_tokens or 4)
+    if args.speculative_auto_off is not None:
+        out["speculative_auto_off"] = args.speculative_auto_off
+    return out
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs_help: str = "requests decoding at once (default 8)",

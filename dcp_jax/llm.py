@@ -153,7 +153,8 @@ class LLM:
     @classmethod
     def load(cls, model_dir, *, tp: int = 1, dcp: int = 1, interleave: int | str = 1, dtype: str = "auto",
              impl: str | None = None, devices=None, scan_layers: bool = True, speculative: str | None = None,
-             num_speculative_tokens: int = 4, draft_model=None, coordinator: str | None = None,
+             num_speculative_tokens: int = 4, draft_model=None, speculative_auto_off: bool = True,
+             coordinator: str | None = None,
              num_processes: int | None = None, process_id: int | None = None, compile: str | None = None,
              compilation_cache=None, chat_template=None, **engine_kw) -> "LLM":
         """Load a checkpoint onto a (tp, dcp) mesh: a Hugging Face directory, an orbax checkpoint or
@@ -161,7 +162,9 @@ class LLM:
         constructor's (max_model_len, kv_cache_memory, page_size, max_num_seqs, prefill_chunk,
         dist_timeout, ...). `speculative`: None, "ngram" (prompt lookup) or "draft" (with
         `draft_model`, a checkpoint directory with the same vocabulary, loaded on the same mesh);
-        `num_speculative_tokens` drafts per verify step. `coordinator` ("host:port"),
+        `num_speculative_tokens` drafts per verify step; `speculative_auto_off` False: speculate
+        in every decode iteration, even where it measures slower than plain decoding
+        (`dcp_jax.spec.policy`). `coordinator` ("host:port"),
         `num_processes`, `process_id`: join `jax.distributed` first (every process makes the same
         calls, as `python -m dcp_jax.generate --coordinator ...`; docs/MULTIHOST.md). `compile`:
         "all" (the default; `$DCP_JAX_COMPILE` changes it) compiles every program a request may run
@@ -187,7 +190,8 @@ class LLM:
         if speculative is None and draft_model is not None:
             raise UserError("draft_model is given but speculative is not 'draft': pass speculative='draft'")
         if speculative is not None:  # refuse a bad configuration before loading anything
-            SpeculativeConfig(speculative, num_speculative_tokens, draft=draft_model)
+            SpeculativeConfig(speculative, num_speculative_tokens, draft=draft_model,
+                              auto_off=speculative_auto_off)
         mesh = mesh_lib.make_mesh(tp, dcp, devices)
         dtype = resolve_dtype(dtype, mesh)  # "auto": bfloat16 on GPUs, float32 elsewhere
         loaded = load_any(model_dir, mesh, dtype, scan_layers=scan_layers)
@@ -198,7 +202,8 @@ class LLM:
         if speculative is not None:
             draft = None if draft_model is None else load_any(draft_model, mesh, dtype,
                                                              scan_layers=scan_layers).model
-            spec = SpeculativeConfig(speculative, num_speculative_tokens, draft=draft)
+            spec = SpeculativeConfig(speculative, num_speculative_tokens, draft=draft,
+                                     auto_off=speculative_auto_off)
         llm = cls(loaded.model, mesh, loaded.tokenizer, interleave=interleave, impl=impl,
                   source=loaded.source, speculative=spec, chat_template=template,
                   **engine_kw)

@@ -110,14 +110,17 @@ class ServingConfig:
         return step_sizes(self.token_budget)
 
     def scheduler_config(self, layout: PagedLayout, *, eos_token_ids=(), vocab_size: int | None = None,
-                         num_speculative_tokens: int = 0) -> "SchedulerConfig":
+                         num_speculative_tokens: int = 0, verify_steps: int = 1,
+                         spec_auto_off: bool = False) -> "SchedulerConfig":
         """The scheduler's view of this configuration on `layout`, with the model's stop ids and vocabulary."""
         return SchedulerConfig(layout=layout, num_pages=self.num_pages, max_model_len=self.max_model_len,
                                max_num_seqs=self.max_num_seqs,
                                max_num_batched_tokens=self.token_budget,
                                decode_steps=self.decode_steps, eos_token_ids=tuple(eos_token_ids),
                                vocab_size=vocab_size, enable_prefix_caching=self.enable_prefix_caching,
-                               num_speculative_tokens=num_speculative_tokens, host_blocks=self.host_blocks)
+                               num_speculative_tokens=num_speculative_tokens,
+                               host_blocks=self.host_blocks, verify_steps=verify_steps,
+                               spec_auto_off=spec_auto_off)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,10 +143,14 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int | None = None
     enable_prefix_caching: bool = False
-    # speculative decoding: each decode iteration is one verify step that may emit up to
-    # num_speculative_tokens + 1 tokens per request (decode_steps is then ignored); pages are reserved
-    # for all of them, and each request's budget (plan.decode_budget) is capped by its own tokens left
+    # speculative decoding: a speculative decode iteration runs up to verify_steps verify steps in
+    # one program call, each emitting up to num_speculative_tokens + 1 tokens per request; pages are
+    # reserved for all of them, and each request's budget (plan.decode_budget) is capped by its own
+    # tokens left. spec_auto_off: a plain iteration (decode_steps steps) instead where speculation
+    # measured slower (dcp_jax.spec.policy)
     num_speculative_tokens: int = 0
+    verify_steps: int = 1
+    spec_auto_off: bool = False
     host_blocks: int = 0  # the host tier's capacity in blocks (dcp_jax.kv.host; 0: none)
 
     def __post_init__(self):
@@ -151,12 +158,14 @@ class SchedulerConfig:
         if not (isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 0):
             raise UserError(f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
         check_positive_ints(self, ("num_pages", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                                   "decode_steps"), least=dict(num_pages=2))
+                                   "decode_steps", "verify_steps"), least=dict(num_pages=2))
 
-    @property
-    def tokens_per_decode(self) -> int:
-        """The most tokens one decode iteration may give a request (pages are reserved for them)."""
-        return self.num_speculative_tokens + 1 if self.num_speculative_tokens else self.decode_steps
+    def tokens_per_decode(self, verify_steps: int = 0) -> int:
+        """The most tokens one decode iteration of `verify_steps` verify steps (0: plain decoding)
+        may give a request (pages are reserved for them)."""
+        if verify_steps and self.num_speculative_tokens:
+            return verify_steps * (self.num_speculative_tokens + 1)
+        return self.decode_steps
 
     @property
     def max_blocks_per_seq(self) -> int:
