@@ -36,8 +36,8 @@ from dcp_jax.layout import PagedLayout
 from dcp_jax.model import CausalLM
 from dcp_jax.outputs import ChatGeneration, Generation, generation, request_stats
 from dcp_jax.sampling_params import SamplingParams
-from dcp_jax.serving.config import (DEFAULT_PAGE_SIZE, KV_CACHE_DTYPES, ServingConfig, default_prefill_chunk,
-                                    parse_bytes)
+from dcp_jax.serving.config import (DEFAULT_PAGE_SIZE, KV_CACHE_DTYPES, ServingConfig,
+                                    default_idle_batched_tokens, default_prefill_chunk, parse_bytes)
 from dcp_jax.serving.engine import ServingEngine, run_requests
 from dcp_jax.serving.lockstep import Lockstep
 from dcp_jax.serving.programs import draft_layout
@@ -77,7 +77,8 @@ class LLM:
 
     `page_size`: slots per page (one block-table entry covers page_size · dcp tokens);
     `max_num_seqs`: requests decoding at once; `prefill_chunk`: prompt tokens per prefill program
-    call; `speculative`: a `SpeculativeConfig` (n-gram lookup or a draft model) or None;
+    call; `idle_batched_tokens`: the token budget of an iteration in which no request decodes
+    (default 1024 on CPU unless `max_num_batched_tokens` is given; else the same budget); `speculative`: a `SpeculativeConfig` (n-gram lookup or a draft model) or None;
     `num_pages`: the pool's pages per context rank (the null page included), overriding the memory
     budget (as vLLM's `num_gpu_blocks_override`: for tests and benchmarks of a given pool).
     `lockstep` (several processes): "spmd", every process makes the same calls (this API); "serve",
@@ -91,6 +92,7 @@ class LLM:
                  max_num_seqs: int = 8, max_model_len: int | None = None, prefill_chunk: int | None = None,
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
                  decode_steps: int = 8, max_num_batched_tokens: int | None = None,
+                 idle_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, speculative: SpeculativeConfig | None = None,
                  num_pages: int | None = None, kv_host_memory: int | str | None = None, kv_cache_dtype: str = "auto",
                  dist_timeout: float = mesh_lib.DIST_TIMEOUT_S, lockstep: str | Lockstep = "spmd",
@@ -106,6 +108,8 @@ class LLM:
         _positive_int("decode_steps", decode_steps)
         if max_num_batched_tokens is not None:
             _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        if idle_batched_tokens is not None:
+            _positive_int("idle_batched_tokens", idle_batched_tokens)
         if page_size is None:  # the default, rounded up to whole runs of the interleave
             run = interleave if isinstance(interleave, int) else 1
             page_size = run * -(-DEFAULT_PAGE_SIZE // run)
@@ -137,15 +141,21 @@ class LLM:
         self.platform = mesh.devices.flat[0].platform
         if prefill_chunk is None:
             prefill_chunk = default_prefill_chunk(self.platform)
+        if idle_batched_tokens is None and max_num_batched_tokens is None:
+            # (a budget given by hand holds for every iteration unless the idle one is given too)
+            idle_batched_tokens = default_idle_batched_tokens(self.platform)
         _positive_int("prefill_chunk", prefill_chunk)
         max_model_len, num_pages = self.size_pool(max_model_len, num_pages)
         self.kv_host_memory = None if kv_host_memory is None else parse_bytes(kv_host_memory)
         host_blocks = self.host_blocks()
         # the compiled chunk: no longer than a whole context needs (a short context pads little)
-        chunk = min(prefill_chunk, max(16, 1 << (max_model_len - 1).bit_length()))
+        whole = max(16, 1 << (max_model_len - 1).bit_length())
+        chunk = min(prefill_chunk, whole)
+        idle = None if idle_batched_tokens is None else min(idle_batched_tokens, whole)
         self.config = ServingConfig(num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
                                     max_model_len=max_model_len, prefill_chunk=chunk, decode_steps=decode_steps,
                                     max_num_batched_tokens=max_num_batched_tokens,
+                                    idle_batched_tokens=idle,
                                     enable_prefix_caching=enable_prefix_caching, host_blocks=host_blocks,
                                     kv_cache_dtype=kv_cache_dtype)
         self.engine = self.build_engine(self.config)
