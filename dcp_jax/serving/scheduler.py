@@ -197,12 +197,13 @@ class Scheduler:
     def verify_steps(self, decoding: list[Request]) -> int:
         """The verify steps this iteration's decode rows run (0: plain decoding): none without
         speculation or while it is off (`SpecSwitch`), one when a row has a structured output (its
-        drafts' token masks are made on the host), else the configured `verify_steps`."""
+        drafts' token masks are made on the host), else the configured `verify_steps` (fewer for a
+        probe of speculation while it is off)."""
         if self.spec_switch is None or not decoding or not self.spec_switch.choose(len(decoding)):
             return 0
         if any(r.sampling.structured is not None for r in decoding):
             return 1
-        return self.config.verify_steps
+        return self.spec_switch.verify_steps(self.config.verify_steps)
 
     def decode_budget(self, decoding: list[Request], verify_steps: int = 0):
         """(K, each decoding request's tokens this iteration, the prefill token budget left).

@@ -13,7 +13,8 @@ missing figure is measured first: one speculative iteration, then one plain one 
 iteration of each kind is not counted: a program's first run pays for allocations it keeps, so a
 cold figure would misjudge it). When the gain falls
 below 1, speculation stops for `backoff` decode iterations, then one iteration probes it again (a
-fresh acceptance and verify time); each failed probe doubles the backoff (up to `max_backoff`), a
+fresh acceptance and verify time, over at most `probe_steps` verify steps: a probe that loses costs
+little); each failed probe doubles the backoff (up to `max_backoff`), a
 successful one turns speculation back on and resets it. While speculation is on, a plain iteration
 every `refresh` iterations keeps `t_plain` current (contexts grow, so step times do).
 
@@ -43,8 +44,8 @@ class SpecSwitch:
     (see the module docstring). `enabled` False: always speculate (nothing measured)."""
 
     def __init__(self, enabled: bool = True, *, backoff: int = 4, max_backoff: int = 64,
-                 refresh: int = 32, min_gain: float = 1.0):
-        self.enabled, self.min_gain = enabled, min_gain
+                 refresh: int = 32, min_gain: float = 1.0, probe_steps: int = 2):
+        self.enabled, self.min_gain, self.probe_steps = enabled, min_gain, probe_steps
         self.base_backoff, self.max_backoff, self.refresh = backoff, max_backoff, refresh
         self.backoff = backoff
         self.t_plain: dict[int, Estimate] = {}
@@ -78,6 +79,11 @@ class SpecSwitch:
         speculate = self.decide(rows) if self.enabled else True
         self.counts["spec_on_iterations" if speculate else "spec_off_iterations"] += 1
         return speculate
+
+    def verify_steps(self, configured: int) -> int:
+        """The verify steps of the iteration just chosen to speculate: `configured`, or at most
+        `probe_steps` for a probe."""
+        return min(configured, self.probe_steps) if self.probing else configured
 
     def decide(self, rows: int) -> bool:
         key = self.bucket(rows)
