@@ -196,6 +196,10 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                    metavar="K", help="drafts per verify step (default 4)")
     s.add_argument("--draft-model", default=None, metavar="DIR",
                    help="--speculative draft: a smaller checkpoint with the target's vocabulary")
+    s.add_argument("--speculative-auto-off", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode plainly for a while where speculation measures slower than "
+                        "plain decoding, then try it again (default on; "
+                        "--no-speculative-auto-off: always speculate)")
 
 
 def speculative_kwargs(args) -> dict:
@@ -206,8 +210,13 @@ def speculative_kwargs(args) -> dict:
         raise UsageError("--speculative draft needs --draft-model DIR (a checkpoint with the same vocabulary)")
     if args.num_speculative_tokens is not None and args.speculative is None:
         raise UsageError("--num-speculative-tokens needs --speculative ngram|draft")
-    return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens or 4,
-                draft_model=args.draft_model)
+    if args.speculative_auto_off is not None and args.speculative is None:
+        raise UsageError("--speculative-auto-off needs --speculative ngram|draft")
+    out = dict(speculative=args.speculative, draft_model=args.draft_model,
+               num_speculative_tokens=args.num_speculative_tokens or 4)
+    if args.speculative_auto_off is not None:
+        out["speculative_auto_off"] = args.speculative_auto_off
+    return out
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs_help: str = "requests decoding at once (default 8)",
@@ -235,6 +244,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs_help: str = "req
     k.add_argument("--max-num-batched-tokens", type=positive_int("--max-num-batched-tokens"), default=None,
                    metavar="N", help="tokens of one iteration's ragged step: a token of each decoding request "
                                      "and the prompt chunks (default: one prefill chunk + max-num-seqs)")
+    k.add_argument("--idle-batched-tokens", type=positive_int("--idle-batched-tokens"), default=None,
+                   metavar="N", help="tokens of an iteration in which no request decodes (a lone "
+                                     "prompt's chunks; default 1024 on CPU unless "
+                                     "--max-num-batched-tokens is given, else that budget)")
     k.add_argument("--prefill-chunk", type=positive_int("--prefill-chunk"), default=None,
                    help="prompt tokens an iteration prefills when every slot decodes: the default budget's share "
                         "(default 256 on CPU, 2048 on GPU)")
@@ -280,6 +293,7 @@ def engine_kwargs(args) -> dict:
         raise UsageError("give --kv-cache-memory or --gpu-memory-utilization, not both")
     return dict(dtype=args.dtype, max_model_len=args.max_model_len, page_size=args.page_size,
                 max_num_batched_tokens=args.max_num_batched_tokens, prefill_chunk=args.prefill_chunk,
+                idle_batched_tokens=args.idle_batched_tokens,
                 decode_steps=args.decode_steps, enable_prefix_caching=args.enable_prefix_caching,
                 scan_layers=args.scan_layers, kv_cache_memory=args.kv_cache_memory,
                 gpu_memory_utilization=args.gpu_memory_utilization, kv_host_memory=args.kv_host_memory,

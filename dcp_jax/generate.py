@@ -215,7 +215,10 @@ def report(s: dict, kv_heads: int, source: str) -> str:
         f"(compile {s['compile_s']:.1f} s, not included)",
     ] + ([f"speculation {s['speculative']}, k={s['num_speculative_tokens']}: {s['spec_accepted_tokens']:,} of "
           f"{s['spec_drafted_tokens']:,} drafts accepted ({100 * s['spec_acceptance_rate']:.1f}%), "
-          f"mean acceptance length {s['mean_acceptance_length']:.2f} tokens per step"] if "speculative" in s else []))
+          f"mean acceptance length {s['mean_acceptance_length']:.2f} tokens per step; "
+          f"{s['spec_on_iterations']} decode iteration(s) speculated, {s['spec_off_iterations']} "
+          f"plain" + (f" (last switch: {s['spec_last_switch']})" if s["spec_last_switch"] else "")]
+         if "speculative" in s else []))
 
 
 class _Display:

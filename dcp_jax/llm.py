@@ -36,8 +36,8 @@ from dcp_jax.layout import PagedLayout
 from dcp_jax.model import CausalLM
 from dcp_jax.outputs import ChatGeneration, Generation, generation, request_stats
 from dcp_jax.sampling_params import SamplingParams
-from dcp_jax.serving.config import (DEFAULT_PAGE_SIZE, KV_CACHE_DTYPES, ServingConfig, default_prefill_chunk,
-                                    parse_bytes)
+from dcp_jax.serving.config import (DEFAULT_PAGE_SIZE, KV_CACHE_DTYPES, ServingConfig,
+                                    default_idle_batched_tokens, default_prefill_chunk, parse_bytes)
 from dcp_jax.serving.engine import ServingEngine, run_requests
 from dcp_jax.serving.lockstep import Lockstep
 from dcp_jax.serving.programs import draft_layout
@@ -52,7 +52,8 @@ CPU_KV_BUDGET = 256 * 2**20  # bytes of KV for the whole pool on CPU when no bud
 # speculation's counts.
 HOST_COUNTERS = ("host_hit_tokens", "host_bytes_to_host", "host_bytes_to_device", "host_copy_s")
 CALL_COUNTERS = ("prefix_query_tokens", "prefix_hit_tokens", "evictions", "preemptions",
-                 *HOST_COUNTERS, "spec_drafted_tokens", "spec_accepted_tokens", "spec_verify_steps")
+                 *HOST_COUNTERS, "spec_drafted_tokens", "spec_accepted_tokens", "spec_verify_steps",
+                 "spec_on_iterations", "spec_off_iterations", "spec_switches")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 
 
@@ -77,7 +78,8 @@ class LLM:
 
     `page_size`: slots per page (one block-table entry covers page_size · dcp tokens);
     `max_num_seqs`: requests decoding at once; `prefill_chunk`: prompt tokens per prefill program
-    call; `speculative`: a `SpeculativeConfig` (n-gram lookup or a draft model) or None;
+    call; `idle_batched_tokens`: the token budget of an iteration in which no request decodes
+    (default 1024 on CPU unless `max_num_batched_tokens` is given; else the same budget); `speculative`: a `SpeculativeConfig` (n-gram lookup or a draft model) or None;
     `num_pages`: the pool's pages per context rank (the null page included), overriding the memory
     budget (as vLLM's `num_gpu_blocks_override`: for tests and benchmarks of a given pool).
     `lockstep` (several processes): "spmd", every process makes the same calls (this API); "serve",
@@ -91,6 +93,7 @@ class LLM:
                  max_num_seqs: int = 8, max_model_len: int | None = None, prefill_chunk: int | None = None,
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
                  decode_steps: int = 8, max_num_batched_tokens: int | None = None,
+                 idle_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, speculative: SpeculativeConfig | None = None,
                  num_pages: int | None = None, kv_host_memory: int | str | None = None, kv_cache_dtype: str = "auto",
                  dist_timeout: float = mesh_lib.DIST_TIMEOUT_S, lockstep: str | Lockstep = "spmd",
@@ -106,6 +109,8 @@ class LLM:
         _positive_int("decode_steps", decode_steps)
         if max_num_batched_tokens is not None:
             _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        if idle_batched_tokens is not None:
+            _positive_int("idle_batched_tokens", idle_batched_tokens)
         if page_size is None:  # the default, rounded up to whole runs of the interleave
             run = interleave if isinstance(interleave, int) else 1
             page_size = run * -(-DEFAULT_PAGE_SIZE // run)
@@ -140,15 +145,21 @@ class LLM:
         self.platform = mesh.devices.flat[0].platform
         if prefill_chunk is None:
             prefill_chunk = default_prefill_chunk(self.platform)
+        if idle_batched_tokens is None and max_num_batched_tokens is None:
+            # (a budget given by hand holds for every iteration unless the idle one is given too)
+            idle_batched_tokens = default_idle_batched_tokens(self.platform)
         _positive_int("prefill_chunk", prefill_chunk)
         max_model_len, num_pages = self.size_pool(max_model_len, num_pages)
         self.kv_host_memory = None if kv_host_memory is None else parse_bytes(kv_host_memory)
         host_blocks = self.host_blocks()
         # the compiled chunk: no longer than a whole context needs (a short context pads little)
-        chunk = min(prefill_chunk, max(16, 1 << (max_model_len - 1).bit_length()))
+        whole = max(16, 1 << (max_model_len - 1).bit_length())
+        chunk = min(prefill_chunk, whole)
+        idle = None if idle_batched_tokens is None else min(idle_batched_tokens, whole)
         self.config = ServingConfig(num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
                                     max_model_len=max_model_len, prefill_chunk=chunk, decode_steps=decode_steps,
                                     max_num_batched_tokens=max_num_batched_tokens,
+                                    idle_batched_tokens=idle,
                                     enable_prefix_caching=enable_prefix_caching, host_blocks=host_blocks,
                                     kv_cache_dtype=kv_cache_dtype)
         self.engine = self.build_engine(self.config)
@@ -156,7 +167,8 @@ class LLM:
     @classmethod
     def load(cls, model_dir, *, tp: int = 1, dcp: int = 1, interleave: int | str = 1, dtype: str = "auto",
              impl: str | None = None, devices=None, scan_layers: bool = True, speculative: str | None = None,
-             num_speculative_tokens: int = 4, draft_model=None, coordinator: str | None = None,
+             num_speculative_tokens: int = 4, draft_model=None, speculative_auto_off: bool = True,
+             coordinator: str | None = None,
              num_processes: int | None = None, process_id: int | None = None, compile: str | None = None,
              compilation_cache=None, chat_template=None, **engine_kw) -> "LLM":
         """Load a checkpoint onto a (tp, dcp) mesh: a Hugging Face directory, an orbax checkpoint or
@@ -164,7 +176,9 @@ class LLM:
         constructor's (max_model_len, kv_cache_memory, page_size, max_num_seqs, prefill_chunk,
         dist_timeout, ...). `speculative`: None, "ngram" (prompt lookup) or "draft" (with
         `draft_model`, a checkpoint directory with the same vocabulary, loaded on the same mesh);
-        `num_speculative_tokens` drafts per verify step. `coordinator` ("host:port"),
+        `num_speculative_tokens` drafts per verify step; `speculative_auto_off` False: speculate
+        in every decode iteration, even where it measures slower than plain decoding
+        (`dcp_jax.spec.policy`). `coordinator` ("host:port"),
         `num_processes`, `process_id`: join `jax.distributed` first (every process makes the same
         calls, as `python -m dcp_jax.generate --coordinator ...`; docs/MULTIHOST.md). `compile`:
         "all" (the default; `$DCP_JAX_COMPILE` changes it) compiles every program a request may run
@@ -190,7 +204,8 @@ class LLM:
         if speculative is None and draft_model is not None:
             raise UserError("draft_model is given but speculative is not 'draft': pass speculative='draft'")
         if speculative is not None:  # refuse a bad configuration before loading anything
-            SpeculativeConfig(speculative, num_speculative_tokens, draft=draft_model)
+            SpeculativeConfig(speculative, num_speculative_tokens, draft=draft_model,
+                              auto_off=speculative_auto_off)
         mesh = mesh_lib.make_mesh(tp, dcp, devices)
         dtype = resolve_dtype(dtype, mesh)  # "auto": bfloat16 on GPUs, float32 elsewhere
         loaded = load_any(model_dir, mesh, dtype, scan_layers=scan_layers)
@@ -201,7 +216,8 @@ class LLM:
         if speculative is not None:
             draft = None if draft_model is None else load_any(draft_model, mesh, dtype,
                                                              scan_layers=scan_layers).model
-            spec = SpeculativeConfig(speculative, num_speculative_tokens, draft=draft)
+            spec = SpeculativeConfig(speculative, num_speculative_tokens, draft=draft,
+                                     auto_off=speculative_auto_off)
         llm = cls(loaded.model, mesh, loaded.tokenizer, interleave=interleave, impl=impl,
                   source=loaded.source, speculative=spec, chat_template=template,
                   **engine_kw)
@@ -510,5 +526,9 @@ class LLM:
             d, a, n = (delta[k] for k in ("spec_drafted_tokens", "spec_accepted_tokens", "spec_verify_steps"))
             stats.update(speculative=self.speculative.method, num_speculative_tokens=self.speculative.num_tokens,
                          spec_drafted_tokens=d, spec_accepted_tokens=a, spec_verify_steps=n,
-                         spec_acceptance_rate=a / d if d else 0.0, mean_acceptance_length=1 + a / n if n else 0.0)
+                         spec_acceptance_rate=a / d if d else 0.0,
+                         mean_acceptance_length=1 + a / n if n else 0.0,
+                         **{k: delta[k] for k in ("spec_on_iterations", "spec_off_iterations",
+                                                  "spec_switches")},
+                         spec_last_switch=now["spec_last_switch"])
         return generation(requests, stats, None if self.tokenizer is None else self.decode)

@@ -40,12 +40,14 @@ def bad_words_ids(encode, words) -> tuple[tuple[int, ...], ...]:
     return tuple(w for w in out if w)
 
 
-def write_history(history, params, rows, positions, tokens, ok):
+def write_history(history, params, rows, positions, tokens, ok, every_row: bool = False):
     """history int32 [S, L] (each slot's tokens by position) with `tokens` written at (`rows`,
     `positions`) where `ok` and the row needs its history (penalties, bad words; `params`:
-    `SamplingRows`); all four of one shape.
-    A batch in which no row needs it is returned as it is."""
+    `SamplingRows`; with `every_row`, every row: the device n-gram proposer reads them all); all
+    four of one shape. A batch in which no row needs it is returned as it is."""
     need = params.needs_history()
+    if every_row:
+        need = jnp.ones_like(need)
 
     def write():
         keep = ok & need[rows]

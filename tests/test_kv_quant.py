@@ -170,7 +170,8 @@ def test_serving_paths_on_int8_pages():
     kw = dict(page_size=4, max_model_len=64, kv_cache_dtype="int8")
     plain = LLM.load(FIXTURES / "llama-gqa", tp=1, dcp=2, enable_prefix_caching=False, **kw)
     want = plain.generate(exp["prompts"], max_new_tokens=12, ignore_eos=True).tokens
-    spec = LLM.load(FIXTURES / "llama-gqa", tp=1, dcp=2, speculative="ngram", num_speculative_tokens=3, **kw)
+    spec = LLM.load(FIXTURES / "llama-gqa", tp=1, dcp=2, speculative="ngram",
+                    num_speculative_tokens=3, speculative_auto_off=False, **kw)
     assert spec.generate(exp["prompts"], max_new_tokens=12, ignore_eos=True).tokens == want
     cached = LLM.load(FIXTURES / "llama-gqa", tp=1, dcp=2, num_pages=9, max_num_seqs=3, **dict(kw, max_model_len=48))
     first = cached.generate(exp["prompts"], max_new_tokens=12, ignore_eos=True)

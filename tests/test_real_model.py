@@ -213,7 +213,8 @@ def test_greedy_equals_transformers(gguf_path, mesh, feature):
     if feature == "ngram":
         from dcp_jax.spec.proposers import SpeculativeConfig
 
-        llm = make_llm(gguf_path, MESHES[mesh], speculative=SpeculativeConfig("ngram", 4))
+        spec = SpeculativeConfig("ngram", 4, auto_off=False)
+        llm = make_llm(gguf_path, MESHES[mesh], speculative=spec)
         out = run(llm, batch)
         check_outputs(out, batch, mesh, feature)
         assert out.stats["spec_accepted_tokens"] > 0, out.stats

@@ -536,3 +536,25 @@ def test_reserved_prompts_hold_their_pages_until_written_or_given_back():
     assert a.output_token_ids == reference(a, 64) and sched.stats()["pages_used"] == 0
     assert sched.reserve_prefilled(Request("x", [])) is False  # one that can never run is refused at once
     sched.check()
+
+
+def test_an_iteration_with_nothing_decoding_takes_the_idle_budget():
+    # A lone prompt prefills in chunks of the idle budget; once a request decodes, every iteration keeps
+    # the decode budget (the decoding request never waits on a larger step); tokens as alone.
+    sched = make(max_num_seqs=2, max_num_batched_tokens=8, idle_batched_tokens=32, max_model_len=128)
+    dev = FakeDevice(sched)
+    long = Request("long", list(range(1, 61)), max_tokens=40)
+    short = Request("short", list(range(3, 53)), max_tokens=4)
+    sched.add_request(long)
+    plans = drive(sched, dev, on_step=lambda plan: plan.step == 1 and sched.add_request(short))
+    first = plans[0]
+    assert first.num_prefill_tokens == 32 and not first.decode_slots
+    for plan in plans[1:]:
+        decoding = len(plan.decode_slots) if not plan.verify_steps else 0
+        if plan.decode_slots:  # the budget covers each decoding request's token and the chunks
+            assert plan.num_prefill_tokens + decoding <= 8
+        else:
+            assert plan.num_prefill_tokens <= 32
+    assert long.output_token_ids == reference(long, 128)
+    assert short.output_token_ids == reference(short, 128)
+    assert any(p.decode_slots and p.prefills for p in plans)  # both budgets were used

@@ -96,11 +96,16 @@ def test_bench_spec_quick(capsys):
     # both tasks on a 1 x 2 mesh, small: every speculative run gives plain decoding's tokens; the figures
     # (speed-ups) are reported, not asserted
     mod = runpy.run_path(str(SCRIPTS / "bench_spec.py"), run_name="bench_spec")
-    assert mod["main"](["--quick", "--json", "--mesh", "1x2", "--context", "512", "--new-tokens", "24"]) == 0
+    argv = ["--quick", "--json", "--mesh", "1x2", "--context", "512", "--new-tokens", "24", "--repeats", "1"]
+    assert mod["main"](argv) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["mismatches"] == [] and set(out["docs"]["runs"]) == {"plain", "ngram", "draft"}
+    kinds = {"plain", "ngram", "ngram-always", "draft", "draft-always"}
+    assert out["mismatches"] == [] and set(out["docs"]["runs"]) == kinds
     for task in ("docs", "repeat"):
         for name, r in out[task]["runs"].items():
             assert r["exact"] and r["decode_tokens_per_s"] > 0
-            if name != "plain":
+            if name.endswith("-always"):  # every decode iteration speculates
                 assert r["spec_drafted_tokens"] > 0 and r["mean_acceptance_length"] >= 1
+                assert r["spec_off_iterations"] == 0
+            elif name != "plain":  # the rule decided each iteration: counted either way
+                assert r["spec_on_iterations"] + r["spec_off_iterations"] > 0

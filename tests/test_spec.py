@@ -57,19 +57,22 @@ class Oracle:
 def speculative_llm(name, tp, dcp, proposer):
     if proposer == "layer-skip":
         base = load(name, tp, dcp)
-        spec = SpeculativeConfig("draft", K, draft=layer_skip_draft(base.model, base.mesh, 1))
+        spec = SpeculativeConfig("draft", K, draft=layer_skip_draft(base.model, base.mesh, 1),
+                                 auto_off=False)
         return LLM(base.model, base.mesh, page_size=2, max_num_seqs=2, speculative=spec)
     if proposer.startswith("draft:"):  # another checkpoint (here: GQA draft for an MLA target)
         return load(name, tp, dcp, speculative="draft", num_speculative_tokens=K,
-                    draft_model=FIXTURES / proposer.split(":")[1])
-    return load(name, tp, dcp, speculative="ngram", num_speculative_tokens=K)
+                    draft_model=FIXTURES / proposer.split(":")[1], speculative_auto_off=False)
+    return load(name, tp, dcp, speculative="ngram", num_speculative_tokens=K,
+                speculative_auto_off=False)
 
 
 def serve(llm, prompts, proposer=None, outputs=None, arrivals=None, on_step=None, pages=None):
     pages = pages or 1 + 3 * llm.paged_layout().blocks_for(48)
-    spec = None  # (the oracle: a host proposer of the test's own, handed in with the configuration)
-    if proposer == "oracle":
-        spec = dataclasses.replace(llm.speculative, proposer=Oracle(prompts, outputs))
+    # always speculating (the rule that turns it off would make these runs' paths depend on a clock)
+    spec = dataclasses.replace(llm.speculative, auto_off=False)
+    if proposer == "oracle":  # a host proposer of the test's own, handed in with the configuration
+        spec = dataclasses.replace(spec, proposer=Oracle(prompts, outputs))
     server = llm.engine_with(spec, max_model_len=48, prefill_chunk=4, num_pages=pages)
     reqs = [Request(f"r{i}", p, max_tokens=NEW, ignore_eos=True) for i, p in enumerate(prompts)]
 
@@ -121,7 +124,8 @@ def test_acceptance_does_not_depend_on_the_mesh():
     prompts = [[3, 5, 7, 3, 5, 7, 3, 5], [9, 1, 9, 1, 9, 1, 9, 1, 9, 4, 2], [6, 6, 6, 6, 6]]
     counts = []
     for tp, dcp in ((1, 1), (2, 4)):
-        out = load("llama-gqa", tp, dcp, speculative="ngram", num_speculative_tokens=K).generate(
+        out = load("llama-gqa", tp, dcp, speculative="ngram", num_speculative_tokens=K,
+                   speculative_auto_off=False).generate(
             prompts, max_new_tokens=NEW, ignore_eos=True)
         counts.append((out.tokens, out.stats["spec_drafted_tokens"], out.stats["spec_accepted_tokens"]))
     assert counts[0] == counts[1] and counts[0][2] > 0
@@ -129,7 +133,8 @@ def test_acceptance_does_not_depend_on_the_mesh():
 
 def test_llm_generate_reports_acceptance():
     # the Python API end to end: LLM.load(speculative=...), generate's stats; the draft's pool shares pages
-    llm = load("llama-gqa", 1, 2, speculative="draft", num_speculative_tokens=2, draft_model=FIXTURES / "llama-gqa")
+    llm = load("llama-gqa", 1, 2, speculative="draft", num_speculative_tokens=2,
+               draft_model=FIXTURES / "llama-gqa", speculative_auto_off=False)
     out = llm.generate(expected("llama-gqa")["prompts"], max_new_tokens=12, ignore_eos=True)
     assert out.tokens == load("llama-gqa", 1, 2).generate(expected("llama-gqa")["prompts"], max_new_tokens=12,
                                                           ignore_eos=True).tokens
@@ -267,9 +272,10 @@ def small_vocab_llm(speculative=None, draft_layers=None):
     model = CausalLM(cfg, random_source(cfg, mesh, seed=3, scale=1.0), mesh)
     spec = None
     if speculative == "draft":
-        spec = SpeculativeConfig("draft", 2, draft=layer_skip_draft(model, mesh, draft_layers))
+        spec = SpeculativeConfig("draft", 2, draft=layer_skip_draft(model, mesh, draft_layers),
+                                 auto_off=False)
     elif speculative == "ngram":
-        spec = SpeculativeConfig("ngram", 2)
+        spec = SpeculativeConfig("ngram", 2, auto_off=False)
     return LLM(model, mesh, page_size=2, max_num_seqs=32, speculative=spec, enable_prefix_caching=False)
 
 
@@ -314,6 +320,7 @@ def test_cli_speculative_run(capsys):
     (["--num-speculative-tokens", "2"], "--num-speculative-tokens needs --speculative", 2),
     (["--speculative", "ngram", "--num-speculative-tokens", "0"], "--num-speculative-tokens must be >= 1", 2),
     (["--speculative", "beam"], "invalid choice", 2),
+    (["--no-speculative-auto-off"], "--speculative-auto-off needs --speculative", 2),
     (["--speculative", "draft", "--draft-model", str(FIXTURES / "nowhere")], "nowhere", 1),
 ])
 def test_cli_speculative_errors(capsys, argv, needle, code):
@@ -345,7 +352,8 @@ def test_server_with_ngram_speculation():
     from dcp_jax.launch import make_app, serve_in_thread
 
     app, llm = make_app(FIXTURES / "llama-tokenizer", tp=1, dcp=2, max_num_seqs=4, max_model_len=64, page_size=4,
-                        prefill_chunk=16, speculative="ngram", num_speculative_tokens=3)
+                        prefill_chunk=16, speculative="ngram", num_speculative_tokens=3,
+                        speculative_auto_off=False)
     plain_llm = LLM.load(FIXTURES / "llama-tokenizer", dcp=2, page_size=4)
     prompts = [[(5 * i + j) % 7 + 2 for j in range(12)] for i in range(3)]  # K = 3 draft positions  # repetitive: n-grams hit
     want = [plain_llm.generate([p], max_new_tokens=10, ignore_eos=True).text[0] for p in prompts]
@@ -376,3 +384,59 @@ def test_server_with_ngram_speculation():
         assert per_pos == sorted(per_pos, reverse=True)  # a draft token is accepted only after the ones before it
     finally:
         stop()
+
+
+# --- the rule that turns speculation off --------------------------------------------------------
+def test_spec_switch_turns_off_where_speculation_loses_and_probes_again():
+    from dcp_jax.spec.policy import SpecSwitch
+
+    sw = SpecSwitch(backoff=2, max_backoff=4)
+    ms = 1e-3
+
+    def run(accept, verify_ms, plain_ms, rows=4):
+        speculate = sw.choose(rows)
+        if speculate:  # 8 verify steps of `rows` rows, `accept` tokens each
+            sw.observe(True, rows, 8 * verify_ms * ms, 8, int(accept * 8 * rows), 8 * rows)
+        else:
+            sw.observe(False, rows, 8 * plain_ms * ms, 8)
+        return speculate
+
+    # the first run of each kind is cold (not counted); then each is measured once
+    assert [run(3.0, 2.0, 1.0) for _ in range(4)] == [True, True, False, False]
+    # gain 3 x 1 / 2 = 1.5: speculation stays on
+    assert all(run(3.0, 2.0, 1.0) for _ in range(5)) and sw.stats()["spec_switches"] == 0
+    # acceptance falls to 1.2 (gain 0.6 once the moving average follows it down): off
+    modes = [run(1.2, 2.0, 1.0) for _ in range(3)]
+    assert modes == [True, True, False] and sw.stats()["spec_switches"] == 1
+    why = sw.stats()["spec_last_switch"]
+    assert why.startswith("off at decode iteration") and "acceptance" in why and "< 1" in why
+    # off for the backoff (2 iterations, the switch's own included), then one probe; a failed probe
+    # doubles the backoff (4), which then stays at its cap
+    assert [run(1.2, 2.0, 1.0) for _ in range(2)] == [False, True]
+    assert [run(1.2, 2.0, 1.0) for _ in range(4)] == [False, False, False, True]
+    assert not sw.on and sw.stats()["spec_switches"] == 1
+    # the text turns repetitive: the next probe turns speculation back on
+    assert [run(4.0, 2.0, 1.0) for _ in range(5)] == [False, False, False, True, True]
+    assert sw.on and sw.stats()["spec_switches"] == 2
+    assert sw.stats()["spec_last_switch"].startswith("on at decode iteration")
+    # while on, a plain iteration every `refresh` speculative ones keeps the plain step time current
+    sw = SpecSwitch(refresh=2)
+    modes = [run(3.0, 2.0, 1.0) for _ in range(10)]
+    assert modes == [True, True, False, False] + [True, True, False] * 2
+    assert SpecSwitch(enabled=False).choose(8) is True
+
+
+def test_auto_off_engine_mixes_plain_and_speculative_iterations_exactly():
+    # With the rule on, the first decode iterations explore both kinds (cold, then measured), so a
+    # run of many decode iterations has both; every token equals plain decoding's, and the stats
+    # count both kinds.
+    name, tp, dcp = "llama-gqa", 1, 2
+    prompts = expected(name)["prompts"]
+    plain_llm = load(name, tp, dcp, decode_steps=2)
+    want = plain_llm.generate(prompts, max_new_tokens=NEW, ignore_eos=True)
+    llm = load(name, tp, dcp, decode_steps=2, speculative="ngram", num_speculative_tokens=K)
+    out = llm.generate(prompts, max_new_tokens=NEW, ignore_eos=True)
+    stats = llm.engine.stats()
+    assert out.tokens == want.tokens
+    assert stats["spec_on_iterations"] >= 2 and stats["spec_off_iterations"] >= 2
+    assert stats["spec_auto_off"] is True and out.stats["spec_verify_steps"] > 0

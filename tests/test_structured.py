@@ -93,7 +93,8 @@ def test_speculation_rejects_drafts_the_grammar_refuses():
     # sampled outputs still validate
     kw = dict(tp=1, dcp=2, page_size=4, max_num_seqs=10)
     plain = LLM.load(FIXTURES / "llama-tokenizer", **kw)
-    spec = LLM.load(FIXTURES / "llama-tokenizer", speculative="ngram", num_speculative_tokens=3, **kw)
+    spec = LLM.load(FIXTURES / "llama-tokenizer", speculative="ngram", num_speculative_tokens=3,
+                    speculative_auto_off=False, **kw)
     for structured, check in cases()[::3]:
         want = plain.generate(PROMPTS, max_new_tokens=80, structured=structured)
         got = spec.generate(PROMPTS, max_new_tokens=80, structured=structured)

@@ -23,6 +23,11 @@ from dcp_jax.layout import PagedLayout
 # H100) prefilled with it (TTFT 1.97 s at batch 4 x 32K) but recorded no sweep of the chunk;
 # scripts/gpu_check.sh sweeps 512-4096 and prints the fastest.
 DEFAULT_PREFILL_CHUNK = {"cpu": 256, "gpu": 2048}
+# The token budget of an iteration in which no request decodes (nobody waits on its step), when none is
+# given: a lone long prompt prefills in larger chunks (CPU: fewer passes over the weights and fewer
+# program calls; measured in docs/PERFORMANCE.md, "Long prompts"), while an iteration with decoding
+# requests keeps the decode budget above (their time per token does not change). GPU: the decode budget.
+DEFAULT_IDLE_BATCHED_TOKENS = {"cpu": 1024}
 DEFAULT_PAGE_SIZE = 64  # slots per page; a block-table entry covers page_size · dcp tokens
 
 
@@ -30,6 +35,11 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 def default_prefill_chunk(platform: str) -> int:
     return DEFAULT_PREFILL_CHUNK.get(platform, DEFAULT_PREFILL_CHUNK["cpu"])
+
+
+def default_idle_batched_tokens(platform: str) -> int | None:
+    """The idle token budget of `platform` (None: the decode budget)."""
+    return DEFAULT_IDLE_BATCHED_TOKENS.get(platform)
 
 
 def check_positive_ints(obj, names, least: dict | None = None) -> None:
@@ -63,7 +73,8 @@ class ServingConfig:
     size, slots, the model context, the prefill chunk and the decode steps per program call; and the
     token budget of one iteration (`max_num_batched_tokens`: its decode tokens and prefill chunks
     together; default `prefill_chunk` + `max_num_seqs`, so an iteration in which every slot decodes
-    still prefills a chunk). `ragged_tile`: the query tokens of one tile of a prefill chunk in the
+    still prefills a chunk); `idle_batched_tokens`: the budget of an iteration in which no request
+    decodes (None: the same; never less). `ragged_tile`: the query tokens of one tile of a prefill chunk in the
     ragged step (pallas_kernels/attention/ragged.py)."""
 
     num_pages: int
@@ -75,6 +86,7 @@ class ServingConfig:
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = False
     ragged_tile: int = 32
+    idle_batched_tokens: int | None = None
     host_blocks: int = 0  # blocks the host-memory tier under the prefix cache holds (0: none)
     # the KV pages' format: "auto" (the model's dtype) or "int8" / "fp8" (8-bit values with a float32
     # scale per token and kv head: pallas_kernels/attention/kv_quant.py)
@@ -83,8 +95,9 @@ class ServingConfig:
     def __post_init__(self):
         check_positive_ints(self, ("num_pages", "page_size", "max_num_seqs", "max_model_len", "prefill_chunk",
                                    "decode_steps", "ragged_tile"), least=dict(num_pages=2, max_model_len=2))
-        if self.max_num_batched_tokens is not None:
-            check_positive_ints(self, ("max_num_batched_tokens",))
+        for name in ("max_num_batched_tokens", "idle_batched_tokens"):
+            if getattr(self, name) is not None:
+                check_positive_ints(self, (name,))
         if not isinstance(self.enable_prefix_caching, bool):
             raise UserError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if not (isinstance(self.host_blocks, int) and self.host_blocks >= 0):
@@ -105,19 +118,28 @@ class ServingConfig:
         return self.max_num_batched_tokens or self.prefill_chunk + self.max_num_seqs
 
     @property
+    def idle_budget(self) -> int:
+        """The most tokens an iteration in which no request decodes runs (at least `token_budget`)."""
+        return max(self.token_budget, self.idle_batched_tokens or 0)
+
+    @property
     def step_sizes(self) -> tuple[int, ...]:
-        """The token counts a ragged step is padded to (`step_sizes`)."""
-        return step_sizes(self.token_budget)
+        """The token counts a ragged step is padded to (`step_sizes` of both budgets)."""
+        return tuple(sorted(set(step_sizes(self.token_budget)) | set(step_sizes(self.idle_budget))))
 
     def scheduler_config(self, layout: PagedLayout, *, eos_token_ids=(), vocab_size: int | None = None,
-                         num_speculative_tokens: int = 0) -> "SchedulerConfig":
+                         num_speculative_tokens: int = 0, verify_steps: int = 1,
+                         spec_auto_off: bool = False) -> "SchedulerConfig":
         """The scheduler's view of this configuration on `layout`, with the model's stop ids and vocabulary."""
         return SchedulerConfig(layout=layout, num_pages=self.num_pages, max_model_len=self.max_model_len,
                                max_num_seqs=self.max_num_seqs,
                                max_num_batched_tokens=self.token_budget,
+                               idle_batched_tokens=self.idle_budget,
                                decode_steps=self.decode_steps, eos_token_ids=tuple(eos_token_ids),
                                vocab_size=vocab_size, enable_prefix_caching=self.enable_prefix_caching,
-                               num_speculative_tokens=num_speculative_tokens, host_blocks=self.host_blocks)
+                               num_speculative_tokens=num_speculative_tokens,
+                               host_blocks=self.host_blocks, verify_steps=verify_steps,
+                               spec_auto_off=spec_auto_off)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +148,8 @@ class SchedulerConfig:
 
     num_pages counts the whole pool, the reserved null page included (so num_pages - 1 are usable).
     max_num_batched_tokens bounds the tokens of one iteration: the prefill chunks, and (without
-    speculation) the one token of each decoding request that runs beside them in the same ragged step.
+    speculation) the one token of each decoding request that runs beside them in the same ragged step;
+    idle_batched_tokens (None: the same) those of an iteration in which no request decodes.
     An iteration with nothing to prefill runs the [max_num_seqs, decode_steps] decode loop instead (a
     speculative verify step runs apart and is not charged).
     """
@@ -136,14 +159,19 @@ class SchedulerConfig:
     max_model_len: int
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 512
+    idle_batched_tokens: int | None = None
     decode_steps: int = 8
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int | None = None
     enable_prefix_caching: bool = False
-    # speculative decoding: each decode iteration is one verify step that may emit up to
-    # num_speculative_tokens + 1 tokens per request (decode_steps is then ignored); pages are reserved
-    # for all of them, and each request's budget (plan.decode_budget) is capped by its own tokens left
+    # speculative decoding: a speculative decode iteration runs up to verify_steps verify steps in
+    # one program call, each emitting up to num_speculative_tokens + 1 tokens per request; pages are
+    # reserved for all of them, and each request's budget (plan.decode_budget) is capped by its own
+    # tokens left. spec_auto_off: a plain iteration (decode_steps steps) instead where speculation
+    # measured slower (dcp_jax.spec.policy)
     num_speculative_tokens: int = 0
+    verify_steps: int = 1
+    spec_auto_off: bool = False
     host_blocks: int = 0  # the host tier's capacity in blocks (dcp_jax.kv.host; 0: none)
 
     def __post_init__(self):
@@ -151,12 +179,14 @@ class SchedulerConfig:
         if not (isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 0):
             raise UserError(f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
         check_positive_ints(self, ("num_pages", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                                   "decode_steps"), least=dict(num_pages=2))
+                                   "decode_steps", "verify_steps"), least=dict(num_pages=2))
 
-    @property
-    def tokens_per_decode(self) -> int:
-        """The most tokens one decode iteration may give a request (pages are reserved for them)."""
-        return self.num_speculative_tokens + 1 if self.num_speculative_tokens else self.decode_steps
+    def tokens_per_decode(self, verify_steps: int = 0) -> int:
+        """The most tokens one decode iteration of `verify_steps` verify steps (0: plain decoding)
+        may give a request (pages are reserved for them)."""
+        if verify_steps and self.num_speculative_tokens:
+            return verify_steps * (self.num_speculative_tokens + 1)
+        return self.decode_steps
 
     @property
     def max_blocks_per_seq(self) -> int:

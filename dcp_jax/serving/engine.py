@@ -30,6 +30,7 @@ publishes its commands and each plan; the others replay them); requests then com
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -58,13 +59,18 @@ class ServingEngine:
                  impl: str | None = None, combine: str = "auto", detokenize=None,
                  speculative: SpeculativeConfig | None = None, tokenizer=None,
                  lockstep: Lockstep | None = None):
+        if speculative is not None and lockstep is not None and speculative.auto_off:
+            # several processes must take the same steps: no decision that reads a clock
+            speculative = dataclasses.replace(speculative, auto_off=False)
         self.config, self.speculative = config, speculative
         self.layout = layout  # where the pool puts tokens (`LLM.paged_layout`)
         vocab, eos = model.config.vocab_size, model.config.eos_token_ids
         self.structured = StructuredOutputs(tokenizer, vocab, eos)
         k = 0 if speculative is None else speculative.num_tokens
-        sched_config = config.scheduler_config(self.layout, eos_token_ids=eos, vocab_size=vocab,
-                                               num_speculative_tokens=k)
+        steps = 1 if speculative is None else speculative.verify_steps(config.decode_steps)
+        sched_config = config.scheduler_config(
+            self.layout, eos_token_ids=eos, vocab_size=vocab, num_speculative_tokens=k,
+            verify_steps=steps, spec_auto_off=speculative is not None and speculative.auto_off)
         self.scheduler = Scheduler(sched_config, detokenize=detokenize, structured=self.structured)
         kv = self.scheduler.kv
         self.runner = ModelRunner(model, mesh, config, self.layout, impl=impl, combine=combine,
@@ -141,14 +147,14 @@ class ServingEngine:
             self.timing[key] += value
         self.timing["prefill_tokens"] += plan.num_prefill_tokens
         # the decode loop's tokens: a ragged step's first token of each row is prefill's
-        first = 1 if plan.prefills and self.speculative is None else 0
+        first = 1 if plan.prefills and not plan.verify_steps else 0
         self.timing["decode_tokens"] += sum(
             max(n - n0 - first, 0) for n, n0 in zip(lengths(plan.decode_requests), decoding0))
         self.timing["decode_tokens"] += sum(
             max(n - n0 - 1, 0) for n, n0 in zip(lengths(joining), joining0))
         if output.accepted_per_pos is not None:
             self.spec_counts["spec_drafted_tokens"] += output.drafted
-            self.spec_counts["spec_verify_steps"] += len(plan.decode_slots)
+            self.spec_counts["spec_verify_steps"] += output.verify_rows
             self.spec_accepted_per_pos += output.accepted_per_pos
 
     def run_until_idle(self, on_step=None) -> None:

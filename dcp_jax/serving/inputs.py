@@ -44,6 +44,27 @@ class StepInputs:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class VerifyInputs(StepInputs):
+    """The verify loop's inputs: the StepInputs of its first verify step [S, k+1] (column 0 each
+    slot's last token, not yet in the cache; columns 1..k the drafts of the rows whose drafts are
+    `given`), and per slot: budget int32 [S], the most tokens the slot may emit in this call (its
+    pages are reserved for them); given bool [S], whether the slot's drafts of the first step come
+    from the host (a host proposer, or a structured output's row: its token mask covers them) rather
+    than from the device's proposer. valid[:, 0] says the slot decodes."""
+
+    budget: jax.Array
+    given: jax.Array
+
+    @classmethod
+    def spec(cls, rows: int, tokens: int, blocks: int, words: int) -> VerifyInputs:
+        base = StepInputs.spec(rows, tokens, blocks, words)
+        return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(StepInputs)},
+                   budget=jax.ShapeDtypeStruct((rows,), jnp.int32),
+                   given=jax.ShapeDtypeStruct((rows,), jnp.bool_))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class RaggedInputs(StepInputs):
     """One ragged step: the tokens of many rows (decode rows and prefill chunks) end to end, by name.
 

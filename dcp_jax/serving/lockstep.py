@@ -64,7 +64,8 @@ def plan_digest(plan) -> int:
     """A CRC-32 of what a plan runs: its step, chunks, decode rows and block table."""
     head = (plan.step, [(c.request.request_id, c.slot, c.start, len(c.token_ids), c.is_last, c.joins)
                         for c in plan.prefills],
-            [r.request_id for r in plan.decode_requests], list(plan.decode_slots), plan.decode_steps)
+            [r.request_id for r in plan.decode_requests], list(plan.decode_slots),
+            plan.decode_steps, plan.verify_steps)
     h = zlib.crc32(repr(head).encode())
     for a in (plan.decode_tokens, plan.decode_positions, plan.decode_budget, plan.block_table):
         h = zlib.crc32(np.ascontiguousarray(a).tobytes(), h)

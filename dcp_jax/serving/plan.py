@@ -44,9 +44,10 @@ class SchedulePlan:
     the host discards tokens sampled after a request stopped.
 
     decode_budget[s]: the most tokens slot s may produce this iteration (its pages are reserved for
-    them). Without speculation it is K for every decoding slot; with it, min(k + 1, tokens it has
-    left) per slot: a verify step writes the KV of at most budget positions from decode_positions[s]
-    on.
+    them). Without speculation it is K for every decoding slot; with it (`verify_steps` > 0: the
+    iteration runs up to that many verify steps, in one program call), min(verify_steps · (k + 1),
+    tokens it has left) per slot, and decode_steps is verify_steps · (k + 1), the output's columns:
+    the verify steps write the KV of at most budget positions from decode_positions[s] on.
 
     Without speculation, the K - 1 decode steps after a ragged step also run the requests whose
     prompt ends in it (`PrefillChunk.joins`; only when some request decodes: no loop runs for those
@@ -64,6 +65,7 @@ class SchedulePlan:
     block_table: np.ndarray  # int32 [max_num_seqs, max_blocks_per_seq]
     decode_budget: np.ndarray  # int32 [max_num_seqs]; 0 for slots that do not decode
     preempted: list[str]
+    verify_steps: int = 0  # > 0: the decode rows speculate (up to this many verify steps)
     applied: bool = False  # its results were applied (`Scheduler.update`) or its requests failed
 
     @property
@@ -121,7 +123,8 @@ class StepOutput:
              scores its prompt (prompt logprobs)
     timing   the step's device counters (prefill_s, decode_s, decode_steps, ragged_steps,
              rows_computed, rows_useful)
-    drafted / accepted_per_pos   a verify step's drafts proposed, and accepted by position
+    drafted / accepted_per_pos / verify_rows   the verify steps' drafts proposed, accepted by
+             position, and the verify steps summed over the rows that took part in them
     """
 
     first: Sampled | None = None
@@ -131,6 +134,7 @@ class StepOutput:
     timing: dict = dataclasses.field(default_factory=dict)
     drafted: int = 0
     accepted_per_pos: np.ndarray | None = None
+    verify_rows: int = 0
 
     def count(self, key: str, value) -> None:
         self.timing[key] = self.timing.get(key, 0) + value

@@ -12,9 +12,12 @@
               the token after each row's last one sampled                        [jit, donated]
     decode:   every slot [S] for up to K steps in one while_loop: forward one token, write,
               sample, record                                                     [jit, donated]
-    verify:   (speculative decoding, instead of decode) every slot's last token + k drafts
-              [S, k+1] in one forward, written; the accepted drafts + one target token come back
-              [S, k+1] with a count per slot; a draft model drafts inside it     [jit, donated]
+    verify:   (speculative decoding, instead of decode) a while_loop of up to M verify steps:
+              each slot's drafts proposed on the device (n-gram lookup over the token history, or
+              the draft model's k steps), then its last token + k drafts [S, k+1] in one forward,
+              written and accepted; the accepted drafts + one target token of every step come back
+              end to end [S, M·(k+1)] with a count per slot; no host round trip between
+              steps                                                              [jit, donated]
 
 Shapes depend only on the `ServingConfig` (slots, blocks per sequence, step sizes, K): requests come
 and go with no recompilation. Sampling is per row (`dcp_jax.sampling.sample_rows`) with a key
@@ -43,9 +46,9 @@ from dcp_jax.model import CausalLM
 from dcp_jax.penalties import write_history
 from dcp_jax.sampling import MAX_TOP_LOGPROBS, bias_logits, sample_rows, score_tokens
 from dcp_jax.serving.config import ServingConfig
-from dcp_jax.serving.inputs import RaggedInputs, StepInputs
+from dcp_jax.serving.inputs import RaggedInputs, StepInputs, VerifyInputs
 from dcp_jax.spec import verify as spec_verify
-from dcp_jax.spec.proposers import SpeculativeConfig
+from dcp_jax.spec.proposers import SpeculativeConfig, ngram_drafts
 from pallas_kernels.attention import kv_quant as kvq
 
 
@@ -118,6 +121,13 @@ class StepPrograms:
         self.dtype = model.embed_tokens.get_value().dtype
         self.max_blocks_per_seq = layout.blocks_for(config.max_model_len)
         self.draft = speculative.draft if speculative is not None else None
+        # n-gram drafts made on the device read every row's token history: every program keeps it
+        self.keep_history = speculative is not None and speculative.on_device_ngram
+        # verify steps per verify-loop call, and its output's columns (each step emits <= k + 1)
+        self.verify_steps = 0 if speculative is None else speculative.verify_steps(
+            config.decode_steps)
+        self.verify_width = 0 if speculative is None else self.verify_steps * (
+            speculative.num_tokens + 1)
         kv_spec = mesh_lib.kv_pool_spec(model.head_axes, model.context_axes, stacked=True)
         self.pool_sharding = mesh_lib.named(mesh, kv_spec)
         draft_params = draft_sharding = None
@@ -200,23 +210,22 @@ class StepPrograms:
         """The compiled decode loop over every slot: (weights, caches, history, StepInputs [S, 1]
         (the tokens and positions to start from, valid = the slot decodes), num_steps) -> (caches,
         history, tokens [S, K], logprobs [S, K], top logprobs [S, K, 20]); runs num_steps <= K
-        steps."""
-        if self.speculative is not None:
-            raise RuntimeError("a speculative engine decodes with verify_program()")
+        steps (also a speculative engine's plain iterations, while speculation is off)."""
         s, nb = self.config.max_num_seqs, self.max_blocks_per_seq
         return self.compiled("decode", self.decode, self.weights, self.pool_spec(),
                              self.history_spec(), StepInputs.spec(s, 1, nb, self.mask_words),
                              jax.ShapeDtypeStruct((), jnp.int32), outputs=3)
 
     def verify_program(self):
-        """The compiled speculative step over every slot: (weights, caches, history, StepInputs
-        [S, k+1]) -> (caches, history, tokens [S, k+1], counts [S], logprobs [S, k+1], top logprobs)
-        (see `verify`)."""
+        """The compiled verify loop over every slot: (weights, caches, history, VerifyInputs
+        [S, k+1], num_steps) -> (caches, history, tokens [S, W], counts [S], logprobs [S, W], top
+        logprobs [S, W, 20], (drafted [S], accepted by draft position [k], verify steps [S])), W =
+        `verify_width` (see `verify_loop`)."""
         s, nb = self.config.max_num_seqs, self.max_blocks_per_seq
         t = self.speculative.num_tokens + 1
-        return self.compiled("verify", self.verify, self.weights, self.pool_spec(),
-                             self.history_spec(), StepInputs.spec(s, t, nb, self.mask_words),
-                             outputs=4)
+        return self.compiled("verify", self.verify_loop, self.weights, self.pool_spec(),
+                             self.history_spec(), VerifyInputs.spec(s, t, nb, self.mask_words),
+                             jax.ShapeDtypeStruct((), jnp.int32), outputs=5)
 
     def step_program(self):
         """The program a decode iteration runs: the verify step with speculation, else the decode
@@ -260,10 +269,78 @@ class StepPrograms:
                                       hidden=True)
         scores = score_tokens(model.head_logits, hidden[0], step.next_token)
         history = write_history(history, step.sampling, step.tiles.token_row, step.positions[0],
-                                step.tokens[0], step.valid[0])
+                                step.tokens[0], step.valid[0], self.keep_history)
         # the new token lands at kv_len
         tok, lp, top = sample_rows(logits, step.sampling, step.kv_len, history, step.token_mask)
         return Caches(pools, draft_pools), history, tok, lp, top, scores
+
+    def verify_loop(self, weights: Weights, caches: Caches, history, step: VerifyInputs,
+                    num_steps):
+        """Up to `num_steps` verify steps in one while_loop, each proposing on the device: a slot
+        takes part while it has budget left (`step.budget`: the tokens its reserved pages hold) and
+        drafts at most that budget less one, so it never writes past its pages. A slot whose drafts
+        are `given` (host proposals; structured outputs) takes the first step only, with them.
+        Returns (caches, history, tokens [S, W] (each step's accepted drafts and extra token, end to
+        end), counts [S], logprobs [S, W], top logprobs [S, W, 20], (drafted [S], accepted by draft
+        position [k], verify steps [S])). Draws depend on (seed, position) only, so the tokens are
+        those of the same steps run one call each."""
+        s, t = step.tokens.shape
+        k, width, rows = t - 1, self.verify_width, jnp.arange(s)
+        cols, col_t = jnp.arange(k, dtype=jnp.int32)[None], jnp.arange(t, dtype=jnp.int32)[None]
+
+        def active(i, emitted):
+            return step.valid[:, 0] & (step.budget > emitted) & (~step.given | (i == 0))
+
+        def body(state):
+            i, caches, history, cur, pos, emitted, out, counts_of = state
+            on = active(i, emitted)
+            drafts, room, history = self.propose(history, cur, pos, on)
+            given = step.given & (i == 0)
+            drafts = jnp.where(given[:, None], step.tokens[:, 1:], drafts)
+            room = jnp.where(given, jnp.sum(step.valid[:, 1:], axis=1), room)
+            n = jnp.where(on, jnp.minimum(room, jnp.clip(step.budget - emitted - 1, 0, k)), 0)
+            valid = jnp.concatenate([on[:, None], cols < n[:, None]], axis=1)
+            sub = StepInputs(jnp.concatenate([cur[:, None], drafts], axis=1), pos[:, None] + col_t,
+                             valid, jnp.where(on, pos + 1 + n, 0), step.block_table,
+                             step.sampling, step.token_mask)
+            caches, history, toks, counts, lps, top = self.verify(weights, caches, history, sub)
+            counts = jnp.where(on, counts, 0)
+            at = jnp.where(col_t < counts[:, None], emitted[:, None] + col_t, width)  # end to end
+            out = jax.tree.map(lambda acc, x: acc.at[rows[:, None], at].set(x, mode="drop"), out,
+                               (toks, lps, top))
+            cur = jnp.where(on, toks[rows, jnp.maximum(counts - 1, 0)], cur)
+            drafted, accepted, steps = counts_of
+            counts_of = (drafted + n, accepted + jnp.sum(cols < counts[:, None] - 1, axis=0),
+                         steps + on)
+            return i + 1, caches, history, cur, pos + counts, emitted + counts, out, counts_of
+
+        n_top = (s, width, MAX_TOP_LOGPROBS)
+        out = (jnp.zeros((s, width), jnp.int32), jnp.zeros((s, width), jnp.float32),
+               (jnp.zeros(n_top, jnp.int32), jnp.zeros(n_top, jnp.float32)))
+        zeros = jnp.zeros(s, jnp.int32)
+        state = (jnp.int32(0), caches, history, step.tokens[:, 0], step.positions[:, 0], zeros,
+                 out, (zeros, jnp.zeros(k, jnp.int32), zeros))
+        state = jax.lax.while_loop(
+            lambda st: (st[0] < num_steps) & jnp.any(active(st[0], st[5])), body, state)
+        _, caches, history, _, _, emitted, (tokens, lps, top), counts_of = state
+        return caches, history, tokens, emitted, lps, top, counts_of
+
+    def propose(self, history, cur, pos, on):
+        """One verify step's device drafts: (drafts [S, k], how many each row may use [S],
+        history). n-gram lookup writes each row's last token `cur` at `pos` into the history first
+        and looks its context up there; a draft model drafts inside `verify` (room for k); a host
+        proposer's drafts are given (none here)."""
+        s, k = cur.shape[0], self.speculative.num_tokens
+        none = jnp.zeros((s, k), jnp.int32)
+        if self.draft is not None:
+            return none, jnp.full((s,), k, jnp.int32), history
+        if not self.keep_history:
+            return none, jnp.zeros((s,), jnp.int32), history
+        history = history.at[jnp.arange(s), jnp.where(on, pos, history.shape[1])].set(
+            cur, mode="drop")
+        sp = self.speculative
+        drafts, found = ngram_drafts(history, pos + 1, k, sp.min_n, sp.max_n)
+        return drafts, jnp.where(found, k, 0), history
 
     def verify(self, weights: Weights, caches: Caches, history, step: StepInputs):
         """One speculative step. step [S, k+1]: column 0 the last token (position p, not yet in
@@ -280,7 +357,8 @@ class StepPrograms:
                               self.context(step.block_table))
         s, t = tokens.shape
         rows = jnp.broadcast_to(jnp.arange(s)[:, None], (s, t))
-        history = write_history(history, step.sampling, rows, step.positions, tokens, step.valid)
+        history = write_history(history, step.sampling, rows, step.positions, tokens, step.valid,
+                                self.keep_history)
         out, counts, lps, top = spec_verify.accept(
             logits.astype(jnp.float32), tokens[:, 1:], step.valid[:, 1:], step.sampling,
             step.positions[:, 0] + 1, history, step.token_mask, draft_probs)
@@ -328,7 +406,8 @@ class StepPrograms:
             k, pools, history, cur, pos, out, out_lp, out_top = state
             kv_len = jnp.where(active, pos + 1, 0)
             logits, pools = model(cur[:, None], pos[:, None], active[:, None], kv_len, pools, ctx)
-            history = write_history(history, step.sampling, jnp.arange(s), pos, cur, active)
+            history = write_history(history, step.sampling, jnp.arange(s), pos, cur, active,
+                                    self.keep_history)
             tok, lp, top = sample_rows(logits[:, 0], step.sampling, pos + 1, history,
                                        step.token_mask)
             out_top = jax.tree.map(lambda acc, x: put(acc, x, k), out_top, top)

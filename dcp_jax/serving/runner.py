@@ -3,8 +3,9 @@
     ModelRunner.execute(plan) -> StepOutput
         one iteration's programs: one ragged step (every decoding slot's first token and the prompt
         chunks in one flat batch), then the decode loop for the other K - 1 (the prompts that ended
-        in the step decoding too); with nothing to prefill, the decode loop alone (or a verify
-        step); the host tier's pending copies first
+        in the step decoding too); with nothing to prefill, the decode loop alone; a speculative
+        plan's decode rows run the verify loop instead (after the ragged step's prefills, when it
+        has any); the host tier's pending copies first
 
     pools (per layer stack): [L, N·pages, K, page, D] (kv heads over "tp", each context rank its
         own pages), with a draft model's pools beside them: one pytree `Caches(target, draft)`
@@ -42,7 +43,7 @@ from dcp_jax.model import CausalLM
 from dcp_jax.sampling import SamplingRows
 from dcp_jax.serving.config import ServingConfig, padded_size
 from dcp_jax.serving.host_copy import HostCopier
-from dcp_jax.serving.inputs import RaggedInputs, StepInputs
+from dcp_jax.serving.inputs import RaggedInputs, StepInputs, VerifyInputs
 from dcp_jax.serving.plan import Sampled, SchedulePlan, StepOutput
 from dcp_jax.serving.programs import Caches, StepPrograms
 from dcp_jax.spec.proposers import SpeculativeConfig, host_proposer
@@ -63,7 +64,8 @@ class ModelRunner:
         self.eos_token_ids = tuple(model.config.eos_token_ids)
         # StructuredOutputs (dcp_jax.structured): constrained rows' masks
         self.structured = structured
-        # drafts made on the host (n-gram lookup), or None
+        # drafts made on the host: a proposer handed in, or n-gram lookup for the rows with a
+        # structured output (their drafts' masks are made here); None with a draft model
         self.proposer = host_proposer(speculative)
         self.host_copies = host_copies  # () -> (offloads, restores): the KV manager's copy queue
         self.copier = HostCopier(self.programs)  # the host tier's copy programs
@@ -156,10 +158,10 @@ class ModelRunner:
     # --- one iteration ----------------------------------------------------------------------------
     def execute(self, plan: SchedulePlan) -> StepOutput:
         """Run a plan: the host tier's copies, then one ragged step over its prefill chunks and
-        (without speculation) its decode rows' first tokens, their other K - 1 in the decode loop
-        after it; with nothing to prefill, the K-step decode loop alone; with speculation, the
-        verify step after the ragged step's prefills. Returns what the programs produced, on the
-        host."""
+        (unless the plan speculates) its decode rows' first tokens, their other K - 1 in the decode
+        loop after it; with nothing to prefill, the K-step decode loop alone; a speculative plan's
+        decode rows in the verify loop (after the ragged step's prefills). Returns what the
+        programs produced, on the host."""
         out = StepOutput()
         self.copy_pending()
         if plan.prefills:
@@ -185,7 +187,7 @@ class ModelRunner:
         tokens just sampled, with the requests whose prompt ended in the step (`plan.joining`)
         beside them."""
         t0 = time.perf_counter()
-        with_decode = self.speculative is None and bool(plan.decode_slots)
+        with_decode = not plan.verify_steps and bool(plan.decode_slots)
         rows = self.ragged_rows(plan, with_decode)
         num_tokens = sum(len(ids) for *_, ids in rows)
         n = self.step_size(num_tokens)
@@ -232,70 +234,81 @@ class ModelRunner:
         mask = self.token_mask([(slot, r, []) for slot, r, _ in rows], 1)
         inputs = StepInputs(tokens, positions[:, None], live[:, None], np.zeros(s, np.int32),
                             block_table, SamplingRows.of(requests, self.eos_token_ids), mask)
-        return self.run(self.step_program(), inputs, np.int32(steps))
+        # (a speculative engine's plain iterations run the decode loop too)
+        program = (self.step_program() if self.speculative is None
+                   else self.programs.decode_program())
+        return self.run(program, inputs, np.int32(steps))
 
     def decode_iteration(self, plan: SchedulePlan, out: StepOutput) -> None:
-        """A plan's decode iteration: up to K steps of the decode loop, or, with speculation, one
-        verify step of each slot's last token and its drafts (from the host proposer, or drafted on
-        the device by the draft model)."""
-        t0, k = time.perf_counter(), plan.decode_steps
-        if self.speculative is None:
+        """A plan's decode iteration: up to K steps of the decode loop, or, when the plan
+        speculates, the verify loop (`verify`). Its device time (`decode_s`) starts once its
+        program is compiled."""
+        k = plan.decode_steps
+        if not plan.verify_steps:
             first = plan.decode_tokens[:, None]
+            if self.speculative is not None:
+                self.programs.decode_program()  # (compiled before the clock starts)
+            t0 = time.perf_counter()
             tokens, logprobs, top = self.decode_loop(plan.decode_rows(), first, k, plan.block_table)
             counts, steps = None, k
         else:
-            tokens, logprobs, counts, top = self.verify(plan, out)
-            steps = 1
+            self.step_program()
+            t0 = time.perf_counter()
+            tokens, logprobs, counts, top, steps = self.verify(plan, out)
         out.decode = Sampled(host(tokens)[:, :k], host(logprobs)[:, :k],
                              tops_on_host(plan.decode_requests, top, k), counts)
         out.count("decode_s", time.perf_counter() - t0)
         out.count("decode_steps", steps)
 
-    def verify_inputs(self, plan: SchedulePlan) -> StepInputs:
-        """A verify step's inputs [S, k+1]: each slot's last token and its drafts (the n-gram
-        proposer's; with a draft model, room for the drafts it makes on the device)."""
-        s, width = self.config.max_num_seqs, self.speculative.num_tokens + 1
-        tokens, valid = np.zeros((s, width), np.int32), np.zeros((s, width), bool)
+    def verify_inputs(self, plan: SchedulePlan) -> VerifyInputs:
+        """The verify loop's inputs: each slot's last token [S, k+1] and its budget; the drafts of
+        its first step `given` for a row with a structured output (its token mask must cover them:
+        the host proposer's n-gram drafts; none with a draft model) and for every row when a host
+        proposer was handed in; the other rows' drafts are made on the device."""
+        s, k = self.config.max_num_seqs, self.speculative.num_tokens
+        tokens, valid = np.zeros((s, k + 1), np.int32), np.zeros((s, k + 1), bool)
         tokens[:, 0], valid[:, 0] = plan.decode_tokens, plan.decode_mask
+        given = np.zeros(s, bool)
         rows, mask_rows = [None] * s, []
         for r, slot in zip(plan.decode_requests, plan.decode_slots):
             rows[slot] = r
-            # a verify step emits at most drafts + 1 tokens
-            most = int(plan.decode_budget[slot]) - 1
+            given[slot] = (self.speculative.proposer is not None
+                           or r.sampling.structured is not None)
             drafts = []
-            if self.proposer is not None:
+            if given[slot] and self.proposer is not None:
+                # a verify step emits at most drafts + 1 tokens
+                most = min(int(plan.decode_budget[slot]) - 1, k)
                 drafts = self.proposer.propose(r, most)
                 tokens[slot, 1:1 + len(drafts)] = drafts
                 valid[slot, 1:1 + len(drafts)] = True
-            # (drafted on the device)
-            elif self.draft is not None and r.sampling.structured is None:
-                valid[slot, 1:1 + most] = True
             # (token_mask keeps the constrained)
             mask_rows.append((slot, r, [int(t) for t in drafts]))
-        positions = plan.decode_positions[:, None] + np.arange(width, dtype=np.int32)[None]
+        positions = plan.decode_positions[:, None] + np.arange(k + 1, dtype=np.int32)[None]
         kv_len = np.where(plan.decode_mask, plan.decode_positions + valid.sum(axis=1), 0)
-        return StepInputs(tokens, positions, valid, kv_len.astype(np.int32), plan.block_table,
-                          SamplingRows.of(rows, self.eos_token_ids),
-                          self.token_mask(mask_rows, width))
+        return VerifyInputs(tokens, positions, valid, kv_len.astype(np.int32), plan.block_table,
+                            SamplingRows.of(rows, self.eos_token_ids),
+                            self.token_mask(mask_rows, k + 1), plan.decode_budget.astype(np.int32),
+                            given)
 
     def verify(self, plan: SchedulePlan, out: StepOutput):
-        """One speculative verify step over the plan's decode slots: (tokens, logprobs) [S, k+1] on
-        the device, the count of each slot's tokens (host), and the top logprobs [S, k+1, 20]
-        (device); the drafts proposed and accepted go into `out`."""
+        """The verify loop over the plan's decode slots (up to `plan.verify_steps` steps in one
+        call): (tokens, logprobs) [S, W] on the device, the count of each slot's tokens (host), the
+        top logprobs [S, W, 20] (device) and the steps the loop ran; the drafts proposed and
+        accepted, and the verify steps of each row, go into `out`."""
         inputs = self.verify_inputs(plan)
         self.fill_history([(slot, r, int(plan.decode_positions[slot]))
                            for r, slot in zip(plan.decode_requests, plan.decode_slots)])
-        tokens, counts, logprobs, top = self.run(self.step_program(), inputs)
-        counts = host(counts)
-        valid = np.asarray(inputs.valid)
-        out.drafted = int(valid[plan.decode_slots, 1:].sum())
-        accepted = counts[plan.decode_slots] - 1
-        out.accepted_per_pos = (np.arange(valid.shape[1] - 1)[None] < accepted[:, None]).sum(axis=0)
-        return tokens, logprobs, counts, top
+        tokens, counts, logprobs, top, (drafted, accepted, row_steps) = self.run(
+            self.step_program(), inputs, np.int32(plan.verify_steps))
+        counts, row_steps = host(counts), host(row_steps)
+        out.drafted = int(host(drafted)[plan.decode_slots].sum())
+        out.accepted_per_pos = host(accepted).astype(np.int64)
+        out.verify_rows = int(row_steps[plan.decode_slots].sum())
+        return tokens, logprobs, counts, top, int(row_steps.max(initial=0))
 
     def step_program(self):
-        """The program a decode iteration runs: the verify step with speculation, else the decode
-        loop."""
+        """The program a decode iteration runs by default: the verify loop with speculation, else
+        the decode loop."""
         return self.programs.step_program()
 
     def step_size(self, tokens: int) -> int:
@@ -321,11 +334,12 @@ class ModelRunner:
 
     def fill_history(self, rows) -> None:
         """Before a program: for each (slot, request, first position, ...) row whose request's
-        sampling reads its earlier tokens (penalties, bad words), the tokens before the row's first
-        position into the slot's history row (those already in the cache: no program wrote them
-        there). A request's tokens never change, so a row its own request left holds them still."""
+        sampling reads its earlier tokens (penalties, bad words; every row when n-gram drafts are
+        looked up on the device), the tokens before the row's first position into the slot's
+        history row (those already in the cache: no program wrote them there). A request's tokens
+        never change, so a row its own request left holds them still."""
         for slot, r, count, *_ in rows:
-            if not r.sampling.needs_history:
+            if not (r.sampling.needs_history or self.programs.keep_history):
                 continue
             self.allocate()
             if self._history_owner[slot] is r:
@@ -379,6 +393,8 @@ class ModelRunner:
         size and, with a host tier, its copies of up to a sequence's blocks. Allocates the pools."""
         programs = self.programs
         jobs = [self.step_program] if decode else []
+        if decode and self.speculative is not None and self.speculative.auto_off:
+            jobs.append(programs.decode_program)  # (the plain iterations while speculation is off)
         jobs += [partial(programs.ragged_program, n)
                  for n in (self.config.step_sizes if step_sizes is None else step_sizes)]
         if step_sizes is None:

@@ -15,7 +15,9 @@ the pool is reserved, never holds a sequence's KV, and takes the writes of padde
 
 One token budget per iteration (`max_num_batched_tokens`): every decoding request's first token of
 the iteration (it runs in the ragged step beside the chunks; without speculation) and the prefill
-chunks, of running requests and then of waiting ones, oldest first.
+chunks, of running requests and then of waiting ones, oldest first. An iteration in which no
+request decodes has the larger `idle_batched_tokens` (no decoding request waits on its step, so a lone
+long prompt prefills in fewer, larger chunks).
 
 Pages are reserved before the device runs: a prefill chunk gets the blocks up to its end, a decoding
 request gets the blocks for all K steps. A request whose prompt ends in the iteration's ragged step
@@ -50,6 +52,7 @@ from dcp_jax.kv.manager import NULL_PAGE, KVCacheManager
 from dcp_jax.serving.config import SchedulerConfig
 from dcp_jax.serving.plan import PrefillChunk, Sampled, SchedulePlan, StepOutput
 from dcp_jax.serving.request import Request, RequestState
+from dcp_jax.spec.policy import SpecSwitch
 
 __all__ = ["NULL_PAGE", "PrefillChunk", "SchedulePlan", "Scheduler", "SchedulerConfig"]
 
@@ -82,6 +85,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.last_plan: SchedulePlan | None = None
         self.step = 0
+        # with speculation: whether each decode iteration speculates (measured; dcp_jax.spec.policy)
+        self.spec_switch = (SpecSwitch(config.spec_auto_off) if config.num_speculative_tokens
+                            else None)
 
     # --- requests in and out ----------------------------------------------------------------------
     def add_request(self, request: Request) -> Request:
@@ -174,30 +180,45 @@ class Scheduler:
             raise RuntimeError("apply the previous plan's results (update) before scheduling again")
         self.step += 1
         decoding = [r for r in self.running if r.state is RequestState.DECODING]
-        k_steps, budget_of, budget = self.decode_budget(decoding)
+        verify_steps = self.verify_steps(decoding)
+        k_steps, budget_of, budget = self.decode_budget(decoding, verify_steps)
         prefills: list[PrefillChunk] = []
         decodes: list[Request] = []
         preempted: list[str] = []
         budget = self.schedule_running(budget_of, budget, prefills, decodes, preempted)
         if not preempted:  # (after a preemption the pool is short already)
             self.admit_waiting(budget, prefills)
-        if not self.config.num_speculative_tokens and k_steps > 1 and decodes:
+        if not verify_steps and k_steps > 1 and decodes:
             self.join_loop(k_steps, prefills)
-        self.last_plan = self.make_plan(prefills, decodes, k_steps, budget_of, preempted)
+        self.last_plan = self.make_plan(prefills, decodes, k_steps, budget_of, preempted,
+                                        verify_steps)
         return self.last_plan
 
-    def decode_budget(self, decoding: list[Request]):
+    def verify_steps(self, decoding: list[Request]) -> int:
+        """The verify steps this iteration's decode rows run (0: plain decoding): none without
+        speculation or while it is off (`SpecSwitch`), one when a row has a structured output (its
+        drafts' token masks are made on the host), else the configured `verify_steps` (fewer for a
+        probe of speculation while it is off)."""
+        if self.spec_switch is None or not decoding or not self.spec_switch.choose(len(decoding)):
+            return 0
+        if any(r.sampling.structured is not None for r in decoding):
+            return 1
+        return self.spec_switch.verify_steps(self.config.verify_steps)
+
+    def decode_budget(self, decoding: list[Request], verify_steps: int = 0):
         """(K, each decoding request's tokens this iteration, the prefill token budget left).
 
         No decoding request may pass its max_tokens or the model length within the K steps (its
         pages and block-table columns are sized for that); preemptions only remove requests, so K
-        stays valid for those that remain. A verify step (speculation) has K = k + 1 columns and
-        budgets each request by its own tokens left instead."""
+        stays valid for those that remain. Speculating (`verify_steps` > 0), K = verify_steps ·
+        (k + 1) columns and each request is budgeted by its own tokens left instead."""
         cfg = self.config
         left = lambda r: r.tokens_left(cfg.max_model_len)  # noqa: E731
-        budget = cfg.max_num_batched_tokens
-        if cfg.num_speculative_tokens:
-            k_steps = cfg.tokens_per_decode if decoding else 0
+        # nobody waits on an iteration in which no request decodes: a lone prompt takes larger chunks
+        budget = cfg.max_num_batched_tokens if decoding else max(
+            cfg.max_num_batched_tokens, cfg.idle_batched_tokens or 0)
+        if verify_steps:
+            k_steps = cfg.tokens_per_decode(verify_steps) if decoding else 0
             return k_steps, lambda r: min(k_steps, left(r)), budget
         k_steps = min([cfg.decode_steps] + [left(r) for r in decoding]) if decoding else 0
         if any(r.sampling.structured is not None for r in decoding):
@@ -281,7 +302,8 @@ class Scheduler:
                 self.kv.grow(r, need)
                 prefills[i] = dataclasses.replace(c, joins=True)
 
-    def make_plan(self, prefills, decodes, k_steps: int, budget_of, preempted) -> SchedulePlan:
+    def make_plan(self, prefills, decodes, k_steps: int, budget_of, preempted,
+                  verify_steps: int = 0) -> SchedulePlan:
         n = self.config.max_num_seqs
         tokens, positions, mask = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, bool)
         budgets = np.zeros(n, np.int32)
@@ -292,7 +314,8 @@ class Scheduler:
             step=self.step, prefills=prefills, decode_requests=decodes,
             decode_slots=[r.slot for r in decodes], decode_steps=k_steps if decodes else 0,
             decode_tokens=tokens, decode_positions=positions, decode_mask=mask,
-            block_table=self.kv.block_table.copy(), preempted=preempted, decode_budget=budgets)
+            block_table=self.kv.block_table.copy(), preempted=preempted, decode_budget=budgets,
+            verify_steps=verify_steps if decodes else 0)
 
     def reset_prefix_cache(self, host: bool = True) -> int:
         """Forget every cached prefix block no request holds (and, with `host`, the host tier's);
@@ -349,8 +372,20 @@ class Scheduler:
             done += self.apply_joined(plan, output.joined)
         if plan.decode_slots:
             done += self.apply_decode(plan, output.decode)
+            self.observe_decode(plan, output)
         self.advance_structured([c.request for c in plan.prefills] + plan.decode_requests)
         return done
+
+    def observe_decode(self, plan: SchedulePlan, output: StepOutput) -> None:
+        """Tell the speculation switch what this iteration's decode rows measured."""
+        if self.spec_switch is None:
+            return
+        tokens = 0
+        if plan.verify_steps and output.decode.counts is not None:
+            tokens = int(np.sum(output.decode.counts[plan.decode_slots]))
+        self.spec_switch.observe(bool(plan.verify_steps), len(plan.decode_slots),
+                                 output.timing.get("decode_s", 0.0),
+                                 output.timing.get("decode_steps", 0), tokens, output.verify_rows)
 
     def check_output(self, plan: SchedulePlan, output: StepOutput) -> None:
         """Raise ValueError unless `output` has every result `plan` needs, in its shapes."""
@@ -514,8 +549,11 @@ class Scheduler:
         request uses are free for the pool's purposes (evicted on demand) and counted in
         cached_blocks. prefix_query_tokens / prefix_hit_tokens sum over admissions (a resumed
         request counts again)."""
-        return dict(preemptions=self.num_preemptions, running=len(self.running), waiting=len(self.waiting),
-                    reserved=len(self.reserved), **self.kv.stats())
+        out = dict(preemptions=self.num_preemptions, running=len(self.running),
+                   waiting=len(self.waiting), reserved=len(self.reserved), **self.kv.stats())
+        if self.spec_switch is not None:
+            out.update(self.spec_switch.stats())
+        return out
 
     def check(self) -> None:
         """Assert the scheduler's invariants (tests call it after every step)."""

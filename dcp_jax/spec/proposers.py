@@ -1,5 +1,5 @@
-"""Who proposes the drafts a verify step checks: n-gram prompt lookup (host) or a draft model
-(device).
+"""Who proposes the drafts a verify step checks: n-gram prompt lookup (on the device, or a host
+proposer) or a draft model (device).
 
     SpeculativeConfig(method="ngram" | "draft", num_tokens=k, draft=CausalLM | None)
 
@@ -8,11 +8,16 @@ drafts in one forward of k + 1 tokens. A host proposer is any object with `propo
 list[int]` (at most `num` drafts; `ServingEngine.proposer`, an `NgramProposer` for method "ngram");
 a draft model drafts on the device instead, inside the verify program.
 
-- n-gram (`NgramProposer`): no model, no memory. Find the most recent earlier occurrence of the context's
+- n-gram (`ngram_drafts` on the device; `NgramProposer` / `propose_ngram`, the same rule on the
+  host): no model, no memory. Find the most recent earlier occurrence of the context's
   last n tokens (n from `max_n` down to `min_n`) and propose the k tokens that followed it. The
   continuation is read from the context extended by the tokens proposed so far, so a repeat shorter
   than k (a greedy cycle of period 3, say) still fills all k. Suits long-context work that quotes or
-  edits its own context. Deterministic: its q is one-hot (see `dcp_jax.spec.verify`).
+  edits its own context. Deterministic: its q is one-hot (see `dcp_jax.spec.verify`). The device
+  version reads the token history the runner keeps per slot, so the verify loop proposes, verifies
+  and proposes again with no host round trip; the host version serves a proposer handed in
+  (`SpeculativeConfig.proposer`) and rows with a structured output (their drafts' token masks are
+  made on the host).
 - draft model: a smaller checkpoint with the target's vocabulary on the same mesh. Its KV pages are
   **sharded like the target's** and share the target's page ids and block table: one allocator,
   one prefix cache and one preemption rule cover both, a rejected draft is rolled back by the same
@@ -39,8 +44,10 @@ METHODS = ("ngram", "draft")
 class SpeculativeConfig:
     """method "ngram" or "draft"; num_tokens = k drafts per verify step; draft: the draft `CausalLM`
     (method "draft" only); min_n / max_n: the n-gram lengths tried (longest first); proposer: the
-    host proposer of method "ngram" (any object with `propose(request, num) -> drafts`; default an
-    `NgramProposer` of min_n..max_n)."""
+    host proposer of method "ngram" (any object with `propose(request, num) -> drafts`; default:
+    none, the drafts are looked up on the device); auto_off: turn speculation off for a while when it
+    measures slower than plain decoding (`dcp_jax.spec.policy.SpecSwitch`; never on several
+    processes in lockstep, whose plans must not depend on a clock)."""
 
     method: str
     num_tokens: int = 4
@@ -48,6 +55,7 @@ class SpeculativeConfig:
     min_n: int = 1
     max_n: int = 4
     proposer: object | None = None
+    auto_off: bool = True
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -60,6 +68,18 @@ class SpeculativeConfig:
             raise UserError("a host proposer serves speculative='ngram' only")
         if not 1 <= self.min_n <= self.max_n:
             raise UserError(f"n-gram lengths need 1 <= min_n <= max_n, got {self.min_n}, {self.max_n}")
+        if not isinstance(self.auto_off, bool):
+            raise UserError(f"auto_off must be True or False, got {self.auto_off!r}")
+
+    @property
+    def on_device_ngram(self) -> bool:
+        """Whether the drafts are n-gram lookups made on the device (no host proposer handed in)."""
+        return self.method == "ngram" and self.proposer is None
+
+    def verify_steps(self, decode_steps: int) -> int:
+        """Verify steps one program call runs: `decode_steps`, as plain decoding's loop, when the
+        drafts are made on the device; 1 with a host proposer (its drafts need the host)."""
+        return 1 if self.proposer is not None else decode_steps
 
 
 class NgramProposer:
@@ -111,6 +131,37 @@ def propose_ngram(tokens: np.ndarray, num: int, min_n: int = 1, max_n: int = 4) 
                 ext.append(ext[len(ext) - (length - src)])
             return [int(t) for t in ext]
     return []
+
+
+def ngram_drafts(history, length, num: int, min_n: int = 1, max_n: int = 4):
+    """`propose_ngram` on the device, for every row at once: history int32 [S, L] (each row's tokens
+    by position; only the first `length` [S] of a row are its context, what lies past them is never
+    read), `num` drafts per row. Returns (drafts int32 [S, num], found bool [S]): the tokens after
+    the most recent earlier occurrence of the row's last n tokens (the longest n in [min_n, max_n]
+    that recurs), continuing through the proposal itself when the match is closer than `num` to the
+    end; a row where none recurs has found False (its drafts are zeros, never used).
+
+    Per n, one pass over [S, L]: `run` holds, for every end position e, whether the tokens ending at
+    e match the context's last m + 1; the largest e below length - 1 is the most recent match."""
+    import jax.numpy as jnp
+
+    s, size = history.shape
+    ends = jnp.arange(size, dtype=jnp.int32)[None]
+    run = jnp.ones((s, size), bool)
+    best = jnp.full((s,), -1, jnp.int32)  # the end of the chosen match
+    for m in range(max_n):
+        tail = jnp.take_along_axis(history, jnp.clip(length - 1 - m, 0, size - 1)[:, None], axis=1)
+        back = jnp.pad(history, ((0, 0), (m, 0)))[:, :size]  # back[e] = history[e - m]
+        run = run & (back == tail) & (ends >= m)
+        if m + 1 >= min_n:  # a longer n found overrides a shorter one
+            end = jnp.max(jnp.where(run & (ends < length[:, None] - 1), ends, -1), axis=1)
+            best = jnp.where(end >= 0, end, best)
+    src = best + 1  # the first token after the match
+    period = jnp.maximum(length - src, 1)
+    at = src[:, None] + jnp.arange(num, dtype=jnp.int32)[None] % period[:, None]
+    drafts = jnp.take_along_axis(history, jnp.clip(at, 0, size - 1), axis=1)
+    found = best >= 0
+    return jnp.where(found[:, None], drafts, 0).astype(jnp.int32), found
 
 
 def layer_skip_draft(model, mesh, num_layers: int, *, scan_layers: bool = True):
