@@ -397,9 +397,9 @@ def test_min_tokens_holds_stop_ids_back_on_the_device():
 
 
 def test_cpu_defaults_give_a_lone_prompt_the_idle_budget():
-    # On CPU an iteration in which nothing decodes may take 1,024 tokens (capped at the context), its
-    # step sizes compiled beside the decode budget's; a chunk or budget given by hand holds for every
-    # iteration (LLM and engine_with alike).
+    # On CPU an iteration in which nothing decodes may take 1,024 tokens (capped at the context),
+    # its step sizes compiled beside the decode budget's; a chunk or budget given by hand holds for
+    # every iteration (LLM and engine_with alike).
     llm = load("llama-gqa", 1, 1)
     cfg = llm.config
     whole = max(16, 1 << (cfg.max_model_len - 1).bit_length())
