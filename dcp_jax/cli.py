@@ -247,7 +247,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs_help: str = "req
     k.add_argument("--idle-batched-tokens", type=positive_int("--idle-batched-tokens"), default=None,
                    metavar="N", help="tokens of an iteration in which no request decodes (a lone "
                                      "prompt's chunks; default 1024 on CPU unless "
-                                     "--max-num-batched-tokens is given, else that budget)")
+                                     "--max-num-batched-tokens or --prefill-chunk is given, "
+                                     "else that budget)")
     k.add_argument("--prefill-chunk", type=positive_int("--prefill-chunk"), default=None,
                    help="prompt tokens an iteration prefills when every slot decodes: the default budget's share "
                         "(default 256 on CPU, 2048 on GPU)")

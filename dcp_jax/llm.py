@@ -79,7 +79,8 @@ class LLM:
     `page_size`: slots per page (one block-table entry covers page_size · dcp tokens);
     `max_num_seqs`: requests decoding at once; `prefill_chunk`: prompt tokens per prefill program
     call; `idle_batched_tokens`: the token budget of an iteration in which no request decodes
-    (default 1024 on CPU unless `max_num_batched_tokens` is given; else the same budget); `speculative`: a `SpeculativeConfig` (n-gram lookup or a draft model) or None;
+    (default 1024 on CPU unless `max_num_batched_tokens` or `prefill_chunk` is given; else the
+    same budget); `speculative`: a `SpeculativeConfig` (n-gram lookup or a draft model) or None;
     `num_pages`: the pool's pages per context rank (the null page included), overriding the memory
     budget (as vLLM's `num_gpu_blocks_override`: for tests and benchmarks of a given pool).
     `lockstep` (several processes): "spmd", every process makes the same calls (this API); "serve",
@@ -143,11 +144,12 @@ class LLM:
         self.kv_cache_memory = None if kv_cache_memory is None else parse_bytes(kv_cache_memory)
         self.gpu_memory_utilization = gpu_memory_utilization
         self.platform = mesh.devices.flat[0].platform
+        if idle_batched_tokens is None and max_num_batched_tokens is None and prefill_chunk is None:
+            # (a budget or chunk given by hand holds for every iteration unless the idle one is
+            # given too)
+            idle_batched_tokens = default_idle_batched_tokens(self.platform)
         if prefill_chunk is None:
             prefill_chunk = default_prefill_chunk(self.platform)
-        if idle_batched_tokens is None and max_num_batched_tokens is None:
-            # (a budget given by hand holds for every iteration unless the idle one is given too)
-            idle_batched_tokens = default_idle_batched_tokens(self.platform)
         _positive_int("prefill_chunk", prefill_chunk)
         max_model_len, num_pages = self.size_pool(max_model_len, num_pages)
         self.kv_host_memory = None if kv_host_memory is None else parse_bytes(kv_host_memory)
@@ -337,6 +339,9 @@ class LLM:
         `lockstep` its side of a lockstep of one's own."""
         import dataclasses
 
+        if ({"prefill_chunk", "max_num_batched_tokens"} & set(sizes)
+                and "idle_batched_tokens" not in sizes):
+            sizes["idle_batched_tokens"] = None  # (a budget given by hand holds for every iteration)
         return self.build_engine(dataclasses.replace(self.config, **sizes), speculative, lockstep)
 
     # --- the API -------------------------------------------------------------------------------------

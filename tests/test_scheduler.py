@@ -539,9 +539,10 @@ def test_reserved_prompts_hold_their_pages_until_written_or_given_back():
 
 
 def test_an_iteration_with_nothing_decoding_takes_the_idle_budget():
-    # A lone prompt prefills in chunks of the idle budget; once a request decodes, every iteration keeps
-    # the decode budget (the decoding request never waits on a larger step); tokens as alone.
-    sched = make(max_num_seqs=2, max_num_batched_tokens=8, idle_batched_tokens=32, max_model_len=128)
+    # A lone prompt prefills in chunks of the idle budget; once a request decodes, every iteration
+    # keeps the decode budget (the decoding request never waits on a larger step); tokens as alone.
+    sched = make(max_num_seqs=2, max_num_batched_tokens=8, idle_batched_tokens=32,
+                 max_model_len=128)
     dev = FakeDevice(sched)
     long = Request("long", list(range(1, 61)), max_tokens=40)
     short = Request("short", list(range(3, 53)), max_tokens=4)

@@ -394,3 +394,17 @@ def test_min_tokens_holds_stop_ids_back_on_the_device():
     bad = Request("b", prompt, max_tokens=3, min_tokens=5)
     run_requests(llm.engine, [bad])
     assert bad.finish_reason == "error" and "min_tokens (5) must be at most max_tokens (3)" in bad.error
+
+
+def test_cpu_defaults_give_a_lone_prompt_the_idle_budget():
+    # On CPU an iteration in which nothing decodes may take 1,024 tokens (capped at the context),
+    # its step sizes compiled beside the decode budget's; a chunk or budget given by hand holds for
+    # every iteration (LLM and engine_with alike).
+    llm = load("llama-gqa", 1, 1)
+    cfg = llm.config
+    whole = max(16, 1 << (cfg.max_model_len - 1).bit_length())
+    assert cfg.idle_batched_tokens == min(1024, whole) and cfg.idle_budget == max(
+        cfg.token_budget, min(1024, whole))
+    assert set(cfg.step_sizes) >= {cfg.token_budget, cfg.idle_budget}
+    assert load("llama-gqa", 1, 1, prefill_chunk=64).config.idle_batched_tokens is None
+    assert llm.engine_with(prefill_chunk=8).config.idle_batched_tokens is None

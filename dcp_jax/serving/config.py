@@ -23,10 +23,10 @@ from dcp_jax.layout import PagedLayout
 # H100) prefilled with it (TTFT 1.97 s at batch 4 x 32K) but recorded no sweep of the chunk;
 # scripts/gpu_check.sh sweeps 512-4096 and prints the fastest.
 DEFAULT_PREFILL_CHUNK = {"cpu": 256, "gpu": 2048}
-# The token budget of an iteration in which no request decodes (nobody waits on its step), when none is
-# given: a lone long prompt prefills in larger chunks (CPU: fewer passes over the weights and fewer
-# program calls; measured in docs/PERFORMANCE.md, "Long prompts"), while an iteration with decoding
-# requests keeps the decode budget above (their time per token does not change). GPU: the decode budget.
+# The token budget of an iteration in which no request decodes (nobody waits on its step), when
+# neither budget nor chunk is given: a lone long prompt prefills in larger chunks (CPU: 1.7-1.9x
+# faster at 16K; docs/PERFORMANCE.md, "Long prompts"), while an iteration with decoding requests
+# keeps the decode budget above (their time per token does not change). GPU: the decode budget.
 DEFAULT_IDLE_BATCHED_TOKENS = {"cpu": 1024}
 DEFAULT_PAGE_SIZE = 64  # slots per page; a block-table entry covers page_size · dcp tokens
 
@@ -74,7 +74,8 @@ class ServingConfig:
     token budget of one iteration (`max_num_batched_tokens`: its decode tokens and prefill chunks
     together; default `prefill_chunk` + `max_num_seqs`, so an iteration in which every slot decodes
     still prefills a chunk); `idle_batched_tokens`: the budget of an iteration in which no request
-    decodes (None: the same; never less). `ragged_tile`: the query tokens of one tile of a prefill chunk in the
+    decodes (None: the same; never less). `ragged_tile`: the query tokens of one tile of a prefill
+    chunk in the
     ragged step (pallas_kernels/attention/ragged.py)."""
 
     num_pages: int
@@ -119,7 +120,7 @@ class ServingConfig:
 
     @property
     def idle_budget(self) -> int:
-        """The most tokens an iteration in which no request decodes runs (at least `token_budget`)."""
+        """The most tokens an iteration in which no request decodes runs (>= `token_budget`)."""
         return max(self.token_budget, self.idle_batched_tokens or 0)
 
     @property
@@ -148,8 +149,8 @@ class SchedulerConfig:
 
     num_pages counts the whole pool, the reserved null page included (so num_pages - 1 are usable).
     max_num_batched_tokens bounds the tokens of one iteration: the prefill chunks, and (without
-    speculation) the one token of each decoding request that runs beside them in the same ragged step;
-    idle_batched_tokens (None: the same) those of an iteration in which no request decodes.
+    speculation) the one token of each decoding request that runs beside them in the same ragged
+    step; idle_batched_tokens (None: the same) those of an iteration in which no request decodes.
     An iteration with nothing to prefill runs the [max_num_seqs, decode_steps] decode loop instead (a
     speculative verify step runs apart and is not charged).
     """

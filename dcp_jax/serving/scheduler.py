@@ -16,8 +16,8 @@ the pool is reserved, never holds a sequence's KV, and takes the writes of padde
 One token budget per iteration (`max_num_batched_tokens`): every decoding request's first token of
 the iteration (it runs in the ragged step beside the chunks; without speculation) and the prefill
 chunks, of running requests and then of waiting ones, oldest first. An iteration in which no
-request decodes has the larger `idle_batched_tokens` (no decoding request waits on its step, so a lone
-long prompt prefills in fewer, larger chunks).
+request decodes has the larger `idle_batched_tokens` (no decoding request waits on its step, so a
+lone long prompt prefills in fewer, larger chunks).
 
 Pages are reserved before the device runs: a prefill chunk gets the blocks up to its end, a decoding
 request gets the blocks for all K steps. A request whose prompt ends in the iteration's ragged step
@@ -214,7 +214,7 @@ class Scheduler:
         (k + 1) columns and each request is budgeted by its own tokens left instead."""
         cfg = self.config
         left = lambda r: r.tokens_left(cfg.max_model_len)  # noqa: E731
-        # nobody waits on an iteration in which no request decodes: a lone prompt takes larger chunks
+        # nobody waits on an iteration in which nothing decodes: a lone prompt takes larger chunks
         budget = cfg.max_num_batched_tokens if decoding else max(
             cfg.max_num_batched_tokens, cfg.idle_batched_tokens or 0)
         if verify_steps:
