@@ -187,14 +187,15 @@ def test_split_prefill_tiles_read_only_their_prefix():
     starts, lens, lengths = dense[1], dense[2], dense[3]
     tiles = ragged.plan(starts, lens, np.arange(5), 40, ragged.group_shapes(40, rows=5, tile=8),
                         positions=lengths - np.asarray(lens))
-    prefix = ragged_attention(**x, tiles=tiles, impl="reference", prefix_only=True)
-    full = ragged_attention(**x, tiles=tiles, impl="reference")
+    prefix = jax.jit(lambda x, t: ragged_attention(**x, tiles=t, impl="reference",
+                                                   prefix_only=True))(x, tiles)
+    full = jax.jit(lambda x, t: ragged_attention(**x, tiles=t, impl="reference"))(x, tiles)
     s2 = starts[2]
     assert np.isneginf(np.asarray(prefix[1][s2:s2 + 8])).all()
     assert not np.asarray(prefix[0][s2:s2 + 8]).any()
     one = dict(x, q=x["q"][s2 + 8:s2 + 9][None], q_pos=jnp.full((1, 1), 7, jnp.int32),
                kv_len=x["kv_len"][2:3], block_table=x["block_table"][2:3])
-    expected = attention(**one, impl="reference")  # position 8's query over positions 0..7
+    expected = jax.jit(lambda c: attention(**c, impl="reference"))(one)  # position 8 over 0..7
     np.testing.assert_allclose(np.asarray(prefix[0][s2 + 8]), np.asarray(expected[0][0, 0]),
                                rtol=1e-5, atol=1e-6)
     s1, m1 = starts[1], lens[1]
@@ -297,7 +298,8 @@ def test_a_registered_implementation_serves_every_caller():
         starts, lens, lengths = dense[1], dense[2], dense[3]
         tiles = ragged.plan(starts, lens, np.arange(5), 40, ragged.group_shapes(40, rows=5, tile=8),
                             positions=lengths - np.asarray(lens))
-        o, lse = ragged_attention(**x, tiles=tiles, impl="counted", fresh=fresh_of(x, dense))
+        o, lse = jax.jit(lambda x, t, f: ragged_attention(**x, tiles=t, impl="counted", fresh=f))(
+            x, tiles, fresh_of(x, dense))
         check_ragged(o, lse, x, dense, 1e-5)
         assert True in calls and False in calls  # the pages (paged) and the diagonal blocks (dense)
     finally:
