@@ -216,6 +216,18 @@ def object_text(s: str, i: int, call: PartialCall | None = None) -> int:
     return end
 
 
+def call_list(s: str, i: int, calls: list[PartialCall], names, **kw) -> int:
+    """Read a JSON list of call objects (`call_object`, its keywords `kw`) whose items begin at
+    s[i] (after the `[`), one PartialCall each into `calls`. The index after the `]`."""
+    i = skip_ws(s, i)
+    while True:
+        calls.append(PartialCall())
+        i = skip_ws(s, call_object(s, i, calls[-1], names, **kw))
+        if s.startswith("]", i):
+            return i + 1
+        i = skip_ws(s, literal(s, i, ","))
+
+
 def call_object(s: str, i: int, call: PartialCall, names, args_keys=("arguments", "parameters"),
                 args_optional: bool = True) -> int:
     """Read `{"name": "f", "arguments": {...}}` (keys in any order; "type" and "id" allowed) at

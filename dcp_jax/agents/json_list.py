@@ -10,11 +10,9 @@ from dcp_jax.agents.calls import (
     WS,
     PartialCall,
     ToolParser,
-    call_object,
+    call_list,
     json_call,
     lark_str,
-    literal,
-    skip_ws,
 )
 
 
@@ -30,13 +28,7 @@ class JsonList(ToolParser):
         return None, 0
 
     def scan(self, text: str, calls: list[PartialCall], final: bool) -> int:
-        i = skip_ws(text, 1)
-        while True:
-            calls.append(PartialCall())
-            i = skip_ws(text, call_object(text, i, calls[-1], self.names, args_optional=False))
-            if text.startswith("]", i):
-                return i + 1
-            i = skip_ws(text, literal(text, i, ","))
+        return call_list(text, 1, calls, self.names, args_optional=False)
 
     def call_syntax(self, name: str, parameters: dict) -> str:
         return json_call(name, parameters, "parameters")

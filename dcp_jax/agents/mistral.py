@@ -18,10 +18,9 @@ from dcp_jax.agents.calls import (
     Malformed,
     PartialCall,
     ToolParser,
-    call_object,
+    call_list,
     json_call,
     lark_str,
-    literal,
     object_text,
     skip_ws,
     until,
@@ -37,13 +36,7 @@ class Mistral(ToolParser):
     def scan(self, text: str, calls: list[PartialCall], final: bool) -> int:
         i = skip_ws(text, len(MARK))
         if text.startswith("[", i):  # v3: a JSON list
-            i = skip_ws(text, i + 1)
-            while True:
-                calls.append(PartialCall())
-                i = skip_ws(text, call_object(text, i, calls[-1], self.names))
-                if text.startswith("]", i):
-                    return i + 1
-                i = skip_ws(text, literal(text, i, ","))
+            return call_list(text, i + 1, calls, self.names)
         calls.append(PartialCall())
         name, i = until(text, i, ARGS)
         if self.names is not None and name not in self.names:
