@@ -18,7 +18,7 @@ import json
 
 import pytest
 
-from dcp_jax.server.client import EngineClient
+from tests.test_tools_server import Shared
 from tests.util import FIXTURES, templated_checkpoint
 
 anthropic = pytest.importorskip("anthropic")
@@ -52,19 +52,11 @@ ANSWER = f"<think>{THOUGHT}</think>\n{SAY}\n{CALL}"
 THINK = {"type": "enabled", "budget_tokens": 100}
 
 
-class Forced(EngineClient):
+class Forced(Shared):
     """The served engine seen by a second app (its own parsers), which neither starts nor stops
     it; with `force(text)`, every request's answer is that text (a structured choice)."""
 
-    def __init__(self, client):
-        self.inner, self.tokenizer = client, client.tokenizer
-        self.chat_template, self.answer = client.chat_template, None
-
-    max_model_len = property(lambda self: self.inner.max_model_len)
-    vocab_size = property(lambda self: self.inner.vocab_size)
-    eos_token_ids = property(lambda self: self.inner.eos_token_ids)
-    stats = property(lambda self: self.inner.stats)
-    failure = property(lambda self: self.inner.failure)
+    answer = None
 
     def force(self, text: str) -> None:
         self.answer = text
@@ -72,18 +64,6 @@ class Forced(EngineClient):
     def submit(self, request):
         sampling = dataclasses.replace(request.sampling, structured={"choice": [self.answer]})
         return self.inner.submit(dataclasses.replace(request, sampling=sampling))
-
-    def cancel(self, request_id):
-        self.inner.cancel(request_id)
-
-    def subscribe(self, on_stats, on_finish):
-        pass
-
-    def start(self):
-        pass
-
-    def shutdown(self):
-        pass
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,9 @@ import asyncio
 import dataclasses
 import json
 
+from dcp_jax.agents.messages import ChatPlan, plan_chat
+from dcp_jax.agents.parsers import check_tool_parser
+from dcp_jax.agents.reasoning import check_reasoning_parser
 from dcp_jax.server.client import EngineClient, EngineOverloaded
 from dcp_jax.server.intake import Intake
 from dcp_jax.server.metrics import Metrics
@@ -247,3 +250,21 @@ class GeneratingHandler(Handler):
             if not done:
                 for r in requests:
                     self.client.cancel(r.request_id)
+
+
+class ChatPathHandler(GeneratingHandler):
+    """A generating endpoint whose requests are chats planned by the agents path (`plan_chat`):
+    chat completions and Anthropic's Messages. `tool_parser`, `reasoning_parser`: the server's
+    parsers by name (`dcp_jax.agents`), or None."""
+
+    def __init__(self, *args, tool_parser: str | None = None,
+                 reasoning_parser: str | None = None, **kw):
+        super().__init__(*args, **kw)
+        check_tool_parser(tool_parser)
+        check_reasoning_parser(reasoning_parser)
+        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
+
+    def plan(self, messages, tools, tool_choice, parallel_tool_calls) -> ChatPlan:
+        """`plan_chat` with the server's parsers."""
+        return plan_chat(messages, tools, tool_choice, parallel_tool_calls,
+                         tool_parser=self.tool_parser, reasoning=self.reasoning_parser)

@@ -8,11 +8,8 @@ from __future__ import annotations
 import time
 import uuid
 
-from dcp_jax.agents.messages import plan_chat
 from dcp_jax.agents.output import OutputParser, finish_reason
-from dcp_jax.agents.parsers import check_tool_parser
-from dcp_jax.agents.reasoning import check_reasoning_parser
-from dcp_jax.server.base import GeneratingHandler
+from dcp_jax.server.base import ChatPathHandler
 from dcp_jax.server.protocol import (
     ChatBody,
     TokenBytes,
@@ -80,16 +77,12 @@ class ChatOutput:
                 "finish_reason": message.finish_reason}
 
 
-class ChatHandler(GeneratingHandler):
+class ChatHandler(ChatPathHandler):
     """OpenAI's /v1/chat/completions (with vLLM's extensions). `tool_parser`, `reasoning_parser`:
     the server's parsers by name (`dcp_jax.agents`), or None."""
 
-    def __init__(self, *args, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None, **kw):
+    def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        check_tool_parser(tool_parser)
-        check_reasoning_parser(reasoning_parser)
-        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
         tokenizer = self.client.tokenizer
         self.token_bytes = None if tokenizer is None else TokenBytes(tokenizer)
 
@@ -101,9 +94,8 @@ class ChatHandler(GeneratingHandler):
             raise self.error(400, "this model has no chat template (its checkpoint carries none): "
                              "use /v1/completions", param="messages",
                              code="no_chat_template")
-        plan = plan_chat(message_dicts(body.messages), body.tools, body.tool_choice,
-                         body.parallel_tool_calls, tool_parser=self.tool_parser,
-                         reasoning=self.reasoning_parser)
+        plan = self.plan(message_dicts(body.messages), body.tools, body.tool_choice,
+                         body.parallel_tool_calls)
         text = await self.intake.render(template, plan.messages, **plan.template_variables())
         prompt_ids = await self.intake.encode(text, special=False)
         if body.top_logprobs and not body.logprobs:

@@ -16,12 +16,10 @@ import asyncio
 import dataclasses
 import uuid
 
-from dcp_jax.agents.messages import ChatPlan, plan_chat
+from dcp_jax.agents.messages import ChatPlan
 from dcp_jax.agents.output import OutputParser
-from dcp_jax.agents.parsers import check_tool_parser
-from dcp_jax.agents.reasoning import check_reasoning_parser
 from dcp_jax.server import anthropic
-from dcp_jax.server.base import GeneratingHandler, finish_reason
+from dcp_jax.server.base import ChatPathHandler, finish_reason
 from dcp_jax.server.protocol import APIError, ChatBody
 from dcp_jax.serving.request import Request
 
@@ -55,16 +53,9 @@ class Prompt:
     ids: list[int]
 
 
-class MessagesHandler(GeneratingHandler):
+class MessagesHandler(ChatPathHandler):
     """Anthropic's /v1/messages and /v1/messages/count_tokens. `tool_parser`, `reasoning_parser`:
     the server's parsers by name (`dcp_jax.agents`, the chat endpoint's), or None."""
-
-    def __init__(self, *args, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None, **kw):
-        super().__init__(*args, **kw)
-        check_tool_parser(tool_parser)
-        check_reasoning_parser(reasoning_parser)
-        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
 
     async def prompt(self, http: HTTPRequest, model: type[anthropic.CountTokensBody]) -> Prompt:
         """The body read, converted, planned and checked as the chat path checks it, rendered (with
@@ -81,9 +72,8 @@ class MessagesHandler(GeneratingHandler):
         except ValidationError as e:  # (the conversion writes valid fields: a bug if it did not)
             raise RequestValidationError(e.errors()) from None
         messages = fields["messages"]
-        plan = plan_chat(anthropic.plannable(messages), chat.tools, chat.tool_choice,
-                         chat.parallel_tool_calls, tool_parser=self.tool_parser,
-                         reasoning=self.reasoning_parser)
+        plan = self.plan(anthropic.plannable(messages), chat.tools, chat.tool_choice,
+                         chat.parallel_tool_calls)
         try:
             continuing = messages[-1]["role"] == "assistant"  # a prefill the model goes on from
             text = await self.intake.render(template, anthropic.marked(plan.messages, messages),
