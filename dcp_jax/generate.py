@@ -31,6 +31,7 @@ from dcp_jax.cli import (
 )
 from dcp_jax.errors import UserError
 from dcp_jax.processes import add_distributed_args, check_distributed_args, is_multi, start
+from pallas_kernels.attention.api import implementations
 
 DEFAULT_PROMPT = ASSETS / "default_prompt.txt"
 # The embedded model was trained on 256-byte windows: its prompt + new tokens stay within them, sampled
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         max_tokens=f"tokens to generate at most (default 32; {DEFAULT_NEW_TOKENS} for the default "
                    "run)",
         temperature="0 = greedy (the default, but 0.7 with top-k 20 for the default run)"))
-    p.add_argument("--impl", choices=("reference", "pallas", "pallas_interpret"), default=None,
+    p.add_argument("--impl", choices=implementations(), default=None,
                    help="attention kernel (default: Pallas on GPU, jnp reference on CPU)")
     p.add_argument("--logprobs", action="store_true", help="report the log-probability of each token")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")

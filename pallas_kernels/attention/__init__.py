@@ -6,7 +6,6 @@ prefill tiles' diagonal blocks.
 """
 
 from pallas_kernels.attention.api import (
-    IMPLEMENTATIONS,
     REGISTRY,
     Implementation,
     attention,
@@ -18,10 +17,14 @@ from pallas_kernels.attention.api import (
     register,
     self_attention,
 )
-from pallas_kernels.attention.common import SlotPositions, check_inputs, merge_partials, merge_weights
+from pallas_kernels.attention.common import (
+    SlotPositions,
+    check_inputs,
+    merge_partials,
+    merge_weights,
+)
 
 __all__ = [
-    "IMPLEMENTATIONS",
     "REGISTRY",
     "Implementation",
     "SlotPositions",

@@ -92,8 +92,6 @@ def implementations() -> tuple[str, ...]:
     return tuple(name for name, i in REGISTRY.items() if i.attention is not None)
 
 
-IMPLEMENTATIONS = implementations()  # (the three built in; `implementations()` after a register)
-
 
 def default_impl() -> str:
     """"pallas" when the default backend is a GPU, else "reference"."""
