@@ -264,6 +264,14 @@ class ChatPathHandler(GeneratingHandler):
         check_reasoning_parser(reasoning_parser)
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
 
+    def chat_template(self):
+        """The model's chat template; a 400 naming `messages` when its checkpoint carries none."""
+        template = self.client.chat_template
+        if template is None:
+            raise self.error(400, "this model has no chat template (its checkpoint carries none): "
+                             "use /v1/completions", param="messages", code="no_chat_template")
+        return template
+
     def plan(self, messages, tools, tool_choice, parallel_tool_calls) -> ChatPlan:
         """`plan_chat` with the server's parsers."""
         return plan_chat(messages, tools, tool_choice, parallel_tool_calls,

@@ -89,11 +89,7 @@ class ChatHandler(ChatPathHandler):
     async def create_chat_completion(self, http: HTTPRequest):
         body: ChatBody = await self.intake.body(http, ChatBody)
         self.intake.check_model(body.model)
-        template = self.client.chat_template
-        if template is None:
-            raise self.error(400, "this model has no chat template (its checkpoint carries none): "
-                             "use /v1/completions", param="messages",
-                             code="no_chat_template")
+        template = self.chat_template()
         plan = self.plan(message_dicts(body.messages), body.tools, body.tool_choice,
                          body.parallel_tool_calls)
         text = await self.intake.render(template, plan.messages, **plan.template_variables())

@@ -62,10 +62,7 @@ class MessagesHandler(ChatPathHandler):
         its tools) and tokenized."""
         body = await self.intake.body(http, model)
         self.intake.check_model(body.model)
-        template = self.client.chat_template
-        if template is None:
-            raise self.error(400, "this model has no chat template (its checkpoint carries none): "
-                             "use /v1/completions", param="messages", code="no_chat_template")
+        template = self.chat_template()
         fields = anthropic.chat_request(body, reasoning=self.reasoning_parser is not None)
         try:
             chat = ChatBody.model_validate(fields)
