@@ -131,16 +131,20 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
         if block_probe is not None:
             jax.debug.callback(functools.partial(block_probe, masked, n), start)
         kb, vb = kv(lambda x: read(x, start, n))
-        return jnp.einsum("bkrd,bksd->bkrs", qg, kb, precision=HIGHEST), vb
+        ones = jnp.ones((*vb.shape[:-1], 1), vb.dtype)  # (fused into the block's gather)
+        sc = jnp.einsum("bkrd,bksd->bkrs", qg, kb, precision=HIGHEST)
+        return sc, jnp.concatenate([vb, ones], -1)
 
-    def update(carry, sc, vb, m_safe_fn):
+    def update(carry, sc, vb1, m_safe_fn):
+        # vb1: the block's values and a column of ones, so the P·V product also sums P (the softmax
+        # denominator) instead of a pass of its own over the scores
         m, l, acc = carry  # [B, K, R], [B, K, R], [B, K, R, Dv]
         m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
         m_safe = m_safe_fn(m_new)
         alpha = jnp.exp(m - m_safe)
         p = jnp.exp(sc - m_safe[..., None])
-        acc = acc * alpha[..., None] + jnp.einsum("bkrs,bksd->bkrd", p, vb, precision=HIGHEST)
-        return m_new, l * alpha + jnp.sum(p, axis=-1), acc
+        pv = jnp.einsum("bkrs,bksd->bkrd", p, vb1, precision=HIGHEST)
+        return m_new, l * alpha + pv[..., dv], acc * alpha[..., None] + pv[..., :dv]
 
     def masked_step(j, carry):
         first = unmasked_end + j * bm
