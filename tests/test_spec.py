@@ -390,7 +390,7 @@ def test_server_with_ngram_speculation():
 def test_spec_switch_turns_off_where_speculation_loses_and_probes_again():
     from dcp_jax.spec.policy import SpecSwitch
 
-    sw = SpecSwitch(backoff=2, max_backoff=4)
+    sw = SpecSwitch(backoff=2, max_backoff=4, probe_share=1.0)  # the doubling alone (see below)
     ms = 1e-3
 
     def run(accept, verify_ms, plain_ms, rows=4):
@@ -424,6 +424,42 @@ def test_spec_switch_turns_off_where_speculation_loses_and_probes_again():
     modes = [run(3.0, 2.0, 1.0) for _ in range(10)]
     assert modes == [True, True, False, False] + [True, True, False] * 2
     assert SpecSwitch(enabled=False).choose(8) is True
+
+
+def test_spec_switch_probes_a_bad_loser_rarely_enough_that_probes_cost_their_share():
+    # A draft that costs 4 plain steps per verify step and is never accepted (the 2K repeat task's
+    # layer-skip draft): a probe of 2 verify steps loses 2 x (4 - 1) = 6 plain steps, a plain
+    # iteration is 8 steps, so probes at most 3% of the plain time need 6 / (0.03 x 8) = 25
+    # iterations between them, from the first switch on (not the doubling's 4, 8, 16).
+    from dcp_jax.spec.policy import SpecSwitch
+
+    sw = SpecSwitch()
+    ms = 1e-3
+
+    def run(accept=1.0, verify_ms=4.0, plain_ms=1.0, rows=1):
+        speculate = sw.choose(rows)
+        if speculate:
+            steps = sw.verify_steps(8)
+            sw.observe(True, rows, steps * verify_ms * ms, steps, int(accept * steps * rows),
+                       steps * rows)
+        else:
+            sw.observe(False, rows, 8 * plain_ms * ms, 8)
+        return speculate
+
+    modes = [run() for _ in range(5)]  # cold and measured, each kind; then the switch
+    assert modes == [True, True, False, False, False] and not sw.on
+    assert sw.probe_budget(1) == 25 and "iteration 5 for 25 " in sw.stats()["spec_last_switch"]
+    modes += [run() for _ in range(300)]
+    probes = [i + 1 for i, m in enumerate(modes) if m][2:]  # decode iterations that probed
+    # off for the budget (25) while it exceeds the doubling backoff (4, 8, 16), then the backoff
+    assert [b - a for a, b in zip([5] + probes, probes)] == [25, 25, 25, 32, 64, 128]
+    loss = len(probes) * 2 * (4.0 - 1.0)  # plain steps' worth lost to probes
+    assert loss / (8 * (len(modes) - len(probes) - 5)) <= 0.03
+    # a cheap loser (acceptance 30 / 8 = 3.75 at 4 plain steps: gain 0.94) keeps the short backoff:
+    # its probe loses 2 x 0.25 steps, 3% of 3 plain iterations
+    sw = SpecSwitch()
+    [run(accept=3.8, verify_ms=4.0) for _ in range(5)]
+    assert sw.probe_budget(1) == 3 and "for 4 " in sw.stats()["spec_last_switch"]
 
 
 def test_auto_off_engine_mixes_plain_and_speculative_iterations_exactly():

@@ -11,11 +11,20 @@ many sequences share it, and so does the ratio, which is what vLLM's `disable_by
 on); `a` is one moving average over every verify step (it depends on the text, not the batch). A
 missing figure is measured first: one speculative iteration, then one plain one (the first
 iteration of each kind is not counted: a program's first run pays for allocations it keeps, so a
-cold figure would misjudge it). When the gain falls
-below 1, speculation stops for `backoff` decode iterations, then one iteration probes it again (a
-fresh acceptance and verify time, over at most `probe_steps` verify steps: a probe that loses costs
-little); each failed probe doubles the backoff (up to `max_backoff`), a
-successful one turns speculation back on and resets it. While speculation is on, a plain iteration
+cold figure would misjudge it). When the gain falls below 1, speculation stops for `backoff` decode
+iterations, then one iteration probes it again (a fresh acceptance and verify time, over at most
+`probe_steps` verify steps); each failed probe doubles the backoff (up to `max_backoff`), a
+successful one turns speculation back on and resets it. A probe that loses costs what its verify
+steps take beyond decoding the same tokens plainly,
+
+    probe_loss = probe_steps · (t_verify - a · t_plain)
+
+so the backoff is also at least the number of plain iterations over which that loss is a
+`probe_share` of their time (probe_loss / (probe_share · t_iteration), t_iteration a plain
+iteration's measured time): a speculation that loses badly (a draft model that costs four plain
+steps and is never accepted) is probed rarely enough that its probes cost at most that share.
+
+While speculation is on, a plain iteration
 every `refresh` iterations keeps `t_plain` current (contexts grow, so step times do).
 
 `stats()` says what it did and why: iterations each way, switches, and the last switch's step and
@@ -25,6 +34,7 @@ reason, with the figures it was decided on.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 
 @dataclasses.dataclass
@@ -43,13 +53,16 @@ class SpecSwitch:
     """Speculate or decode plainly, per decode iteration, from measured step times and acceptance
     (see the module docstring). `enabled` False: always speculate (nothing measured)."""
 
-    def __init__(self, enabled: bool = True, *, backoff: int = 4, max_backoff: int = 64,
-                 refresh: int = 32, min_gain: float = 1.0, probe_steps: int = 2):
+    def __init__(self, enabled: bool = True, *, backoff: int = 4, max_backoff: int = 256,
+                 refresh: int = 32, min_gain: float = 1.0, probe_steps: int = 2,
+                 probe_share: float = 0.03):
         self.enabled, self.min_gain, self.probe_steps = enabled, min_gain, probe_steps
+        self.probe_share = probe_share
         self.base_backoff, self.max_backoff, self.refresh = backoff, max_backoff, refresh
         self.backoff = backoff
         self.t_plain: dict[int, Estimate] = {}
         self.t_verify: dict[int, Estimate] = {}
+        self.t_iteration: dict[int, Estimate] = {}  # a plain iteration's time (all its steps)
         self.accept = Estimate()
         self.on = True  # speculating (or measuring) unless backing off
         self.off_until = 0  # the decode iteration from which a probe runs
@@ -116,6 +129,7 @@ class SpecSwitch:
         per_step = seconds / steps
         if not speculated:
             self.t_plain.setdefault(key, Estimate()).add(per_step)
+            self.t_iteration.setdefault(key, Estimate()).add(seconds)
             self.since_plain = 0
             return
         self.since_plain += 1
@@ -143,13 +157,24 @@ class SpecSwitch:
                 self.last_switch = f"on at decode iteration {self.iteration} ({rows} seqs{figures})"
             self.on = True
             return
-        self.off_until = self.iteration + self.backoff
-        self.last_switch = (f"off at decode iteration {self.iteration} for {self.backoff} "
+        off = min(max(self.backoff, self.probe_budget(rows)), self.max_backoff)
+        self.off_until = self.iteration + off
+        self.last_switch = (f"off at decode iteration {self.iteration} for {off} "
                             f"({rows} seqs{figures} < {self.min_gain:g})")
         self.backoff = min(2 * self.backoff, self.max_backoff)
         if self.on:
             self.counts["spec_switches"] += 1
         self.on = False
+
+    def probe_budget(self, rows: int) -> int:
+        """The plain iterations over which a losing probe's cost is `probe_share` of their time
+        (the module docstring); 0 until its figures are measured."""
+        key = self.bucket(rows)
+        tp, tv, it = self.t_plain.get(key), self.t_verify.get(key), self.t_iteration.get(key)
+        if tp is None or tv is None or it is None or self.accept.value is None:
+            return 0
+        loss = self.probe_steps * (tv.value - self.accept.value * tp.value)
+        return max(math.ceil(loss / (self.probe_share * it.value)), 0)
 
     def stats(self) -> dict:
         """Iterations speculated and not, switches, whether it is on now, and the last switch."""
