@@ -17,6 +17,12 @@ random weights) is written once with NumPy + safetensors under Hugging Face's Ll
 is used as it is, so any Llama-family checkpoint works. Timings exclude compilation; `prefill_s` is
 the engine's ttft_s (prefill + first token).
 
+  serving  time to first token of the serving engine (`LLM`, what `generate`, the server and a
+           notebook run) at its CPU defaults (prefill chunk and token budgets; prefix caching
+           off), compiled ahead and warmed up on a shorter prompt: `serve_ttft_s`, against the
+           peer's prefill (`serve_ratio` = peer_prefill_s / serve_ttft_s; >= 1: as fast or
+           faster).
+
 Each mesh is measured in its own interpreter that sees exactly tp·dcp devices, as
 `python -m dcp_jax.generate --mesh ...` does: XLA's CPU client sizes its thread pool to
 max(cores, devices), so simulating 8 devices for a 1-device mesh puts 8 threads on the cores and
@@ -201,6 +207,29 @@ class Ours:
                                    prefill_chunk=prefill_chunk, sampling=SamplingParams(), ignore_eos=True)
         return out.tokens[0], out.stats
 
+    def served(self, prompt: list[int], new_tokens: int) -> tuple[list[int], dict]:
+        """The serving engine (`LLM`) at its CPU defaults on this model and mesh: one request,
+        compiled ahead and warmed up on a prompt of an eighth the length (no prefix caching, so the
+        warm-up shares nothing with the timed prompt); the timed request's TTFT."""
+        from dcp_jax import LLM, SamplingParams
+        from dcp_jax.serving.config import DEFAULT_PAGE_SIZE
+
+        length = len(prompt) + new_tokens
+        dcp = self.mesh.shape["dcp"]
+        pages = 2 + -(-length // (DEFAULT_PAGE_SIZE * dcp))  # one context, and the null page
+        llm = LLM(self.engine.model, self.mesh, max_model_len=length, max_num_seqs=1,
+                  num_pages=pages, enable_prefix_caching=False)
+        llm.compile()
+        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+        llm.generate([prompt[:max(len(prompt) // 8, 1)]], params)
+        out = llm.generate([prompt], params)
+        stats = out.stats
+        cfg = llm.config
+        return out.tokens[0], dict(serve_ttft_s=stats["ttft_s"],
+                                   serve_prefill_chunk=cfg.prefill_chunk,
+                                   serve_token_budget=cfg.token_budget,
+                                   serve_idle_budget=cfg.idle_budget)
+
     def _step_fn(self, layout):
         """One token through the model + greedy pick, jitted WITHOUT donation (a new cache per call)."""
         from flax import nnx
@@ -298,15 +327,17 @@ def measure_mesh(spec: dict) -> dict:
     for c, prompt in spec["prompts"]:
         t = time.perf_counter()
         donated_tokens, stats = ours.donated(prompt, spec["new_tokens"], spec["prefill_chunk"])
+        served_tokens, served = ours.served(prompt, spec["new_tokens"])
         naive_tokens, naive = None, {}
         if spec["naive"]:
             naive_tokens, naive = ours.naive(prompt, spec["new_tokens"], spec["prefill_chunk"])
         results.append(dict(context=c, donated_tokens=donated_tokens, stats=stats, naive_tokens=naive_tokens,
-                            naive=naive))
+                            naive=naive, served_tokens=served_tokens, served=served))
         naive_tps = naive.get("naive_tokens_per_s")
         print(f"tp={tp} dcp={dcp} context {c:>6}: donated {stats['decode_tokens_per_s']:.2f} tok/s, naive "
               f"{naive_tps if naive_tps is None else round(naive_tps, 2)} tok/s, prefill "
-              f"{stats['ttft_s']:.2f} s ({time.perf_counter() - t:.0f} s)", file=sys.stderr, flush=True)
+              f"{stats['ttft_s']:.2f} s, serving TTFT {served['serve_ttft_s']:.2f} s "
+              f"({time.perf_counter() - t:.0f} s)", file=sys.stderr, flush=True)
     square = jax.jit(lambda a: a @ a)
     return dict(results=results, devices=len(jax.devices()),
                 gemm_gflops=gemm_gflops(jnp.asarray, lambda a: square(a).block_until_ready()))
@@ -332,7 +363,8 @@ def table(rows: list[dict]) -> str:
         return "-" if x is None else format(x, spec)
 
     head = (f"{'context':>8} {'tp':>2} {'dcp':>3} {'donated':>9} {'naive':>9} {'ratio':>6} {'peer':>9} "
-            f"{'peer_r':>6} {'prefill':>8} {'peer_pf':>8} {'pf_r':>6} {'floor':>6} {'cacheMB':>8} {'copy_ms':>8} "
+            f"{'peer_r':>6} {'prefill':>8} {'peer_pf':>8} {'pf_r':>6} {'serve':>7} {'sv_r':>5} "
+            f"{'floor':>6} {'cacheMB':>8} {'copy_ms':>8} "
             f"{'step_ms d/n':>13} same peer_same")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -341,11 +373,15 @@ def table(rows: list[dict]) -> str:
             f"{r['context']:>8} {r['tp']:>2} {r['dcp']:>3} {f(r['donated_tokens_per_s'], '9.2f')} "
             f"{f(r['naive_tokens_per_s'], '9.2f'):>9} {f(r['ratio'], '6.2f'):>6} "
             f"{f(r['peer_tokens_per_s'], '9.2f'):>9} {f(r['peer_ratio'], '6.2f'):>6} {f(r['prefill_s'], '8.2f')} "
-            f"{f(r['peer_prefill_s'], '8.2f'):>8} {f(r['prefill_ratio'], '6.2f'):>6} {f(r['prefill_floor_s'], '6.2f')} "
+            f"{f(r['peer_prefill_s'], '8.2f'):>8} {f(r['prefill_ratio'], '6.2f'):>6} "
+            f"{f(r['serve_ttft_s'], '7.2f')} {f(r['serve_ratio'], '5.2f'):>5} "
+            f"{f(r['prefill_floor_s'], '6.2f')} "
             f"{r['kv_bytes_total'] / 2**20:>8.1f} {f(r['cache_copy_ms'], '8.1f'):>8} {steps:>13} "
             f"{str(r['same_tokens']):>4} {str(r['peer_same_tokens']):>9}")
     lines.append("tokens/s in decode (first token excluded); ratio = donated/naive, peer_r = donated/peer, "
-                 "pf_r = peer_prefill_s/prefill_s;\nprefill = prefill + first token, seconds; floor = the prompt's "
+                 "pf_r = peer_prefill_s/prefill_s;\nprefill = prefill + first token, seconds (the "
+                 "dense engine); serve = the serving engine's TTFT at its CPU defaults, sv_r = "
+                 "peer_prefill_s/serve;\nfloor = the prompt's "
                  "FLOPs at the fastest float32 GEMM rate measured (no exact prefill can be faster)")
     return "\n".join(lines)
 
@@ -436,6 +472,10 @@ def main(argv=None):
                 if same is False:
                     log(f"WARNING: tp={tp} dcp={dcp} context {c}: naive and donated greedy tokens differ: "
                         f"{naive_tokens} vs {donated_tokens}")
+                if res["served_tokens"] != donated_tokens:
+                    log(f"WARNING: tp={tp} dcp={dcp} context {c}: the serving engine's greedy "
+                        f"tokens differ from the dense engine's: {res['served_tokens']} vs "
+                        f"{donated_tokens}")
                 peer_tokens = peer.get("peer_tokens")
                 flops = prefill_flops(cfg, c)
                 row = dict(
@@ -447,6 +487,9 @@ def main(argv=None):
                     prefill_s=stats["ttft_s"], peer_prefill_s=peer.get("peer_prefill_s"),
                     prefill_ratio=ratio(peer.get("peer_prefill_s"), stats["ttft_s"]),
                     naive_prefill_s=naive.get("naive_prefill_s"),
+                    **res["served"],
+                    serve_ratio=ratio(peer.get("peer_prefill_s"), res["served"]["serve_ttft_s"]),
+                    serve_same_tokens=res["served_tokens"] == donated_tokens,
                     prefill_flops=flops, gemm_gflops=best_rate, gemm_gflops_by=rates,
                     prefill_floor_s=flops / (best_rate * 1e9),
                     donated_step_ms=1e3 / donated_tps if donated_tps else None,

@@ -7,7 +7,8 @@ from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 REQUIRED = ("context", "tp", "dcp", "donated_tokens_per_s", "naive_tokens_per_s", "ratio", "peer_tokens_per_s",
-            "prefill_s", "peer_prefill_s", "peer_ratio", "prefill_ratio", "same_tokens")
+            "prefill_s", "peer_prefill_s", "peer_ratio", "prefill_ratio", "same_tokens",
+            "serve_ttft_s", "serve_ratio", "serve_same_tokens")
 
 
 def test_bench_decode_quick(capsys, monkeypatch):
@@ -23,11 +24,15 @@ def test_bench_decode_quick(capsys, monkeypatch):
         assert r["donated_tokens_per_s"] > 0 and r["naive_tokens_per_s"] > 0
         assert r["prefill_s"] > 0 and r["ratio"] > 0
         assert r["same_tokens"] is True
+        # the serving engine (LLM at its CPU defaults) decodes the same greedy tokens
+        assert r["serve_ttft_s"] > 0 and r["serve_same_tokens"] is True
+        assert r["serve_prefill_chunk"] > 0 and r["serve_idle_budget"] >= r["serve_token_budget"]
         # each mesh ran in its own interpreter with exactly its devices (as the CLI does)
         assert r["devices"] == r["tp"] * r["dcp"]
         assert r["gemm_gflops"] > 0 and r["prefill_floor_s"] == r["prefill_flops"] / (r["gemm_gflops"] * 1e9)
         # --quick runs no peer unless --peer-python is given
         assert r["peer_tokens_per_s"] is None and r["peer_ratio"] is None and r["prefill_ratio"] is None
+        assert r["serve_ratio"] is None
         assert len(r["tokens"]) == r["new_tokens"] == 8
 
 
