@@ -364,9 +364,12 @@ def serving_worker(spec: dict):
     workload = spec["workload"]
     max_model_len = spec.get("max_model_len") or max(len(w["prompt"]) + w["max_tokens"] for w in workload)
     budget = spec.get("kv_cache_memory")
+    # --engine-defaults: the engine's own chunk and token budgets (the CPU defaults), as generate
+    # and the server run; else the run's
+    sized = {} if spec.get("engine_defaults") else dict(
+        prefill_chunk=spec["prefill_chunk"], max_num_batched_tokens=spec["max_num_batched_tokens"])
     llm = load_llm(spec, max_num_seqs=s, page_size=spec["page_size"], decode_steps=spec["decode_steps"],
-                   kv_cache_memory=budget, max_model_len=max_model_len, prefill_chunk=spec["prefill_chunk"],
-                   max_num_batched_tokens=spec["max_num_batched_tokens"])
+                   kv_cache_memory=budget, max_model_len=max_model_len, **sized)
     import jax
 
     import dcp_jax
@@ -384,10 +387,15 @@ def serving_worker(spec: dict):
     warm = [Request("warm", [3] * (spec["prefill_chunk"] + 1), max_tokens=2 * spec["decode_steps"] + 1,
                     ignore_eos=True)] + [Request(f"warm{i}", [4] * 20, max_tokens=4, ignore_eos=True) for i in range(3)]
     run_requests(server, warm, arrivals=[0, 0.01, 0.02, 0.03])
+    cfg = server.config  # (a revision before the idle budget has none)
+    sizes_used = dict(prefill_chunk=cfg.prefill_chunk,
+                      token_budget=getattr(cfg, "token_budget", cfg.max_num_batched_tokens),
+                      idle_budget=getattr(cfg, "idle_budget", None))
     log(f"  {spec['code']}: {len(jax.devices())} devices, compile {compile_s:.1f} s, pool "
-        f"{server.scheduler.stats()['pages_total']} pages ({Path(dcp_jax.__file__).parent})")
+        f"{server.scheduler.stats()['pages_total']} pages, {sizes_used} "
+        f"({Path(dcp_jax.__file__).parent})")
     command = yield dict(devices=len(jax.devices()), compile_s=compile_s, max_model_len=max_model_len,
-                         package=str(Path(dcp_jax.__file__).parent))
+                         package=str(Path(dcp_jax.__file__).parent), sizes=sizes_used)
     while True:
         started = time.time()  # (the epoch: comparable across the workers)
         if command["run"] == "burst":
@@ -985,6 +993,10 @@ def main(argv=None) -> int:
                    help=f"the real workload's checkpoint: a model name dcp_jax.fetch knows "
                         f"(fetched when missing) or a GGUF file (default {REAL_MODEL})")
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget of an iteration (default 2048; quick 256)")
+    p.add_argument("--engine-defaults", action="store_true",
+                   help="ours and --baseline's serve with the engine's own prefill chunk and token "
+                        "budgets (its CPU defaults, as generate and the server run) instead of "
+                        "--prefill-chunk and --max-num-batched-tokens")
     p.add_argument("--baseline", default=None, metavar="REV",
                    help="also run each workload on git revision REV of the package (a temporary worktree)")
     p.add_argument("--transformers", default=None, metavar="PYTHON|auto",
@@ -1055,7 +1067,8 @@ def main(argv=None) -> int:
             checkpoint, params, work = workload_requests(w, root, args)
             spec = dict(checkpoint=str(checkpoint), tp=tp, dcp=dcp, workload=work, kv_cache_memory=args.kv_cache_memory,
                         seed=args.seed, prefix_caching=args.prefix_caching, max_model_len=size["max_model_len"],
-                        torch_threads=args.torch_threads, **sizes_kw)
+                        torch_threads=args.torch_threads, engine_defaults=args.engine_defaults,
+                        **sizes_kw)
             if args.max_num_seqs is None and "max_num_seqs" in w:  # the workload's own slots
                 spec["max_num_seqs"] = w["max_num_seqs"]
             info[name] = dict(max_num_seqs=spec["max_num_seqs"])
