@@ -368,6 +368,8 @@ def serving_worker(spec: dict):
     # and the server run; else the run's
     sized = {} if spec.get("engine_defaults") else dict(
         prefill_chunk=spec["prefill_chunk"], max_num_batched_tokens=spec["max_num_batched_tokens"])
+    if spec.get("speculative"):  # --speculative's code: ours with it
+        sized["speculative"] = spec["speculative"]
     llm = load_llm(spec, max_num_seqs=s, page_size=spec["page_size"], decode_steps=spec["decode_steps"],
                    kv_cache_memory=budget, max_model_len=max_model_len, **sized)
     import jax
@@ -683,7 +685,8 @@ def serving_runs(spec: dict, codes, workload: dict, args) -> dict:
     sessions, runs = {}, {}
     try:
         for code, kind, kw in codes:
-            sessions[code] = Session(kind, dict(spec, code=code), **kw)
+            kw = dict(kw)
+            sessions[code] = Session(kind, dict(spec, code=code, **kw.pop("spec", {})), **kw)
 
         def rounds(names, run, **kw):
             got = {code: [] for code in names}
@@ -703,6 +706,9 @@ def serving_runs(spec: dict, codes, workload: dict, args) -> dict:
             runs["ours"]["static"] = sessions["ours"].run("static")
             log(f"  static: {runs['ours']['static']['wall_s']:.2f} s")
         runs["ours"]["compile_s"] = sessions["ours"].info["compile_s"]
+        # the chunk and budgets each serving code ran with (--engine-defaults: its own)
+        runs["ours"]["sizes"] = {code: s.info["sizes"] for code, s in sessions.items()
+                                 if "sizes" in s.info}
     finally:
         for session in sessions.values():
             session.close()
@@ -769,13 +775,18 @@ def fmt(x, spec, scale=1.0):
 
 def table(report: dict) -> str:
     rows, cap, ratios = report["rows"], report["capacity_rows"], report["ratios"]
-    out = [f"mesh tp={report['mesh'][0]} dcp={report['mesh'][1]}, {report['max_num_seqs']} slots (unless said), token budget "
-           f"{report['max_num_batched_tokens']}, prefill chunk {report['prefill_chunk']}, page {report['page_size']}, "
-           f"K={report['decode_steps']}"]
+    sized = ("each code's own CPU defaults of chunk and budgets (--engine-defaults)"
+             if report.get("engine_defaults") else f"token budget {report['max_num_batched_tokens']}, "
+             f"prefill chunk {report['prefill_chunk']}")
+    out = [f"mesh tp={report['mesh'][0]} dcp={report['mesh'][1]}, {report['max_num_seqs']} slots "
+           f"(unless said), {sized}, page {report['page_size']}, K={report['decode_steps']}"]
     for name, w in report["workloads"].items():
         out.append(f"{name}: {w['requests']} requests, prompts {w['prompt'][0]}..{w['prompt'][1]} (total "
                    f"{w['prompt_tokens']}), outputs {w['output'][0]}..{w['output'][1]} (total {w['output_tokens']}); "
                    f"model {w['model']} ({w['params'] / 1e6:.1f}M parameters), {w['max_num_seqs']} slots")
+        for code, used in w.get("sizes", {}).items():
+            out.append(f"  {code}: chunk {used['prefill_chunk']}, token budget {used['token_budget']}, "
+                       f"idle budget {used['idle_budget']}")
         if "floor" in w:
             f = w["floor"]
             out.append(f"  floor {f['floor_s']:.2f} s: the weight matmuls alone ({f['decode_step_s'] * 1e3:.1f} ms a "
@@ -993,6 +1004,9 @@ def main(argv=None) -> int:
                    help=f"the real workload's checkpoint: a model name dcp_jax.fetch knows "
                         f"(fetched when missing) or a GGUF file (default {REAL_MODEL})")
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget of an iteration (default 2048; quick 256)")
+    p.add_argument("--speculative", choices=("ngram",), default=None,
+                   help="also serve each workload with n-gram speculation (k=4, turning itself off "
+                        "where it measures slower), beside plain decoding; tokens must be equal")
     p.add_argument("--engine-defaults", action="store_true",
                    help="ours and --baseline's serve with the engine's own prefill chunk and token "
                         "budgets (its CPU defaults, as generate and the server run) instead of "
@@ -1083,12 +1097,16 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             log(f"{name}: {len(work)} requests on tp={tp} dcp={dcp} ({checkpoint})")
             codes = [("ours", "serving", {})]
+            if args.speculative:  # beside plain ours: the same engine speculating (auto-off on)
+                codes.append((f"ours {args.speculative}", "serving",
+                              dict(spec=dict(speculative=args.speculative))))
             if baseline is not None:
                 codes.append((f"baseline {args.baseline}", "serving", dict(package=baseline.path)))
             if transformers_python and name != "long":
                 codes.append(("transformers", "transformers", dict(python=transformers_python)))
             runs = serving_runs(spec, codes, w, args)
             info[name]["compile_s"] = runs["ours"].pop("compile_s")
+            info[name]["sizes"] = runs["ours"].pop("sizes")
             for code, by_arrivals in runs.items():
                 # the real model's float32 logits round differently in the two frameworks, so a
                 # near-tie may pick another token: agreement with ours is counted, not required
@@ -1164,7 +1182,7 @@ def main(argv=None) -> int:
     report = dict(command=command, mesh=[tp, dcp], quick=args.quick, workloads=info, rows=rows,
                   torch_threads=args.torch_threads,
                   capacity=capacity, capacity_rows=capacity_rows, ratios=ratios, exact_tokens=exact,
-                  baseline=args.baseline, **sizes_kw,
+                  baseline=args.baseline, engine_defaults=args.engine_defaults, **sizes_kw,
                   timing_note="compile excluded: programs compiled ahead and warmed up (transformers: a warm-up "
                               "batch); static: stats['compile_s'] subtracted per batch")
     if args.json:

@@ -74,19 +74,26 @@ def test_bench_serving_quick_json():
 
 def test_bench_serving_baseline_runs_another_revision():
     # --baseline REV: the same workload on revision REV's package (a temporary git worktree on PYTHONPATH);
-    # HEAD here, so the two codes give the same tokens and the worktree is removed afterwards. --repeat 2:
-    # each code times the workload twice and reports the run of median wall (of two, the slower); the two
-    # codes' workers take turns, run by run.
+    # HEAD here, so the codes give the same tokens and the worktree is removed afterwards. --repeat 2:
+    # each code times the workload twice and reports the run of median wall (of two, the slower); the
+    # codes' workers take turns, run by run. --speculative ngram: ours speculating, beside plain ours
+    # (greedy: the same tokens).
     before = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True).stdout
     report = bench("--workloads", "short", "--requests", "6", "--no-capacity", "--no-floor", "--baseline", "HEAD",
-                   "--repeat", "2")
+                   "--repeat", "2", "--speculative", "ngram")
     codes = [r["code"] for r in report["rows"]]
-    assert codes == ["ours", "baseline HEAD"] and report["exact_tokens"] is True
+    assert codes == ["ours", "ours ngram", "baseline HEAD"] and report["exact_tokens"] is True
     for r in report["rows"]:
         assert len(r["walls_s"]) == 2 and r["wall_s"] == max(r["walls_s"]), r["walls_s"]
-    (a1, a2), (b1, b2) = (r["starts_s"] for r in report["rows"])
-    assert a1 < b1 < a2 < b2
+    (a1, a2), (s1, s2), (b1, b2) = (r["starts_s"] for r in report["rows"])
+    assert a1 < s1 < b1 < a2 < s2 < b2
     assert "ours/baseline HEAD short burst output tok/s" in report["ratios"]
+    assert "ours/ours ngram short burst output tok/s" in report["ratios"]
+    # the chunk and budgets each code served with: the run's (--engine-defaults: the engine's own)
+    sizes = report["workloads"]["short"]["sizes"]
+    assert set(sizes) == set(codes) and report["engine_defaults"] is False
+    for used in sizes.values():
+        assert used == dict(prefill_chunk=128, token_budget=256, idle_budget=256)
     after = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True).stdout
     assert after == before
 
