@@ -27,6 +27,8 @@ so every round times each code on the same host state:
                 prefills
   --baseline R  the same script's worker over git revision R of the package (a temporary worktree on
                 PYTHONPATH): e.g. the one-request-chunk-per-call engine the ragged step replaced
+  ours ngram    --speculative ngram: ours with n-gram speculation (k = 4, turning itself off
+                where it measures slower than plain decoding), its tokens equal to plain ours'
   transformers  `model.generate_batch`'s paged continuous-batching manager on the same checkpoint (per
                 request max_new_tokens; --transformers PYTHON: an interpreter with torch and transformers)
 Output tokens/s = useful output tokens / wall; TTFT and TPOT (time per output token after the first)
@@ -57,6 +59,7 @@ pool is max(cores, devices); see scripts/bench_decode.py).
     python scripts/bench_serving.py --workloads short --repeat 3 ...          # median of 3 runs per code
     python scripts/bench_serving.py --quick --json                           # tiny checkpoint, seconds
     python scripts/bench_serving.py --workloads real --no-capacity --transformers PYTHON  # the model
+    python scripts/bench_serving.py --workloads mixed --engine-defaults --baseline REV
 """
 
 from __future__ import annotations
@@ -775,9 +778,10 @@ def fmt(x, spec, scale=1.0):
 
 def table(report: dict) -> str:
     rows, cap, ratios = report["rows"], report["capacity_rows"], report["ratios"]
-    sized = ("each code's own CPU defaults of chunk and budgets (--engine-defaults)"
-             if report.get("engine_defaults") else f"token budget {report['max_num_batched_tokens']}, "
-             f"prefill chunk {report['prefill_chunk']}")
+    sized = (f"token budget {report['max_num_batched_tokens']}, prefill chunk "
+             f"{report['prefill_chunk']}")
+    if report.get("engine_defaults"):
+        sized = "each code's own CPU defaults of chunk and budgets (--engine-defaults)"
     out = [f"mesh tp={report['mesh'][0]} dcp={report['mesh'][1]}, {report['max_num_seqs']} slots "
            f"(unless said), {sized}, page {report['page_size']}, K={report['decode_steps']}"]
     for name, w in report["workloads"].items():
@@ -785,8 +789,8 @@ def table(report: dict) -> str:
                    f"{w['prompt_tokens']}), outputs {w['output'][0]}..{w['output'][1]} (total {w['output_tokens']}); "
                    f"model {w['model']} ({w['params'] / 1e6:.1f}M parameters), {w['max_num_seqs']} slots")
         for code, used in w.get("sizes", {}).items():
-            out.append(f"  {code}: chunk {used['prefill_chunk']}, token budget {used['token_budget']}, "
-                       f"idle budget {used['idle_budget']}")
+            out.append(f"  {code}: chunk {used['prefill_chunk']}, token budget "
+                       f"{used['token_budget']}, idle budget {used['idle_budget']}")
         if "floor" in w:
             f = w["floor"]
             out.append(f"  floor {f['floor_s']:.2f} s: the weight matmuls alone ({f['decode_step_s'] * 1e3:.1f} ms a "

@@ -73,11 +73,11 @@ def test_bench_serving_quick_json():
 
 
 def test_bench_serving_baseline_runs_another_revision():
-    # --baseline REV: the same workload on revision REV's package (a temporary git worktree on PYTHONPATH);
-    # HEAD here, so the codes give the same tokens and the worktree is removed afterwards. --repeat 2:
-    # each code times the workload twice and reports the run of median wall (of two, the slower); the
-    # codes' workers take turns, run by run. --speculative ngram: ours speculating, beside plain ours
-    # (greedy: the same tokens).
+    # --baseline REV: the same workload on revision REV's package (a temporary git worktree on
+    # PYTHONPATH); HEAD here, so the codes give the same tokens and the worktree is removed
+    # afterwards. --repeat 2: each code times the workload twice and reports the run of median wall
+    # (of two, the slower); the codes' workers take turns, run by run. --speculative ngram: ours
+    # speculating, beside plain ours (greedy: the same tokens).
     before = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True).stdout
     report = bench("--workloads", "short", "--requests", "6", "--no-capacity", "--no-floor", "--baseline", "HEAD",
                    "--repeat", "2", "--speculative", "ngram")
