@@ -462,6 +462,32 @@ def test_spec_switch_probes_a_bad_loser_rarely_enough_that_probes_cost_their_sha
     assert sw.probe_budget(1) == 3 and "for 4 " in sw.stats()["spec_last_switch"]
 
 
+def test_a_draft_model_keeps_its_cache_through_plain_iterations(monkeypatch):
+    # The draft is the target itself, so over a whole draft cache every greedy draft is the token
+    # the target then picks. Decode iterations alternate plain and speculative (the switch's
+    # choice, forced): the plain loop writes the draft's KV too, so the drafts after it still hit.
+    # (Before, a plain iteration left its tokens out of the draft cache, and the drafts after it
+    # attended to stale slots: most were rejected.)
+    from dcp_jax.spec.policy import SpecSwitch
+
+    name, tp, dcp = "llama-gqa", 1, 2
+    turns = []
+
+    def alternate(self, rows):
+        turns.append(len(turns) % 2 == 1)
+        return turns[-1]
+
+    monkeypatch.setattr(SpecSwitch, "choose", alternate)
+    base = load(name, tp, dcp)
+    llm = LLM(base.model, base.mesh, page_size=2, max_num_seqs=2, decode_steps=3, prefill_chunk=4,
+              speculative=SpeculativeConfig("draft", K, draft=base.model))
+    out = llm.generate(expected(name)["prompts"], max_new_tokens=NEW, ignore_eos=True)
+    assert out.tokens == plain(name, tp, dcp)
+    assert turns.count(False) >= 3 and turns.count(True) >= 3
+    drafted, accepted = out.stats["spec_drafted_tokens"], out.stats["spec_accepted_tokens"]
+    assert drafted > 0 and accepted >= 0.9 * drafted, (accepted, drafted)
+
+
 def test_auto_off_engine_mixes_plain_and_speculative_iterations_exactly():
     # With the rule on, the first decode iterations explore both kinds (cold, then measured), so a
     # run of many decode iterations has both; every token equals plain decoding's, and the stats

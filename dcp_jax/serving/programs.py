@@ -394,9 +394,14 @@ class StepPrograms:
         return drafts[:, :-1], qs[:, :-1], draft_pools
 
     def decode(self, weights: Weights, caches: Caches, history, step: StepInputs, num_steps):
-        model, pools = nnx.merge(self.graphdef, weights.target), caches.target
+        """Plain decoding: `num_steps` one-token steps of every active slot. A draft model's cache
+        takes each token too (its forward without the head), so speculation that resumes after
+        plain iterations (the switch off, or its refresh) drafts over a whole cache."""
+        model, pools = nnx.merge(self.graphdef, weights.target), caches
         s, k_max = step.tokens.shape[0], self.config.decode_steps
         ctx = self.context(step.block_table)
+        draft = None if self.draft is None else nnx.merge(self.draft_graphdef, weights.draft)
+        draft_ctx = None if draft is None else self.context(step.block_table, self.draft_layout)
         active = step.valid[:, 0]
 
         def put(acc, x, k):
@@ -405,7 +410,10 @@ class StepPrograms:
         def body(state):
             k, pools, history, cur, pos, out, out_lp, out_top = state
             kv_len = jnp.where(active, pos + 1, 0)
-            logits, pools = model(cur[:, None], pos[:, None], active[:, None], kv_len, pools, ctx)
+            inputs = (cur[:, None], pos[:, None], active[:, None], kv_len)
+            logits, target = model(*inputs, pools.target, ctx)
+            pools = Caches(target, pools.draft if draft is None
+                           else draft(*inputs, pools.draft, draft_ctx)[1])  # (its logits unused)
             history = write_history(history, step.sampling, jnp.arange(s), pos, cur, active,
                                     self.keep_history)
             tok, lp, top = sample_rows(logits[:, 0], step.sampling, pos + 1, history,
@@ -420,7 +428,7 @@ class StepPrograms:
                  (jnp.zeros(n_top, jnp.int32), jnp.zeros(n_top, jnp.float32)))
         _, pools, history, _, _, out, out_lp, out_top = jax.lax.while_loop(
             lambda st: st[0] < num_steps, body, state)
-        return Caches(pools, caches.draft), history, out, out_lp, out_top
+        return pools, history, out, out_lp, out_top
 
 
 def draft_proposer(sp, s: int, v: int):
