@@ -462,22 +462,28 @@ def test_spec_switch_probes_a_bad_loser_rarely_enough_that_probes_cost_their_sha
     assert sw.probe_budget(1) == 3 and "for 4 " in sw.stats()["spec_last_switch"]
 
 
-def test_a_draft_model_keeps_its_cache_through_plain_iterations(monkeypatch):
+@pytest.mark.parametrize("fill_sizes,plain_first", [(None, 1), ((2,), 3)])
+def test_a_draft_model_keeps_its_cache_through_plain_iterations(monkeypatch, fill_sizes,
+                                                                plain_first):
     # The draft is the target itself, so over a whole draft cache every greedy draft is the token
-    # the target then picks. Decode iterations alternate plain and speculative (the switch's
-    # choice, forced): the plain loop writes the draft's KV too, so the drafts after it still hit.
-    # (Before, a plain iteration left its tokens out of the draft cache, and the drafts after it
-    # attended to stale slots: most were rejected.)
+    # the target then picks. Decode iterations are plain, then alternate speculative and plain
+    # (the switch's choice, forced): the positions a plain iteration writes reach the draft's
+    # cache before the next verify step (Runner.draft_fills), so the drafts after it still hit.
+    # (Without the fill, the drafts after a plain iteration attended to stale slots: 6 of 58
+    # accepted.) Fills of 2 tokens: a gap of 9 filled in 5 calls, a 3-token one in 2.
+    from dcp_jax.serving import runner as runner_lib
     from dcp_jax.spec.policy import SpecSwitch
 
+    if fill_sizes is not None:
+        monkeypatch.setattr(runner_lib, "FILL_SIZES", fill_sizes)
     name, tp, dcp = "llama-gqa", 1, 2
     turns = []
 
-    def alternate(self, rows):
-        turns.append(len(turns) % 2 == 1)
+    def choose(self, rows):
+        turns.append(len(turns) >= plain_first and (len(turns) - plain_first) % 2 == 0)
         return turns[-1]
 
-    monkeypatch.setattr(SpecSwitch, "choose", alternate)
+    monkeypatch.setattr(SpecSwitch, "choose", choose)
     base = load(name, tp, dcp)
     llm = LLM(base.model, base.mesh, page_size=2, max_num_seqs=2, decode_steps=3, prefill_chunk=4,
               speculative=SpeculativeConfig("draft", K, draft=base.model))

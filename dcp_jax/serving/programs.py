@@ -227,6 +227,13 @@ class StepPrograms:
                              self.history_spec(), VerifyInputs.spec(s, t, nb, self.mask_words),
                              jax.ShapeDtypeStruct((), jnp.int32), outputs=5)
 
+    def draft_fill_program(self, n: int):
+        """The compiled fill of a draft model's cache, `n` tokens per slot: (weights, caches,
+        history, StepInputs [S, n] (its sampling and mask unused)) -> (caches, history)."""
+        s, nb = self.config.max_num_seqs, self.max_blocks_per_seq
+        return self.compiled("draft_fill", self.draft_fill, self.weights, self.pool_spec(),
+                             self.history_spec(), StepInputs.spec(s, n, nb, 1), outputs=0)
+
     def step_program(self):
         """The program a decode iteration runs: the verify step with speculation, else the decode
         loop."""
@@ -395,13 +402,12 @@ class StepPrograms:
 
     def decode(self, weights: Weights, caches: Caches, history, step: StepInputs, num_steps):
         """Plain decoding: `num_steps` one-token steps of every active slot. A draft model's cache
-        takes each token too (its forward without the head), so speculation that resumes after
-        plain iterations (the switch off, or its refresh) drafts over a whole cache."""
-        model, pools = nnx.merge(self.graphdef, weights.target), caches
+        is left as it is: the positions these steps write are filled into it (`draft_fill`, one
+        forward of many tokens) before speculation resumes, which costs far less than a draft
+        step per token here."""
+        model, pools = nnx.merge(self.graphdef, weights.target), caches.target
         s, k_max = step.tokens.shape[0], self.config.decode_steps
         ctx = self.context(step.block_table)
-        draft = None if self.draft is None else nnx.merge(self.draft_graphdef, weights.draft)
-        draft_ctx = None if draft is None else self.context(step.block_table, self.draft_layout)
         active = step.valid[:, 0]
 
         def put(acc, x, k):
@@ -410,10 +416,7 @@ class StepPrograms:
         def body(state):
             k, pools, history, cur, pos, out, out_lp, out_top = state
             kv_len = jnp.where(active, pos + 1, 0)
-            inputs = (cur[:, None], pos[:, None], active[:, None], kv_len)
-            logits, target = model(*inputs, pools.target, ctx)
-            pools = Caches(target, pools.draft if draft is None
-                           else draft(*inputs, pools.draft, draft_ctx)[1])  # (its logits unused)
+            logits, pools = model(cur[:, None], pos[:, None], active[:, None], kv_len, pools, ctx)
             history = write_history(history, step.sampling, jnp.arange(s), pos, cur, active,
                                     self.keep_history)
             tok, lp, top = sample_rows(logits[:, 0], step.sampling, pos + 1, history,
@@ -428,7 +431,15 @@ class StepPrograms:
                  (jnp.zeros(n_top, jnp.int32), jnp.zeros(n_top, jnp.float32)))
         _, pools, history, _, _, out, out_lp, out_top = jax.lax.while_loop(
             lambda st: st[0] < num_steps, body, state)
-        return pools, history, out, out_lp, out_top
+        return Caches(pools, caches.draft), history, out, out_lp, out_top
+
+    def draft_fill(self, weights: Weights, caches: Caches, history, step: StepInputs):
+        """The draft model's forward over each slot's valid tokens [S, n] (their KV written into its
+        cache; the head is unused, so XLA drops it): the positions plain iterations left out."""
+        draft = nnx.merge(self.draft_graphdef, weights.draft)
+        ctx = self.context(step.block_table, self.draft_layout)
+        _, pools = draft(step.tokens, step.positions, step.valid, step.kv_len, caches.draft, ctx)
+        return Caches(caches.target, pools), history
 
 
 def draft_proposer(sp, s: int, v: int):

@@ -8,7 +8,11 @@
         has any); the host tier's pending copies first
 
     pools (per layer stack): [L, N·pages, K, page, D] (kv heads over "tp", each context rank its
-        own pages), with a draft model's pools beside them: one pytree `Caches(target, draft)`
+        own pages), with a draft model's pools beside them: one pytree `Caches(target, draft)`.
+        The ragged step and the verify loop write both; the plain decode loop (a speculative
+        engine's iterations with speculation off) the target's only, and the positions it wrote
+        are filled into the draft's (`draft_fills`: one forward of up to 256 tokens per slot)
+        before the slot's next verify step
     history: each slot's tokens by position [S, max_model_len] int32 (replicated), written by every
         program for the rows whose sampling reads earlier tokens (penalties, bad words) and by
         `fill_history` for the tokens a request brings into its slot already computed (prefix
@@ -49,6 +53,9 @@ from dcp_jax.serving.programs import Caches, StepPrograms
 from dcp_jax.spec.proposers import SpeculativeConfig, host_proposer
 from pallas_kernels.attention import kv_quant as kvq
 
+# tokens per slot of one draft-cache fill (`Runner.draft_fills`): the sizes compiled
+FILL_SIZES = (16, 64, 256)
+
 
 class ModelRunner:
     """A `CausalLM` (and an optional draft model) on a ("tp","dcp") mesh with one paged KV pool, the
@@ -74,6 +81,9 @@ class ModelRunner:
         # the request each history row holds
         self._history_owner: list = [None] * config.max_num_seqs
         self._open_masks: dict = {}  # tokens per row -> an all-allowed token mask on the device
+        # a draft model's cache: per slot, (request, the first position the plain decode loop
+        # wrote without it), filled in before the slot's next verify step (`fill_draft`)
+        self._draft_gaps: dict[int, tuple] = {}
 
     # --- device state (read-only outside) ---------------------------------------------------------
     @property
@@ -231,6 +241,11 @@ class ModelRunner:
         for slot, r, position in rows:
             requests[slot], positions[slot], live[slot] = r, position, True
         self.fill_history(rows)
+        if self.draft is not None:  # (the loop writes the target's cache only)
+            for slot, r, position in rows:
+                gap = self._draft_gaps.get(slot)
+                if gap is None or gap[0] is not r or position < gap[1]:
+                    self._draft_gaps[slot] = (r, position)
         mask = self.token_mask([(slot, r, []) for slot, r, _ in rows], 1)
         inputs = StepInputs(tokens, positions[:, None], live[:, None], np.zeros(s, np.int32),
                             block_table, SamplingRows.of(requests, self.eos_token_ids), mask)
@@ -253,12 +268,48 @@ class ModelRunner:
             counts, steps = None, k
         else:
             self.step_program()
-            t0 = time.perf_counter()
+            fills = self.draft_fills(plan)
+            t0 = time.perf_counter()  # (the fill is the speculative iteration's cost)
+            for program, inputs in fills:
+                self.run(program, inputs)
             tokens, logprobs, counts, top, steps = self.verify(plan, out)
         out.decode = Sampled(host(tokens)[:, :k], host(logprobs)[:, :k],
                              tops_on_host(plan.decode_requests, top, k), counts)
         out.count("decode_s", time.perf_counter() - t0)
         out.count("decode_steps", steps)
+
+    def draft_fills(self, plan: SchedulePlan) -> list:
+        """(program, inputs) of the draft-cache fills a verify iteration needs first: for each
+        decode slot whose tokens the plain decode loop wrote without the draft model, those
+        positions (up to its last token, which the verify step writes), in calls of at most
+        FILL_SIZES[-1] tokens per slot, each the smallest size that holds the longest gap left;
+        compiled here (before the iteration's clock)."""
+        gaps = {}
+        for r, slot in zip(plan.decode_requests, plan.decode_slots):
+            gap = self._draft_gaps.pop(slot, None)
+            end = int(plan.decode_positions[slot])
+            if gap is not None and gap[0] is r and gap[1] < end:
+                gaps[slot] = (r, gap[1], end)
+        s, out = self.config.max_num_seqs, []
+        while gaps:
+            n = next(f for f in FILL_SIZES if f >= min(max(e - a for _, a, e in gaps.values()),
+                                                        FILL_SIZES[-1]))
+            tokens, valid = np.zeros((s, n), np.int32), np.zeros((s, n), bool)
+            positions, kv_len = np.zeros((s, n), np.int32), np.zeros(s, np.int32)
+            for slot, (r, a, e) in list(gaps.items()):
+                b = min(e, a + n)
+                tokens[slot, :b - a] = r.token_ids(a, b)
+                valid[slot, :b - a] = True
+                positions[slot] = np.minimum(a + np.arange(n, dtype=np.int32), b - 1)
+                kv_len[slot] = b
+                gaps[slot] = (r, b, e)
+                if b == e:
+                    del gaps[slot]
+            inputs = StepInputs(tokens, positions, valid, kv_len, plan.block_table,
+                                SamplingRows.of([None] * s, self.eos_token_ids),
+                                np.full((s, n, 1), -1, np.int32))
+            out.append((self.programs.draft_fill_program(n), inputs))
+        return out
 
     def verify_inputs(self, plan: SchedulePlan) -> VerifyInputs:
         """The verify loop's inputs: each slot's last token [S, k+1] and its budget; the drafts of
@@ -395,6 +446,8 @@ class ModelRunner:
         jobs = [self.step_program] if decode else []
         if decode and self.speculative is not None and self.speculative.auto_off:
             jobs.append(programs.decode_program)  # (the plain iterations while speculation is off)
+            if self.draft is not None:  # (and the draft-cache fills after them)
+                jobs += [partial(programs.draft_fill_program, n) for n in FILL_SIZES]
         jobs += [partial(programs.ragged_program, n)
                  for n in (self.config.step_sizes if step_sizes is None else step_sizes)]
         if step_sizes is None:
