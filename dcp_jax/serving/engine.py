@@ -48,7 +48,7 @@ from dcp_jax.spec.proposers import SpeculativeConfig
 from dcp_jax.structured import StructuredOutputs
 
 TIMING = ("prefill_s", "prefill_tokens", "decode_s", "decode_tokens", "decode_steps",
-          "ragged_steps", "rows_computed", "rows_useful")
+          "ragged_steps", "rows_computed", "rows_useful", "draft_fill_s")
 
 
 class ServingEngine:

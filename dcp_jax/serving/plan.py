@@ -122,7 +122,8 @@ class StepOutput:
     prompt_scores  (request, start, logprobs, ranks, top ids, top logprobs) per row whose request
              scores its prompt (prompt logprobs)
     timing   the step's device counters (prefill_s, decode_s, decode_steps, ragged_steps,
-             rows_computed, rows_useful)
+             rows_computed, rows_useful; draft_fill_s: the part of decode_s that filled a draft
+             model's cache after plain iterations)
     drafted / accepted_per_pos / verify_rows   the verify steps' drafts proposed, accepted by
              position, and the verify steps summed over the rows that took part in them
     """
