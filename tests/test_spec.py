@@ -455,6 +455,13 @@ def test_spec_switch_probes_a_bad_loser_rarely_enough_that_probes_cost_their_sha
     assert [b - a for a, b in zip([5] + probes, probes)] == [25, 25, 25, 32, 64, 128]
     loss = len(probes) * 2 * (4.0 - 1.0)  # plain steps' worth lost to probes
     assert loss / (8 * (len(modes) - len(probes) - 5)) <= 0.03
+    # a draft model's catch-up before a probe (its cache after the plain iterations) is the
+    # probe's cost too, not its verify steps': 24 ms more loss, 100 more iterations between probes
+    budget = sw.probe_budget(1)
+    while not sw.choose(1):
+        sw.observe(False, 1, 8 * ms, 8)
+    sw.observe(True, 1, 2 * 4.0 * ms, 2, 2, 2, catch_up=24 * ms)
+    assert sw.probe_budget(1) == budget + 100 and sw.t_verify[1].value == 4.0 * ms
     # a cheap loser (acceptance 30 / 8 = 3.75 at 4 plain steps: gain 0.94) keeps the short backoff:
     # its probe loses 2 x 0.25 steps, 3% of 3 plain iterations
     sw = SpecSwitch()

@@ -383,11 +383,13 @@ class Scheduler:
         tokens = 0
         if plan.verify_steps and output.decode.counts is not None:
             tokens = int(np.sum(output.decode.counts[plan.decode_slots]))
-        # a draft model's cache fill after plain iterations is their cost, paid once, not the
-        # verify steps': a probe after a long pause would otherwise look slower than speculation is
-        seconds = output.timing.get("decode_s", 0.0) - output.timing.get("draft_fill_s", 0.0)
-        self.spec_switch.observe(bool(plan.verify_steps), len(plan.decode_slots), seconds,
-                                 output.timing.get("decode_steps", 0), tokens, output.verify_rows)
+        # a draft model's cache fill after plain iterations is the pause's cost, not the verify
+        # steps': a probe after a long pause would otherwise look slower than speculation is
+        fill = output.timing.get("draft_fill_s", 0.0)
+        self.spec_switch.observe(bool(plan.verify_steps), len(plan.decode_slots),
+                                 output.timing.get("decode_s", 0.0) - fill,
+                                 output.timing.get("decode_steps", 0), tokens, output.verify_rows,
+                                 catch_up=fill)
 
     def check_output(self, plan: SchedulePlan, output: StepOutput) -> None:
         """Raise ValueError unless `output` has every result `plan` needs, in its shapes."""

@@ -15,11 +15,14 @@ cold figure would misjudge it). When the gain falls below 1, speculation stops f
 iterations, then one iteration probes it again (a fresh acceptance and verify time, over at most
 `probe_steps` verify steps); each failed probe doubles the backoff (up to `max_backoff`), a
 successful one turns speculation back on and resets it. A probe that loses costs what its verify
-steps take beyond decoding the same tokens plainly,
+steps take beyond decoding the same tokens plainly, and with a draft model what bringing its
+cache up to date takes first,
 
-    probe_loss = probe_steps · (t_verify - a · t_plain)
+    probe_loss = probe_steps · (t_verify - a · t_plain) + t_catch_up
 
-so the backoff is also at least the number of plain iterations over which that loss is a
+(t_catch_up: with a draft model, the last probe's fill of its cache with what the plain iterations
+before it wrote; it is left out of t_verify, which measures speculation running), so the backoff
+is also at least the number of plain iterations over which that loss is a
 `probe_share` of their time (probe_loss / (probe_share · t_iteration), t_iteration a plain
 iteration's measured time): a speculation that loses badly (a draft model that costs four plain
 steps and is never accepted) is probed rarely enough that its probes cost at most that share.
@@ -64,6 +67,7 @@ class SpecSwitch:
         self.t_verify: dict[int, Estimate] = {}
         self.t_iteration: dict[int, Estimate] = {}  # a plain iteration's time (all its steps)
         self.accept = Estimate()
+        self.catch_up = Estimate()  # the last probe's draft-cache catch-up, seconds
         self.on = True  # speculating (or measuring) unless backing off
         self.off_until = 0  # the decode iteration from which a probe runs
         self.probing = False  # the last speculative iteration was a probe
@@ -116,10 +120,12 @@ class SpecSwitch:
         return True
 
     def observe(self, speculated: bool, rows: int, seconds: float, steps: int,
-                tokens: int = 0, row_steps: int = 0) -> None:
+                tokens: int = 0, row_steps: int = 0, catch_up: float = 0.0) -> None:
         """What one decode iteration of `rows` sequences measured: its device time over its `steps`
         (decode steps, or verify steps); speculative: the `tokens` its `row_steps` (verify steps
-        summed over the sequences) emitted."""
+        summed over the sequences) emitted, and `catch_up`, the seconds before its verify steps
+        that brought a draft model's cache up to date after plain iterations (not in `seconds`:
+        a cost of pausing, counted in a probe's loss)."""
         if not self.enabled or steps <= 0 or seconds <= 0:
             return
         if speculated not in self.warm:
@@ -138,6 +144,7 @@ class SpecSwitch:
         if row_steps:
             self.accept.add(tokens / row_steps, fresh)
         if fresh:  # a probe decides at once: back on, or off for twice as long
+            self.catch_up.add(catch_up, fresh=True)
             gain = self.gain(rows)
             if gain is None or gain >= self.min_gain:
                 self.switch(True, rows, gain)
@@ -174,6 +181,7 @@ class SpecSwitch:
         if tp is None or tv is None or it is None or self.accept.value is None:
             return 0
         loss = self.probe_steps * (tv.value - self.accept.value * tp.value)
+        loss += self.catch_up.value or 0.0
         return max(math.ceil(loss / (self.probe_share * it.value)), 0)
 
     def stats(self) -> dict:
