@@ -53,7 +53,7 @@ from dcp_jax.serving.programs import Caches, StepPrograms
 from dcp_jax.spec.proposers import SpeculativeConfig, host_proposer
 from pallas_kernels.attention import kv_quant as kvq
 
-# tokens per slot of one draft-cache fill (`Runner.draft_fills`): the sizes compiled
+# tokens per slot of one draft-cache fill (`ModelRunner.draft_fills`): the sizes compiled
 FILL_SIZES = (16, 64, 256)
 
 
@@ -82,7 +82,7 @@ class ModelRunner:
         self._history_owner: list = [None] * config.max_num_seqs
         self._open_masks: dict = {}  # tokens per row -> an all-allowed token mask on the device
         # a draft model's cache: per slot, (request, the first position the plain decode loop
-        # wrote without it), filled in before the slot's next verify step (`fill_draft`)
+        # wrote without it), filled in before the slot's next verify step (`draft_fills`)
         self._draft_gaps: dict[int, tuple] = {}
 
     # --- device state (read-only outside) ---------------------------------------------------------
