@@ -280,6 +280,11 @@ def load_llm(spec: dict, **kw):
                     enable_prefix_caching=spec.get("prefix_caching", False), **kw)
 
 
+# speculation's counters a run reports (its share of them: after minus before)
+SPEC_COUNTERS = ("spec_on_iterations", "spec_off_iterations", "spec_drafted_tokens",
+                 "spec_accepted_tokens", "spec_verify_steps")
+
+
 def continuous_run(server, workload: list[dict], arrivals=None) -> dict:
     """Serve `workload` through `server`; per-request times and tokens, pages in use, rows computed. Runs
     against whichever dcp_jax is imported (this checkout, or a --baseline revision's public API)."""
@@ -305,7 +310,12 @@ def continuous_run(server, workload: list[dict], arrivals=None) -> dict:
         if not ragged:  # the engine before the ragged step: a decode loop of every slot for K steps
             work["loop_steps"] += plan.decode_steps
 
+    spec0 = server.stats()  # (speculation's counters, when the engine speculates)
     result = run_requests(server, reqs, arrivals=arrivals, on_step=on_step)
+    spec1 = server.stats()
+    spec = {k: spec1[k] - spec0[k] for k in SPEC_COUNTERS if k in spec1}
+    if "spec_last_switch" in spec1:
+        spec["spec_last_switch"] = spec1["spec_last_switch"]
     per = []
     for r in reqs:
         if r.error is not None:
@@ -327,7 +337,7 @@ def continuous_run(server, workload: list[dict], arrivals=None) -> dict:
         kv_capacity_tokens=result["kv_capacity_tokens"], preemptions=result["preemptions"], steps=len(pages),
         peak_active=max(active), rows_computed=step_rows + loop_steps * slots,
         ragged_steps=server.timing["ragged_steps"] - timing0["ragged_steps"] if ragged else 0,
-        prefill_calls=0 if ragged else work["prefill_calls"], loop_steps=loop_steps)
+        prefill_calls=0 if ragged else work["prefill_calls"], loop_steps=loop_steps, **spec)
 
 
 def static_run(engine, workload: list[dict], batch: int, prefill_chunk: int) -> dict:
@@ -738,6 +748,7 @@ def serving_row(workload: str, code: str, arrivals: str, run: dict, reference: d
         rows_computed=run.get("rows_computed"), rows_useful=needed,
         rows_ratio=run["rows_computed"] / needed if run.get("rows_computed") else None,
         ragged_steps=run.get("ragged_steps"), prefill_calls=run.get("prefill_calls"), loop_steps=run.get("loop_steps"),
+        **{k: run[k] for k in (*SPEC_COUNTERS, "spec_last_switch") if k in run},
         exact_tokens=all(p["tokens"] == ref[p["id"]] for p in per))
     row["mismatched"] = [p["id"] for p in per if p["tokens"] != ref[p["id"]]]
     row.update(strict=strict, identical=len(per) - len(row["mismatched"]),
@@ -813,6 +824,13 @@ def table(report: dict) -> str:
         out.append("each row is the run of median wall time; every run's wall (s):")
         out += [f"  {r['workload']} {r['code']} {r['arrivals']}: {', '.join(f'{w:.2f}' for w in r['walls_s'])}"
                 for r in rows]
+    for r in rows:  # speculation's own account of the run (the engine's counters)
+        if "spec_on_iterations" in r:
+            out.append(f"  {r['workload']} {r['code']} {r['arrivals']}: speculated in "
+                       f"{r['spec_on_iterations']} of "
+                       f"{r['spec_on_iterations'] + r['spec_off_iterations']} decode iterations, "
+                       f"{r['spec_accepted_tokens']} of {r['spec_drafted_tokens']} drafts "
+                       f"accepted; last switch: {r.get('spec_last_switch') or 'none'}")
     for key, value in ratios.items():
         if key.startswith("ours/") or key.endswith(("tpot_p99/p50", "wall/floor", "ttft p50")):
             out.append(f"  {key}: {value:.2f}x")

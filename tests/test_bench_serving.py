@@ -89,6 +89,11 @@ def test_bench_serving_baseline_runs_another_revision():
     assert a1 < s1 < b1 < a2 < s2 < b2
     assert "ours/baseline HEAD short burst output tok/s" in report["ratios"]
     assert "ours/ours ngram short burst output tok/s" in report["ratios"]
+    # the speculating code's own account: its decode iterations each way and its drafts
+    spec = report["rows"][1]
+    assert spec["spec_on_iterations"] + spec["spec_off_iterations"] > 0
+    assert 0 <= spec["spec_accepted_tokens"] <= spec["spec_drafted_tokens"]
+    assert "spec_on_iterations" not in report["rows"][0]
     # the chunk and budgets each code served with: the run's (--engine-defaults: the engine's own)
     sizes = report["workloads"]["short"]["sizes"]
     assert set(sizes) == set(codes) and report["engine_defaults"] is False
