@@ -141,8 +141,7 @@ def dcp_attention(
     make_spec = mesh_lib.kv_pool_spec if paged else mesh_lib.kv_cache_spec
     cache_spec = make_spec(head_axes, context_axes, stacked)
     caches = (k_cache,) if shared_v else (k_cache, v_cache)
-    extras = (((block_table,) if paged else ()) + ((jnp.asarray(layer, jnp.int32),) if stacked else ())
-              + ((ragged,) if ragged is not None else ()))
+    extras = _extras(block_table, layer, ragged)
     replicated = mesh_lib.lengths_spec()  # lengths, block table, layer, tiles
     out, lse = jax.shard_map(
         body,
@@ -183,10 +182,9 @@ def _island(q, k, *rest, layout, context_axes, n_ctx, scattered, exchanged, shar
     fresh = tuple(rest[len(rest) - n_fresh:])
     q_pos, kv_len, *extra = rest[:len(rest) - n_fresh]
     rank = lax.axis_index(context_axes) if context_axes else 0
-    table = extra.pop(0) if paged else None
-    opts = dict(opts, layer=extra.pop(0) if stacked else None)
+    table, layer, tiles = _unpack_extras(extra, paged, stacked, ragged)
+    opts = dict(opts, layer=layer)
     positions = layout.slice_positions(rank)
-    tiles = extra.pop(0) if ragged else None
     if ragged:  # one flat row of tokens: [N, ...] in, [1, N, ...] out
         o, lse = kernels.ragged_attention(q[0], k, v, q_pos[0], positions, kv_len, table, tiles,
                                           prefix_only=bool(fresh), **opts)
@@ -265,11 +263,7 @@ def _check_call(q, k_cache, v_cache, q_pos, kv_len, *, layout, head_axes, n_head
             f"kv heads ({kh}) must divide by the {n_heads_shards} shards of {head_axes}; "
             "replicate kv heads so every tp rank holds whole heads"
         )
-    if layout.num_shards != n_ctx:
-        raise ValueError(f"layout has {layout.num_shards} shards but context axes {context_axes} "
-                         f"have {n_ctx}")
-    if paged != isinstance(layout, PagedLayout):
-        raise ValueError("a paged pool takes a PagedLayout and its block_table; a dense cache a KVLayout")
+    _check_layout(layout, context_axes, n_ctx, paged)
     if paged and (k1.shape[2] != layout.page_size or k1.shape[0] % n_ctx):
         raise ValueError(f"pool {k1.shape} does not hold pages of {layout.page_size} slots on "
                          f"{n_ctx} context shards")
@@ -278,6 +272,32 @@ def _check_call(q, k_cache, v_cache, q_pos, kv_len, *, layout, head_axes, n_head
     lengths = _concrete(kv_len)
     if lengths is not None and (lengths.min() < 0 or lengths.max() > s):
         raise ValueError(f"kv_len {lengths.tolist()} outside the cache's 0..{s} slots")
+
+
+def _check_layout(layout, context_axes, n_ctx: int, paged: bool) -> None:
+    """The layout of a call's cache: one shard per context rank, paged with a block table."""
+    if layout.num_shards != n_ctx:
+        raise ValueError(f"layout has {layout.num_shards} shards but context axes {context_axes} "
+                         f"have {n_ctx}")
+    if paged != isinstance(layout, PagedLayout):
+        raise ValueError("a paged pool takes a PagedLayout and its block_table; a dense cache a "
+                         "KVLayout")
+
+
+def _extras(block_table, layer, ragged) -> tuple:
+    """The replicated arguments an island takes after the lengths: the block table, the layer and
+    the ragged tiles, each where the call has it (`_unpack_extras` reads them back)."""
+    return (((block_table,) if block_table is not None else ())
+            + ((jnp.asarray(layer, jnp.int32),) if layer is not None else ())
+            + ((ragged,) if ragged is not None else ()))
+
+
+def _unpack_extras(extra, paged: bool, stacked: bool, ragged: bool):
+    """(block table, layer, tiles) from an island's `_extras` arguments; None where absent."""
+    extra = list(extra)
+    table = extra.pop(0) if paged else None
+    layer = extra.pop(0) if stacked else None
+    return table, layer, extra.pop(0) if ragged else None
 
 
 def _combine(o, lse, rank, *, context_axes, n_ctx: int, scattered: bool, exchanged: bool):
@@ -340,13 +360,13 @@ def write_kv(
         cs, ns, (pos, ok, *extra) = args[:n], args[n:2 * n], args[2 * n:]
         if kv_quant is not None:
             ns = tuple(kvq.pack(x, kv_quant) for x in ns)
-        table = extra.pop(0) if paged else None
-        lead = (jnp.broadcast_to(extra.pop(0), (b, t)),) if stacked else ()  # the layer, for every token
+        table, layer, tiles = _unpack_extras(extra, paged, stacked, ragged is not None)
+        lead = (jnp.broadcast_to(layer, (b, t)),) if stacked else ()  # the layer, for every token
         rank = lax.axis_index(context_axes) if context_axes else 0
         mine = ok & (layout.rank_of(pos) == rank)
         if paged:
             num_pages = cs[0].shape[len(lead)]
-            rows = extra.pop(0).token_row[None] if ragged is not None else None
+            rows = tiles.token_row[None] if tiles is not None else None
             # not mine, or past the table: dropped
             page = layout.page_of(table, pos, mine, missing=num_pages, rows=rows)
             return tuple(c.at[(*lead, page, slice(None), layout.page_slot_of(pos))].set(x.astype(c.dtype), mode="drop")
@@ -359,8 +379,7 @@ def write_kv(
     cache_spec = (mesh_lib.kv_pool_spec if paged else mesh_lib.kv_cache_spec)(head_axes, context_axes, stacked)
     if ragged is not None and not paged:
         raise ValueError("a ragged batch writes a paged pool: pass its block_table [R, blocks]")
-    extras = (((block_table,) if paged else ()) + ((jnp.asarray(layer, jnp.int32),) if stacked else ())
-              + ((ragged,) if ragged is not None else ()))
+    extras = _extras(block_table, layer, ragged)
     return jax.shard_map(
         body,
         mesh=mesh,
@@ -401,12 +420,7 @@ def dcp_sparse_attention(
     """
     paged, stacked = block_table is not None, layer is not None
     n_ctx = mesh_lib.axis_size(mesh, context_axes)
-    if layout.num_shards != n_ctx:
-        raise ValueError(f"layout has {layout.num_shards} shards but context axes {context_axes} "
-                         f"have {n_ctx}")
-    if paged != isinstance(layout, PagedLayout):
-        raise ValueError("a paged pool takes a PagedLayout and its block_table; a dense cache a "
-                         "KVLayout")
+    _check_layout(layout, context_axes, n_ctx, paged)
     if ragged is not None:
         check_ragged(q, q_pos, kv_len, block_table, ragged)
     scattered = resolve_combine(q.shape[2], n_ctx, combine)
@@ -417,9 +431,7 @@ def dcp_sparse_attention(
         topk=topk, index_scale=index_scale, scale=scale, v_dim=v_dim)
     make_spec = mesh_lib.kv_pool_spec if paged else mesh_lib.kv_cache_spec
     cache_spec = make_spec((), context_axes, stacked)
-    extras = (((block_table,) if paged else ())
-              + ((jnp.asarray(layer, jnp.int32),) if stacked else ())
-              + ((ragged,) if ragged is not None else ()))
+    extras = _extras(block_table, layer, ragged)
     rep = mesh_lib.lengths_spec()
     out, chosen = jax.shard_map(
         body, mesh=mesh,
@@ -439,10 +451,7 @@ def _sparse_island(q, latent, index_keys, index_q, index_w, q_pos, kv_len, *extr
     attention over the chosen tokens it owns, then the combine. Tokens are handled flat [M] (B·T,
     or a ragged batch's N), each with its row (its sequence's length, block-table row, cache
     row)."""
-    extra = list(extra)
-    table = extra.pop(0) if paged else None
-    layer = extra.pop(0) if stacked else None
-    tiles = extra.pop(0) if ragged else None
+    table, layer, tiles = _unpack_extras(extra, paged, stacked, ragged)
     rank = lax.axis_index(context_axes) if context_axes else 0
     b, t, h, d = q.shape
     m = b * t

@@ -73,22 +73,18 @@ def measure(llm, prompts, new_tokens: int) -> dict:
     """One greedy generate; the figures of its decode phase."""
     from dcp_jax import SamplingParams
 
-    before = llm.engine.stats()
     out = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
-    after = llm.engine.stats()
     s = out.stats
     steps = max(s["decode_steps"], 1)  # decode steps of the batch, or verify steps
     row = dict(decode_tokens_per_s=s["decode_tokens_per_s"], decode_s=s["decode_s"],
                step_ms=1e3 * s["decode_s"] / steps, steps=s["decode_steps"], tokens=out.tokens,
                prefill_s=s["prefill_s"], compile_s=s["compile_s"])
-    for key in ("spec_drafted_tokens", "spec_accepted_tokens", "spec_acceptance_rate", "mean_acceptance_length"):
+    # this call's speculation figures (generate's stats count its own decode iterations)
+    for key in ("spec_drafted_tokens", "spec_accepted_tokens", "spec_acceptance_rate",
+                "mean_acceptance_length", "spec_on_iterations", "spec_off_iterations",
+                "spec_last_switch"):
         if key in s:
             row[key] = s[key]
-    for key in ("spec_on_iterations", "spec_off_iterations"):  # this call's decode iterations
-        if key in after:
-            row[key] = after[key] - before[key]
-    if "spec_last_switch" in after:
-        row["spec_last_switch"] = after["spec_last_switch"]
     return row
 
 

@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-import transformers
 from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as v32
 
@@ -137,26 +135,14 @@ def make() -> dict:
     for p, (tokens, _, first, _) in zip(prompts, results):
         mf.cross_check(model, p, tokens, first)
     dense_diff = check_selection_matters(seed, prompts, results)
-    if OUT.exists():
-        shutil.rmtree(OUT)
-    OUT.mkdir(parents=True)
-    model.save_pretrained(OUT, safe_serialization=True)
-    expected = {
-        "seed": seed,
-        "transformers_version": transformers.__version__,
-        "torch_version": torch.__version__,
-        "max_new_tokens": mf.MAX_NEW_TOKENS,
-        "prompts": prompts,
-        "greedy": [r[0] for r in results],
-        "greedy_logprobs": [[round(x, 6) for x in r[1]] for r in results],
-        "min_margin": round(min_margin, 6),
-        "first_logprobs": [[round(float(x), 6) for x in r[2].tolist()] for r in results],
+    expected = mf.save_reference(model, OUT, seed, prompts, results, min_margin)
+    expected.update({
         "index_topk": INDEX_TOPK,
         "min_topk_gap": float(f"{gap:.3e}"),
         "topk_selections": recorder.chosen,
         # the first step's logprobs move this much (at least) when every token is attended
         "dense_logprob_diff": round(dense_diff, 4),
-    }
+    })
     (OUT / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
     return expected
 

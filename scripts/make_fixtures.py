@@ -367,6 +367,26 @@ def _cache_kw(model) -> str:
 
 
 @torch.no_grad()
+def save_reference(model, out_dir: Path, seed: int, prompts, results, min_margin: float) -> dict:
+    """Write `model` to a fresh `out_dir` and return the expected.json fields every fixture has:
+    the seed, the versions, the prompts and the greedy reference (`greedy_reference`'s results)."""
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return {
+        "seed": seed,
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "prompts": prompts,
+        "greedy": [r[0] for r in results],
+        "greedy_logprobs": [[round(x, 6) for x in r[1]] for r in results],
+        "min_margin": round(min_margin, 6),
+        "first_logprobs": [[round(float(x), 6) for x in r[2].tolist()] for r in results],
+    }
+
+
 def greedy_reference(model, prompt: list[int]):
     """Manual greedy loop with the KV cache, batch 1, no padding, no EOS stop."""
     kw = _cache_kw(model)
@@ -444,22 +464,7 @@ def make_fixture(name: str) -> dict:
     if is_dynamic(extra):
         check_scaling_matters(cfg_cls, model_cls, extra, seed, prompts, results)
 
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-
-    expected = {
-        "seed": seed,
-        "transformers_version": transformers.__version__,
-        "torch_version": torch.__version__,
-        "max_new_tokens": MAX_NEW_TOKENS,
-        "prompts": prompts,
-        "greedy": [r[0] for r in results],
-        "greedy_logprobs": [[round(x, 6) for x in r[1]] for r in results],
-        "min_margin": round(min_margin, 6),
-        "first_logprobs": [[round(float(x), 6) for x in r[2].tolist()] for r in results],
-    }
+    expected = save_reference(model, out_dir, seed, prompts, results, min_margin)
     if is_dynamic(extra):  # the context the reference's RoPE base is for: run dcp_jax with it
         expected["max_seq_len"] = DYNAMIC_SEQ_LEN
     if tokenizer is not None:

@@ -75,8 +75,7 @@ class ServingConfig:
     together; default `prefill_chunk` + `max_num_seqs`, so an iteration in which every slot decodes
     still prefills a chunk); `idle_batched_tokens`: the budget of an iteration in which no request
     decodes (None: the same; never less). `ragged_tile`: the query tokens of one tile of a prefill
-    chunk in the
-    ragged step (pallas_kernels/attention/ragged.py)."""
+    chunk in the ragged step (pallas_kernels/attention/ragged.py)."""
 
     num_pages: int
     page_size: int

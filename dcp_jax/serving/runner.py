@@ -261,8 +261,7 @@ class ModelRunner:
         k = plan.decode_steps
         if not plan.verify_steps:
             first = plan.decode_tokens[:, None]
-            if self.speculative is not None:
-                self.programs.decode_program()  # (compiled before the clock starts)
+            self.programs.decode_program()  # (compiled before the clock starts)
             t0 = time.perf_counter()
             tokens, logprobs, top = self.decode_loop(plan.decode_rows(), first, k, plan.block_table)
             counts, steps = None, k
@@ -295,8 +294,8 @@ class ModelRunner:
                 gaps[slot] = (r, gap[1], end)
         s, out = self.config.max_num_seqs, []
         while gaps:
-            n = next(f for f in FILL_SIZES if f >= min(max(e - a for _, a, e in gaps.values()),
-                                                        FILL_SIZES[-1]))
+            longest = max(e - a for _, a, e in gaps.values())
+            n = padded_size(FILL_SIZES, min(longest, FILL_SIZES[-1]))
             tokens, valid = np.zeros((s, n), np.int32), np.zeros((s, n), bool)
             positions, kv_len = np.zeros((s, n), np.int32), np.zeros(s, np.int32)
             for slot, (r, a, e) in list(gaps.items()):
