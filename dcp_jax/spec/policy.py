@@ -67,7 +67,7 @@ class SpecSwitch:
         self.t_verify: dict[int, Estimate] = {}
         self.t_iteration: dict[int, Estimate] = {}  # a plain iteration's time (all its steps)
         self.accept = Estimate()
-        self.catch_up = Estimate()  # the last probe's draft-cache catch-up, seconds
+        self.catch_up = 0.0  # the last probe's draft-cache catch-up, seconds
         self.on = True  # speculating (or measuring) unless backing off
         self.off_until = 0  # the decode iteration from which a probe runs
         self.probing = False  # the last speculative iteration was a probe
@@ -144,7 +144,7 @@ class SpecSwitch:
         if row_steps:
             self.accept.add(tokens / row_steps, fresh)
         if fresh:  # a probe decides at once: back on, or off for twice as long
-            self.catch_up.add(catch_up, fresh=True)
+            self.catch_up = catch_up
             gain = self.gain(rows)
             if gain is None or gain >= self.min_gain:
                 self.switch(True, rows, gain)
@@ -181,7 +181,7 @@ class SpecSwitch:
         if tp is None or tv is None or it is None or self.accept.value is None:
             return 0
         loss = self.probe_steps * (tv.value - self.accept.value * tp.value)
-        loss += self.catch_up.value or 0.0
+        loss += self.catch_up
         return max(math.ceil(loss / (self.probe_share * it.value)), 0)
 
     def stats(self) -> dict:
