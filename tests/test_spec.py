@@ -469,6 +469,41 @@ def test_spec_switch_probes_a_bad_loser_rarely_enough_that_probes_cost_their_sha
     assert sw.probe_budget(1) == 3 and "for 4 " in sw.stats()["spec_last_switch"]
 
 
+def test_spec_switch_fits_its_verify_steps_to_an_iteration_that_prefills():
+    # An iteration that also prefills makes its chunks wait for its decode rows, which plainly take
+    # K - 1 = 7 loop steps (the first token rides the ragged step). There the rule speculates with
+    # the most verify steps that take no longer, if they emit at least K = 8 tokens a row, and
+    # otherwise decodes that iteration plainly without switching off.
+    from dcp_jax.spec.policy import SpecSwitch
+
+    sw = SpecSwitch()
+    ms = 1e-3
+
+    def run(accept, prefilling=False, verify_ms=2.0, plain_ms=1.0, rows=4):
+        if not sw.choose(rows, prefilling, 8):
+            sw.observe(False, rows, 7 * plain_ms * ms, 7)
+            return 0
+        steps = sw.verify_steps(8)
+        sw.observe(True, rows, steps * verify_ms * ms, steps, int(accept * steps * rows),
+                   steps * rows)
+        return steps
+
+    # unmeasured, a prefilling iteration is measured as any other (cold and measured, each kind)
+    assert [run(3.0, prefilling=True) for _ in range(4)] == [8, 8, 0, 0]
+    assert run(3.0) == 8  # gain 3 x 1 / 2 = 1.5, nothing to prefill: every verify step
+    # prefilling: 7 x 1 ms / 2 ms = 3.5, so 3 verify steps, 3 x 3 = 9 tokens a row >= 8
+    assert run(3.0, prefilling=True) == 3 and sw.fitted == 3
+    assert run(2.0) == 8  # the acceptance falls to 2.5: gain 1.25, still on
+    # prefilling: 3 verify steps emit 7.5 tokens < 8: plain this iteration, the rule still on
+    assert run(2.5, prefilling=True) == 0
+    stats = sw.stats()
+    assert stats["spec_prefill_plain_iterations"] == 1 and stats["spec_switches"] == 0 and sw.on
+    assert run(2.5) == 8
+    # the probe of a switched-off rule is not fitted (its own cap, probe_steps)
+    sw.on, sw.off_until = False, 0
+    assert run(2.5, prefilling=True) == 2
+
+
 @pytest.mark.parametrize("fill_sizes,plain_first", [(None, 1), ((2,), 3)])
 def test_a_draft_model_keeps_its_cache_through_plain_iterations(monkeypatch, fill_sizes,
                                                                 plain_first):
@@ -486,7 +521,7 @@ def test_a_draft_model_keeps_its_cache_through_plain_iterations(monkeypatch, fil
     name, tp, dcp = "llama-gqa", 1, 2
     turns = []
 
-    def choose(self, rows):
+    def choose(self, rows, *prefills):
         turns.append(len(turns) >= plain_first and (len(turns) - plain_first) % 2 == 0)
         return turns[-1]
 

@@ -199,7 +199,11 @@ class Scheduler:
         speculation or while it is off (`SpecSwitch`), one when a row has a structured output (its
         drafts' token masks are made on the host), else the configured `verify_steps` (fewer for a
         probe of speculation while it is off)."""
-        if self.spec_switch is None or not decoding or not self.spec_switch.choose(len(decoding)):
+        if self.spec_switch is None or not decoding:
+            return 0
+        prefilling = bool(self.waiting and self.kv.free_slots) or any(
+            r.state is RequestState.PREFILLING for r in self.running)
+        if not self.spec_switch.choose(len(decoding), prefilling, self.config.decode_steps):
             return 0
         if any(r.sampling.structured is not None for r in decoding):
             return 1

@@ -30,6 +30,12 @@ steps and is never accepted) is probed rarely enough that its probes cost at mos
 While speculation is on, a plain iteration
 every `refresh` iterations keeps `t_plain` current (contexts grow, so step times do).
 
+An iteration that also prefills is judged by its time, not its time per token: its prefill chunks
+wait for its decode rows, which plainly take K - 1 loop steps (each row's first token rides the
+ragged step beside the chunks) for K tokens a row. There speculation runs the most verify steps
+that take no longer, v = floor((K - 1) · t_plain / t_verify), if they emit at least as many tokens
+(v · a >= K); otherwise that iteration decodes plainly, and the rule stays on (`fit`).
+
 `stats()` says what it did and why: iterations each way, switches, and the last switch's step and
 reason, with the figures it was decided on.
 """
@@ -74,7 +80,9 @@ class SpecSwitch:
         self.since_plain = 0  # speculative iterations since the last plain one
         self.iteration = 0
         self.warm: set[bool] = set()  # the kinds of iteration whose first (cold) run is past
-        self.counts = {"spec_on_iterations": 0, "spec_off_iterations": 0, "spec_switches": 0}
+        self.fitted: int | None = None  # verify steps fitted to this iteration's prefills (`fit`)
+        self.counts = {"spec_on_iterations": 0, "spec_off_iterations": 0, "spec_switches": 0,
+                       "spec_prefill_plain_iterations": 0}
         self.last_switch = ""
 
     @staticmethod
@@ -90,17 +98,41 @@ class SpecSwitch:
             return None
         return self.accept.value * tp.value / tv.value
 
-    def choose(self, rows: int) -> bool:
-        """Whether the next decode iteration (of `rows` sequences) speculates."""
+    def choose(self, rows: int, prefilling: bool = False, plain_steps: int = 0) -> bool:
+        """Whether the next decode iteration (of `rows` sequences) speculates; `prefilling`: it
+        also runs prefill chunks, whose plain decoding takes `plain_steps` tokens per row
+        (`fit`)."""
         self.iteration += 1
+        self.fitted = None
         speculate = self.decide(rows) if self.enabled else True
+        if speculate and prefilling and self.enabled and not self.probing:
+            speculate = self.fit(rows, plain_steps)
         self.counts["spec_on_iterations" if speculate else "spec_off_iterations"] += 1
         return speculate
 
+    def fit(self, rows: int, plain_steps: int) -> bool:
+        """Speculate in an iteration that prefills too? Its prefill chunks wait for its decode
+        rows, so what counts is the iteration's time, not the time per token: plainly, a row's
+        first token rides the ragged step and the other K - 1 take K - 1 loop steps. Speculate
+        with the most verify steps that take no longer (`fitted`) if they emit at least K tokens
+        per row; else decode plainly this iteration (not a switch: the rule stays on)."""
+        key = self.bucket(rows)
+        tp, tv, a = self.t_plain.get(key), self.t_verify.get(key), self.accept.value
+        if tp is None or tv is None or a is None or plain_steps < 2:
+            return True  # (not measured yet: decide's order measures them)
+        steps = math.floor((plain_steps - 1) * tp.value / tv.value)
+        if steps < 1 or steps * a < plain_steps:
+            self.counts["spec_prefill_plain_iterations"] += 1
+            return False
+        self.fitted = steps
+        return True
+
     def verify_steps(self, configured: int) -> int:
-        """The verify steps of the iteration just chosen to speculate: `configured`, or at most
-        `probe_steps` for a probe."""
-        return min(configured, self.probe_steps) if self.probing else configured
+        """The verify steps of the iteration just chosen to speculate: `configured`, at most
+        `probe_steps` for a probe, at most `fitted` in an iteration that prefills."""
+        if self.probing:
+            return min(configured, self.probe_steps)
+        return configured if self.fitted is None else min(configured, self.fitted)
 
     def decide(self, rows: int) -> bool:
         key = self.bucket(rows)
