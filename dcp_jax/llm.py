@@ -53,7 +53,8 @@ CPU_KV_BUDGET = 256 * 2**20  # bytes of KV for the whole pool on CPU when no bud
 HOST_COUNTERS = ("host_hit_tokens", "host_bytes_to_host", "host_bytes_to_device", "host_copy_s")
 CALL_COUNTERS = ("prefix_query_tokens", "prefix_hit_tokens", "evictions", "preemptions",
                  *HOST_COUNTERS, "spec_drafted_tokens", "spec_accepted_tokens", "spec_verify_steps",
-                 "spec_on_iterations", "spec_off_iterations", "spec_switches")
+                 "spec_on_iterations", "spec_off_iterations", "spec_prefill_plain_iterations",
+                 "spec_switches")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 
 
@@ -534,6 +535,7 @@ class LLM:
                          spec_acceptance_rate=a / d if d else 0.0,
                          mean_acceptance_length=1 + a / n if n else 0.0,
                          **{k: delta[k] for k in ("spec_on_iterations", "spec_off_iterations",
+                                                  "spec_prefill_plain_iterations",
                                                   "spec_switches")},
                          spec_last_switch=now["spec_last_switch"])
         return generation(requests, stats, None if self.tokenizer is None else self.decode)

@@ -281,8 +281,8 @@ def load_llm(spec: dict, **kw):
 
 
 # speculation's counters a run reports (its share of them: after minus before)
-SPEC_COUNTERS = ("spec_on_iterations", "spec_off_iterations", "spec_drafted_tokens",
-                 "spec_accepted_tokens", "spec_verify_steps")
+SPEC_COUNTERS = ("spec_on_iterations", "spec_off_iterations", "spec_prefill_plain_iterations",
+                 "spec_drafted_tokens", "spec_accepted_tokens", "spec_verify_steps")
 
 
 def continuous_run(server, workload: list[dict], arrivals=None) -> dict:
@@ -828,7 +828,8 @@ def table(report: dict) -> str:
         if "spec_on_iterations" in r:
             out.append(f"  {r['workload']} {r['code']} {r['arrivals']}: speculated in "
                        f"{r['spec_on_iterations']} of "
-                       f"{r['spec_on_iterations'] + r['spec_off_iterations']} decode iterations, "
+                       f"{r['spec_on_iterations'] + r['spec_off_iterations']} decode iterations "
+                       f"({r.get('spec_prefill_plain_iterations', 0)} plain beside prefills), "
                        f"{r['spec_accepted_tokens']} of {r['spec_drafted_tokens']} drafts "
                        f"accepted; last switch: {r.get('spec_last_switch') or 'none'}")
     for key, value in ratios.items():

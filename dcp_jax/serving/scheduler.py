@@ -198,7 +198,7 @@ class Scheduler:
         """The verify steps this iteration's decode rows run (0: plain decoding): none without
         speculation or while it is off (`SpecSwitch`), one when a row has a structured output (its
         drafts' token masks are made on the host), else the configured `verify_steps` (fewer for a
-        probe of speculation while it is off)."""
+        probe of speculation while it is off, or to fit an iteration that prefills too)."""
         if self.spec_switch is None or not decoding:
             return 0
         prefilling = bool(self.waiting and self.kv.free_slots) or any(
