@@ -40,7 +40,8 @@ from jax import lax
 from pallas_kernels.attention import api, ragged
 from pallas_kernels.attention.common import SlotPositions
 
-HEADS, KV_HEADS, DIM, PAGE, BLOCK = 8, 4, 64, 64, 512  # the benchmark Llama's attention, the walk's block
+# the benchmark Llama's attention, the pool's page, the reference walk's block
+HEADS, KV_HEADS, DIM, PAGE, BLOCK = 8, 4, 64, 64, 512
 DEFAULT_PEER_PYTHON = Path(__file__).resolve().parent.parent.parent / "venv311" / "bin" / "python"
 
 PEER_SOURCE = r'''
@@ -50,7 +51,8 @@ a = json.load(open(sys.argv[1]))
 torch.set_num_threads(a["threads"])
 s, h, kh, d = a["context"], a["heads"], a["kv_heads"], a["dim"]
 q, k, v = torch.randn(1, h, s, d), torch.randn(1, kh, s, d), torch.randn(1, kh, s, d)
-f = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+sdpa = torch.nn.functional.scaled_dot_product_attention
+f = lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True)
 f()
 best = []
 for _ in range(a["rounds"]):
@@ -143,7 +145,8 @@ def run_peer(python: str, context: int, rounds: int, threads: int) -> dict:
                                         rounds=rounds, threads=threads)))
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         env.pop("PYTHONPATH", None)
-        proc = subprocess.run([python, str(src), str(args)], capture_output=True, text=True, env=env)
+        proc = subprocess.run([python, str(src), str(args)], capture_output=True, text=True,
+                              env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-2:]
