@@ -172,18 +172,28 @@ def gemm_gflops(put, matmul) -> float:
 
 # --- the peer --------------------------------------------------------------------------------------
 def run_peer(python: str, checkpoint: Path, prompt: list[int], new_tokens: int, attn: str, threads: int) -> dict:
-    with tempfile.TemporaryDirectory(prefix="bench_decode_peer.") as tmp:
-        src, args = Path(tmp) / "peer.py", Path(tmp) / "args.json"
-        src.write_text(PEER_SOURCE)
-        args.write_text(json.dumps(dict(checkpoint=str(checkpoint), prompt=prompt, new_tokens=new_tokens,
-                                        attn=attn, threads=threads)))
+    return run_python(python, PEER_SOURCE, dict(checkpoint=str(checkpoint), prompt=prompt,
+                                                new_tokens=new_tokens, attn=attn, threads=threads),
+                      threads)
+
+
+def run_python(python: str, source: str, args: dict, threads: int,
+               error_key: str = "peer_error") -> dict:
+    """Run `source` in the interpreter `python` (the peer: torch + transformers, PYTHONPATH
+    cleared) on a JSON file of `args` (its argv[1]), at `threads` threads; its last JSON line, or
+    {error_key: the exit status and its last lines}."""
+    with tempfile.TemporaryDirectory(prefix="bench_peer.") as tmp:
+        src, args_file = Path(tmp) / "peer.py", Path(tmp) / "args.json"
+        src.write_text(source)
+        args_file.write_text(json.dumps(args))
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
         env.pop("PYTHONPATH", None)
-        proc = subprocess.run([python, str(src), str(args)], capture_output=True, text=True, env=env)
+        proc = subprocess.run([python, str(src), str(args_file)], capture_output=True, text=True,
+                              env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return dict(peer_error=f"exit {proc.returncode}: {' | '.join(tail)}")
+        return {error_key: f"exit {proc.returncode}: {' | '.join(tail)}"}
     return json.loads(lines[-1])
 
 

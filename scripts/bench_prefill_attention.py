@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -40,9 +37,11 @@ from jax import lax
 from pallas_kernels.attention import api, ragged
 from pallas_kernels.attention.common import SlotPositions
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared helpers
+import bench_decode  # noqa: E402  (its peer runner and peer interpreter)
+
 # the benchmark Llama's attention, the pool's page, the reference walk's block
 HEADS, KV_HEADS, DIM, PAGE, BLOCK = 8, 4, 64, 64, 512
-DEFAULT_PEER_PYTHON = Path(__file__).resolve().parent.parent.parent / "venv311" / "bin" / "python"
 
 PEER_SOURCE = r'''
 import json, sys, time
@@ -138,20 +137,9 @@ def measure(context: int, chunk: int, rounds: int, seed: int = 0) -> dict:
 
 
 def run_peer(python: str, context: int, rounds: int, threads: int) -> dict:
-    with tempfile.TemporaryDirectory(prefix="bench_prefill_attention.") as tmp:
-        src, args = Path(tmp) / "peer.py", Path(tmp) / "args.json"
-        src.write_text(PEER_SOURCE)
-        args.write_text(json.dumps(dict(context=context, heads=HEADS, kv_heads=KV_HEADS, dim=DIM,
-                                        rounds=rounds, threads=threads)))
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        env.pop("PYTHONPATH", None)
-        proc = subprocess.run([python, str(src), str(args)], capture_output=True, text=True,
-                              env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-2:]
-        return dict(torch_error=f"exit {proc.returncode}: {' | '.join(tail)}")
-    return json.loads(lines[-1])
+    args = dict(context=context, heads=HEADS, kv_heads=KV_HEADS, dim=DIM, rounds=rounds,
+                threads=threads)
+    return bench_decode.run_python(python, PEER_SOURCE, args, threads, error_key="torch_error")
 
 
 def parse(argv):
@@ -161,7 +149,8 @@ def parse(argv):
                     help="prefill chunk (default 1024: the CPU idle budget's, a lone prompt's)")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (best taken)")
     ap.add_argument("--peer-python", default=None,
-                    help=f"interpreter with torch (default {DEFAULT_PEER_PYTHON} if present)")
+                    help="interpreter with torch (default: bench_decode's peer, "
+                         f"{bench_decode.DEFAULT_PEER_PYTHON}, if present)")
     ap.add_argument("--peer-threads", type=int, default=2)
     ap.add_argument("--no-peer", action="store_true", help="skip torch")
     ap.add_argument("--quick", action="store_true", help="context 2048, chunk 512, no torch")
@@ -182,8 +171,8 @@ def main(argv=None) -> int:
     row = dict(context=args.context, chunk=args.chunk, device=jax.devices()[0].device_kind,
                **measure(args.context, args.chunk, args.rounds))
     python = None if args.no_peer else args.peer_python
-    if python is None and not args.no_peer and DEFAULT_PEER_PYTHON.exists():
-        python = str(DEFAULT_PEER_PYTHON)
+    if python is None and not args.no_peer and bench_decode.DEFAULT_PEER_PYTHON.exists():
+        python = str(bench_decode.DEFAULT_PEER_PYTHON)
     if python:
         row.update(run_peer(python, args.context, args.rounds, args.peer_threads))
     if args.json:

@@ -90,13 +90,18 @@ class SpecSwitch:
         """1, 2-3, 4-7, ... sequences: one bucket each."""
         return max(int(rows), 1).bit_length()
 
-    def gain(self, rows: int) -> float | None:
-        """a · t_plain / t_verify at this batch size, or None until all three are measured."""
+    def figures(self, rows: int) -> tuple[float, float, float] | None:
+        """(a, t_plain, t_verify) at this batch size, or None until all three are measured."""
         key = self.bucket(rows)
         tp, tv = self.t_plain.get(key), self.t_verify.get(key)
         if tp is None or tv is None or self.accept.value is None:
             return None
-        return self.accept.value * tp.value / tv.value
+        return self.accept.value, tp.value, tv.value
+
+    def gain(self, rows: int) -> float | None:
+        """a · t_plain / t_verify at this batch size, or None until all three are measured."""
+        got = self.figures(rows)
+        return None if got is None else got[0] * got[1] / got[2]
 
     def choose(self, rows: int, prefilling: bool = False, plain_steps: int = 0) -> bool:
         """Whether the next decode iteration (of `rows` sequences) speculates; `prefilling`: it
@@ -116,11 +121,11 @@ class SpecSwitch:
         first token rides the ragged step and the other K - 1 take K - 1 loop steps. Speculate
         with the most verify steps that take no longer (`fitted`) if they emit at least K tokens
         per row; else decode plainly this iteration (not a switch: the rule stays on)."""
-        key = self.bucket(rows)
-        tp, tv, a = self.t_plain.get(key), self.t_verify.get(key), self.accept.value
-        if tp is None or tv is None or a is None or plain_steps < 2:
+        got = self.figures(rows)
+        if got is None or plain_steps < 2:
             return True  # (not measured yet: decide's order measures them)
-        steps = math.floor((plain_steps - 1) * tp.value / tv.value)
+        a, tp, tv = got
+        steps = math.floor((plain_steps - 1) * tp / tv)
         if steps < 1 or steps * a < plain_steps:
             self.counts["spec_prefill_plain_iterations"] += 1
             return False
@@ -185,10 +190,10 @@ class SpecSwitch:
 
     def switch(self, on: bool, rows: int, gain: float | None) -> None:
         """Record a decision (on after a probe, or off for `backoff` iterations)."""
-        key = self.bucket(rows)
-        figures = "" if gain is None else (
-            f": acceptance {self.accept.value:.2f} x plain step {1e3 * self.t_plain[key].value:.2f}"
-            f" ms / verify step {1e3 * self.t_verify[key].value:.2f} ms = {gain:.2f}")
+        got = self.figures(rows)
+        figures = "" if gain is None or got is None else (
+            f": acceptance {got[0]:.2f} x plain step {1e3 * got[1]:.2f}"
+            f" ms / verify step {1e3 * got[2]:.2f} ms = {gain:.2f}")
         if on:
             self.backoff = self.base_backoff
             if not self.on:
@@ -208,12 +213,11 @@ class SpecSwitch:
     def probe_budget(self, rows: int) -> int:
         """The plain iterations over which a losing probe's cost is `probe_share` of their time
         (the module docstring); 0 until its figures are measured."""
-        key = self.bucket(rows)
-        tp, tv, it = self.t_plain.get(key), self.t_verify.get(key), self.t_iteration.get(key)
-        if tp is None or tv is None or it is None or self.accept.value is None:
+        got, it = self.figures(rows), self.t_iteration.get(self.bucket(rows))
+        if got is None or it is None:
             return 0
-        loss = self.probe_steps * (tv.value - self.accept.value * tp.value)
-        loss += self.catch_up
+        a, tp, tv = got
+        loss = self.probe_steps * (tv - a * tp) + self.catch_up
         return max(math.ceil(loss / (self.probe_share * it.value)), 0)
 
     def stats(self) -> dict:

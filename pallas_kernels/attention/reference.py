@@ -131,7 +131,9 @@ def attention(q, k, v, q_pos, kv_pos, kv_len, *, scale: float, block_k: int = 51
         if block_probe is not None:
             jax.debug.callback(functools.partial(block_probe, masked, n), start)
         kb, vb = kv(lambda x: read(x, start, n))
-        ones = jnp.ones((*vb.shape[:-1], 1), vb.dtype)  # (fused into the block's gather)
+        # (XLA:CPU writes the ones in the copy that lays the gathered value block out: no pass
+        # of its own)
+        ones = jnp.ones((*vb.shape[:-1], 1), vb.dtype)
         sc = jnp.einsum("bkrd,bksd->bkrs", qg, kb, precision=HIGHEST)
         return sc, jnp.concatenate([vb, ones], -1)
 
