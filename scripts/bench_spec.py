@@ -19,13 +19,15 @@ iteration speculates, the verify loop's own speed):
 
 Every engine is built and warmed up first (one generate each: a program's first run pays for what it
 allocates once), then the runs go round `--repeats` times, one generate per engine per round, so the
-figures of one round are side by side in time (the machine's other load hits them alike); a row reports
-its median round. Reported per run: decode tokens/s (tokens the decode/verify programs produced over
-their own time, prefill excluded), time per decode step (plain: one step of the K-step loop; verify:
-one verify step, M of them per program call), drafted / accepted tokens, the mean acceptance length
-(tokens a sequence gains per verify step: 1 + accepted / steps), the decode iterations that speculated
-and that did not (auto-off) and the speed-up over plain decoding. The speed-up is about acceptance length
-x (plain step time / verify step time).
+figures of one round are side by side in time (the machine's other load hits them alike); a row
+reports its median round, and its speed-up is the median of its rounds' ratios to plain decoding's
+round beside it (paired, so drift of the machine's load between rounds cancels). Reported per run:
+decode tokens/s (tokens the decode/verify programs produced over their own time, prefill excluded),
+time per decode step (plain: one step of the K-step loop; verify: one verify step, M of them per
+program call), drafted / accepted tokens, the mean acceptance length (tokens a sequence gains per
+verify step: 1 + accepted / steps), the decode iterations that speculated and that did not
+(auto-off) and the speed-up over plain decoding. The speed-up is about acceptance length x (plain
+step time / verify step time).
 
     python scripts/bench_spec.py                  # 16K context, 256 new tokens; docs: 8 x 128 bytes
     python scripts/bench_spec.py --quick --json   # 2K context, 64 new tokens
@@ -90,7 +92,8 @@ def measure(llm, prompts, new_tokens: int) -> dict:
 
 def rounds(llms: dict, prompts, new_tokens: int, repeats: int, label: str) -> dict:
     """Warm every engine up (one generate), then `repeats` rounds of one generate per engine; each
-    run's median round (by decode tokens/s), with every round's tokens/s and the warm-up's."""
+    run's median round (by decode tokens/s), with every round's tokens/s and the warm-up's, and its
+    speed-up: the median of its rounds' ratios to the "plain" run's round beside it."""
     cold = {name: measure(llm, prompts, new_tokens) for name, llm in llms.items()}
     seen = {name: [] for name in llms}
     for i in range(repeats):
@@ -101,9 +104,12 @@ def rounds(llms: dict, prompts, new_tokens: int, repeats: int, label: str) -> di
     runs = {}
     for name, rows in seen.items():
         order = sorted(rows, key=lambda r: r["decode_tokens_per_s"])
+        ratios = [r["decode_tokens_per_s"] / p["decode_tokens_per_s"]
+                  for r, p in zip(rows, seen["plain"])]
         runs[name] = dict(order[len(order) // 2], rounds_tokens_per_s=[
             round(r["decode_tokens_per_s"], 1) for r in rows],
-            cold_tokens_per_s=cold[name]["decode_tokens_per_s"])
+            cold_tokens_per_s=cold[name]["decode_tokens_per_s"],
+            rounds_speedup=[round(x, 3) for x in ratios], speedup=float(np.median(ratios)))
         runs[name]["exact_rounds"] = all(r["tokens"] == rows[0]["tokens"] for r in rows)
     return runs
 
@@ -164,11 +170,10 @@ def repeat_task(size: dict, tp: int, dcp: int) -> dict:
 
 
 def finish(task: dict) -> list[str]:
-    """Speed-ups over plain, and whether every run's tokens equal plain's; returns mismatching runs."""
+    """Whether every run's tokens equal plain's; returns mismatching runs."""
     plain = task["runs"]["plain"]
     bad = []
     for name, r in task["runs"].items():
-        r["speedup"] = r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
         r["exact"] = r["tokens"] == plain["tokens"] and r["exact_rounds"]
         if not r["exact"]:
             bad.append(name)

@@ -5,6 +5,8 @@ import runpy
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
@@ -104,6 +106,9 @@ def test_bench_spec_quick(capsys):
     for task in ("docs", "repeat"):
         for name, r in out[task]["runs"].items():
             assert r["exact"] and r["decode_tokens_per_s"] > 0
+            # the speed-up pairs each round with plain decoding's round beside it
+            assert len(r["rounds_speedup"]) == 1 and r["speedup"] == pytest.approx(
+                r["decode_tokens_per_s"] / out[task]["runs"]["plain"]["decode_tokens_per_s"])
             if name.endswith("-always"):  # every decode iteration speculates
                 assert r["spec_drafted_tokens"] > 0 and r["mean_acceptance_length"] >= 1
                 assert r["spec_off_iterations"] == 0
