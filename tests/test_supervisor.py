@@ -83,7 +83,7 @@ def test_the_worker_dies_with_its_supervisor_killed_by_sigkill(tmp_path, extra):
 
         supervisor.kill()  # SIGKILL: none of the supervisor's own cleanup runs
         supervisor.wait(timeout=10)
-        assert wait_for(lambda: state(worker) in (None, "Z"), 5), (
+        assert wait_for(lambda: state(worker) in (None, "Z"), 30), (
             f"the worker {worker} outlived its supervisor (state {state(worker)})")
     finally:
         try:
