@@ -148,19 +148,52 @@ def json_or_file(name):
 
 
 def text_or_file(name):
-    """An argparse type: a file's text when `text` names one (a grammar in a file), else `text`."""
+    """An argparse type: a grammar's text, or the path of a file holding it. Every Lark or GBNF
+    rule has a ':' (`start: ...`, `root ::= ...`), so a one-line value without one is a file name,
+    and a file that is not there is an error (not a grammar that fails to parse); any other value is
+    a file's name when such a file exists, else the grammar itself."""
+    def read(text):
+        try:
+            return Path(text).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            why = getattr(e, "strerror", None) or "not UTF-8 text"
+            rule = "" if ":" in text else " has no rule (no ':') and"
+            raise argparse.ArgumentTypeError(f"{name} takes a grammar or a file of it; {text!r}"
+                                             f"{rule} cannot be read as a file ({why})") from None
+
     def parse(text):
+        if "\n" not in text and ":" not in text:
+            return read(text)
         try:
             is_file = "\n" not in text and Path(text).is_file()
         except OSError:  # e.g. a grammar longer than a file name may be
             is_file = False
-        if not is_file:
-            return text
-        try:
-            return Path(text).read_text()
-        except OSError as e:
-            raise argparse.ArgumentTypeError(f"{name} cannot read {text!r} ({e.strerror})") from None
+        return read(text) if is_file else text
     return parse
+
+
+def check_dir(flag: str, value) -> None:
+    """UsageError (one line: the flag, the path, why, the fix) unless `value` names a directory
+    this process can write in or make. Nothing is left behind: the check makes a directory where
+    the first missing one would go (or in the directory itself) and removes it."""
+    import os
+    import tempfile
+
+    path = base = Path(value).expanduser()
+    where = f"{flag} {str(value)!r}"
+    try:
+        if path.exists() and not path.is_dir():
+            raise UsageError(f"{where} is a file, not a directory: give a directory")
+        base = path.absolute()
+        while not base.exists():
+            base = base.parent
+        if not base.is_dir():
+            raise UsageError(f"{where}: {base} is a file, so no directory can be made under it: "
+                             "give another directory")
+        os.rmdir(tempfile.mkdtemp(prefix=".dcp_jax-check-", dir=base))
+    except OSError as e:
+        raise UsageError(f"{where}: cannot make a directory in {base} ({e.strerror or e}): "
+                         "give a directory you can write") from None
 
 
 def byte_size(name):
@@ -235,7 +268,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs_help: str = "req
                         "tensor cores; float32 on CPUs)")
     k = p.add_argument_group("paged KV cache and continuous batching")
     names = ["--max-model-len"] + ([context_alias] if context_alias else [])
-    k.add_argument(*names, dest="max_model_len", type=positive_int("--max-model-len"), default=None,
+    k.add_argument(*names, dest="max_model_len", type=integer("--max-model-len", 2), default=None,
                    help="the context: prompt + generated tokens per request (default: the checkpoint's "
                         "max_position_embeddings, lowered to what the KV pool holds)")
     k.add_argument("--page-size", type=positive_int("--page-size"), default=None,
@@ -290,8 +323,13 @@ def mesh_shape(args) -> tuple[int | None, int | None]:
 def engine_kwargs(args) -> dict:
     """`LLM.load`'s keywords from the flags of `add_engine_args` (UsageError for a combination that
     cannot run). The mesh, the interleave and max_num_seqs's default are the entry point's."""
+    from dcp_jax.compilation import OFF
+
     if args.kv_cache_memory is not None and args.gpu_memory_utilization is not None:
         raise UsageError("give --kv-cache-memory or --gpu-memory-utilization, not both")
+    cache = args.compilation_cache
+    if cache is not None and cache.strip().lower() not in OFF:
+        check_dir("--compilation-cache", cache)
     return dict(dtype=args.dtype, max_model_len=args.max_model_len, page_size=args.page_size,
                 max_num_batched_tokens=args.max_num_batched_tokens, prefill_chunk=args.prefill_chunk,
                 idle_batched_tokens=args.idle_batched_tokens,
@@ -360,7 +398,8 @@ def add_sampling_args(p: argparse.ArgumentParser, helps: dict | None = None) -> 
     s.add_argument("--choice", action="append", default=None, metavar="TEXT",
                    help="the output is one of these (repeat the flag for each)")
     s.add_argument("--grammar", type=text_or_file("--grammar"), default=None,
-                   help="the output follows this Lark grammar (text or a file)")
+                   help="the output follows this Lark (or GBNF) grammar: its text, or a file "
+                        "holding it (a one-line value without ':' is a file name)")
 
 
 def structured(args) -> dict | None:
@@ -369,6 +408,25 @@ def structured(args) -> dict | None:
     spec = dict(json=args.json_schema, json_object=args.json_object or None, regex=args.regex,
                 choice=args.choice, grammar=args.grammar)
     return {k: v for k, v in spec.items() if v is not None} or None
+
+
+# the flag of each kind of structured output (SamplingParams' `structured`)
+STRUCTURED_FLAGS = dict(json="--json-schema", json_object="--json-object", regex="--regex",
+                        choice="--choice", grammar="--grammar")
+
+
+def check_structured(params) -> None:
+    """UsageError naming the flag when the structured output asked (a `SamplingParams`') cannot
+    compile: what can be checked before the model loads (a tokenizer's own checks, such as its
+    special tokens, come with the model)."""
+    if params.structured is None:
+        return
+    from dcp_jax.structured import check
+
+    try:
+        check(params.structured)
+    except UserError as e:
+        raise UsageError(f"{STRUCTURED_FLAGS[params.structured[0]]}: {e}") from None
 
 
 def sampling_kwargs(args) -> dict:

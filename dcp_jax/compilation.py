@@ -74,18 +74,43 @@ def configure(setting=None) -> str | None:
         jax.config.update("jax_enable_compilation_cache", False)
         cc.reset_cache()  # a cache already opened is closed (the flag is read when one opens)
         return None
+    if path != current:  # made first: JAX's settings stay as they were when it cannot be
+        make_dir(path, setting)
     jax.config.update("jax_enable_compilation_cache", True)
     if path == current:
         return path
     if current:  # another directory was in use: open the new one
         cc.reset_cache()
-    Path(path).mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ and _has_filelock():
         jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     return path
+
+
+def make_dir(path: str, setting=None) -> None:
+    """Make the cache directory `path` (from `setting`, as `configure` takes it), or UserError: one
+    line naming where the directory came from (the argument, `DCP_JAX_CACHE_DIR`, the default)
+    and the fix."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        return
+    except FileExistsError:
+        why = "a file is there"
+    except OSError as e:
+        why = e.strerror or str(e)
+    from dcp_jax.errors import UserError
+
+    if setting is not None:
+        raise UserError(f"compilation_cache (--compilation-cache) {str(setting)!r}: cannot make "
+                        f"the directory ({why}): give a directory you can write, or 'off'",
+                        field="compilation_cache")
+    if os.environ.get(ENV) is not None:
+        raise UserError(f"{ENV}={os.environ[ENV]}: cannot make the compilation cache directory "
+                        f"({why}): set it to a directory you can write, or 'off'")
+    raise UserError(f"cannot make the compilation cache directory {path} ({why}): set {ENV} to "
+                    "a directory you can write, or 'off'")
 
 
 def _has_filelock() -> bool:

@@ -41,9 +41,12 @@ MODELS = {
 DEFAULT = "smollm2-135m-instruct"
 
 
+ENV = "DCP_JAX_MODEL_CACHE"
+
+
 def cache_dir() -> Path:
     default = Path.home() / ".cache" / "dcp_jax" / "models"
-    return Path(os.environ.get("DCP_JAX_MODEL_CACHE") or default)
+    return Path(os.environ.get(ENV) or default)
 
 
 def cached_path(name: str = DEFAULT) -> Path:
@@ -66,6 +69,20 @@ def fetch(name: str = DEFAULT, quiet: bool = False) -> Path:
     path = cached_path(name)
     if path.is_file():
         return path
+    try:
+        return _download(name, path, quiet)
+    except OSError as e:  # the cache cannot be made or written (a file in the way, no permission)
+        why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) \
+            else e.strerror or str(e)
+        if os.environ.get(ENV):
+            raise UserError(f"{ENV}={os.environ[ENV]}: cannot write the model cache there ({why}): "
+                            "set it to a directory you can write") from None
+        raise UserError(f"cannot write the model cache {path.parent} ({why}): set {ENV} to a "
+                        "directory you can write") from None
+
+
+def _download(name: str, path: Path, quiet: bool) -> Path:
+    """`fetch`'s download of model `name` into `path` (OSError when the cache cannot be written)."""
     model = MODELS[name]
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
@@ -101,13 +118,23 @@ def resolve(model: str | os.PathLike) -> Path:
     return Path(model)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Misuse as one line, as the other entry points' (`dcp_jax.cli.CliParser`, above this leaf)."""
+
+    def error(self, message):
+        raise UserError(f"{message} (see --help)")
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dcp_jax.fetch",
-                                description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="python -m dcp_jax.fetch", description=__doc__.split("\n\n")[0])
     p.add_argument("name", nargs="?", default=DEFAULT, choices=sorted(MODELS),
                    help=f"the model (default {DEFAULT})")
     p.add_argument("--quiet", action="store_true", help="print only the path")
-    args = p.parse_args(argv)
+    try:
+        args = p.parse_args(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2  # command-line misuse (dcp_jax.cli.USAGE_ERROR)
     try:
         path = fetch(args.name, quiet=args.quiet)
     except UserError as e:

@@ -22,6 +22,8 @@ from dcp_jax.cli import (
     UsageError,
     add_engine_args,
     add_sampling_args,
+    check_dir,
+    check_structured,
     engine_kwargs,
     interleave_arg,
     mesh_shape,
@@ -79,6 +81,16 @@ def sampling_params(args, default_run: bool):
     return SamplingParams(**kw)
 
 
+def check_save(path: str) -> None:
+    """UsageError unless --save's `path` can take an orbax checkpoint: checked before the model
+    loads, so a run never ends at a path it cannot write."""
+    if not path:
+        raise UsageError("--save is empty: give a directory")
+    if (Path(path) / "config.json").exists():
+        raise UsageError(f"--save {path!r} holds a Hugging Face checkpoint: give another directory")
+    check_dir("--save", path)
+
+
 def run(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -86,9 +98,14 @@ def run(argv=None) -> int:
         default_run = args.model is None
         if not (args.prompt or args.prompt_ids or args.chat or default_run or args.save):
             raise UsageError("no prompt: give --prompt TEXT, --chat TEXT or --prompt-ids 1,2,3")
+        if "" in args.prompt:
+            raise UsageError("--prompt is empty: give some text (or --prompt-ids 1,2,3)")
+        if args.save is not None:
+            check_save(args.save)
         engine_kw = engine_kwargs(args)
         check_distributed_args(args)
         params = sampling_params(args, default_run)
+        check_structured(params)
     except (UsageError, UserError) as e:
         print(f"error: {e}", file=sys.stderr)
         return USAGE_ERROR
@@ -150,7 +167,11 @@ def load(args, given_mesh, engine_kw: dict):
         n = len(prompts) - len(args.chat)
         prompts[n:] = [llm.chat_prompt([{"role": "user", "content": t}]) for t in args.chat]
     if args.save:
-        step = llm.save(args.save)
+        try:
+            step = llm.save(args.save)
+        except OSError as e:  # (checked before loading; the disk can still fill or change)
+            raise UserError(f"--save {args.save!r}: cannot write the checkpoint "
+                            f"({e.strerror or e}): give a directory you can write") from None
         print(f"loaded {llm.source}; saved orbax checkpoint {args.save} (step {step})")
     return llm, prompts
 

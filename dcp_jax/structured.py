@@ -22,6 +22,7 @@ its output ends at the token that completes the grammar (`StructuredOutputs.ende
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +68,65 @@ def structured_spec(value) -> tuple[str, str] | None:
     return kind, v
 
 
+def one_line(error: str) -> str:
+    """llguidance's error (several lines: the reason, the source line, a caret under the place) as
+    one line: every line of the reason, without the source excerpt (`  1 | ...`) and the carets."""
+    lines = (ln.strip() for ln in error.strip().splitlines())
+    kept = (ln for ln in lines if ln and set(ln) - set("^ ") and not re.match(r"\d+ \| ", ln))
+    return " ".join(kept)
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.numpy  # noqa: F401 - the mask fillers
+    except ImportError:  # pragma: no cover - a core dependency; the message names the fix
+        raise UserError("structured outputs need llguidance: pip install llguidance") from None
+    return llguidance
+
+
+def compile_spec(llg, spec: tuple[str, str], tokenizer=None) -> str:
+    """The llguidance grammar of `spec` (a `structured_spec` pair), checked against `tokenizer`
+    (None: the checks that need none), or UserError with llguidance's reason on one line. A
+    `grammar` that is not Lark is tried as GBNF (llama.cpp's, what some vLLM clients send)."""
+    kind, text = spec
+    m = llg.LLMatcher
+    try:
+        if kind == "json":
+            grammar = m.grammar_from_json_schema(json.loads(text), defaults=COMPACT)
+        elif kind == "json_object":
+            grammar = m.grammar_from_json_schema({"type": "object"}, defaults=COMPACT)
+        elif kind == "regex":
+            grammar = m.grammar_from_regex(text)
+        elif kind == "choice":
+            alternatives = " | ".join(json.dumps(c) for c in json.loads(text))
+            grammar = m.grammar_from_lark("start: " + alternatives)
+        else:
+            grammar = m.grammar_from_lark(text)
+    except ValueError as e:
+        raise UserError(f"the {kind} grammar cannot be compiled: {one_line(str(e))}") from None
+    error = m.validate_grammar(grammar, tokenizer)
+    if error and kind == "grammar":
+        try:
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+
+            converted = m.grammar_from_lark(gbnf_to_lark(text))
+            if not m.validate_grammar(converted, tokenizer):
+                grammar, error = converted, ""
+        except Exception:  # noqa: BLE001 - not GBNF either: the Lark error is the one to report
+            pass
+    if error:
+        raise UserError(f"the {kind} grammar cannot be compiled: {one_line(error)}")
+    return grammar
+
+
+def check(spec: tuple[str, str] | None) -> None:
+    """UserError (one line) when `spec` cannot compile whatever the tokenizer: what a front end
+    checks before a model loads (a tokenizer's own checks, its special tokens, come with it)."""
+    if spec is not None:
+        compile_spec(_llguidance(), spec)
+
+
 class ByteVocabulary:
     """What llguidance's `TokenizerWrapper` reads of a byte-level tokenizer: each id's bytes
     (`tokens`), the EOS id, and encoding (valid UTF-8, as the tokenizer encodes its text)."""
@@ -100,12 +160,7 @@ class Grammars:
     the tokenizer's never allowed), EOS ids the model's."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
-        try:
-            import llguidance
-            import llguidance.numpy  # noqa: F401 - the mask fillers
-        except ImportError:  # pragma: no cover - a core dependency; the message names the fix
-            raise UserError("structured outputs need llguidance: pip install llguidance") from None
-        self.llg = llguidance
+        self.llg = llguidance = _llguidance()
         self.tokenizer = ll_tokenizer(llguidance, tokenizer, vocab_size, eos_token_ids)
         self.vocab_size, self.words = vocab_size, (vocab_size + 31) // 32
         # llguidance's masks: wider than the model's when its EOS is past the model's vocabulary
@@ -118,31 +173,7 @@ class Grammars:
         wrong."""
         if spec in self.compiled:
             return self.compiled[spec]
-        kind, text = spec
-        m = self.llg.LLMatcher
-        try:
-            if kind == "json":
-                grammar = m.grammar_from_json_schema(json.loads(text), defaults=COMPACT)
-            elif kind == "json_object":
-                grammar = m.grammar_from_json_schema({"type": "object"}, defaults=COMPACT)
-            elif kind == "regex":
-                grammar = m.grammar_from_regex(text)
-            elif kind == "choice":
-                grammar = m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(text)))
-            else:
-                grammar = m.grammar_from_lark(text)
-        except ValueError as e:
-            raise UserError(f"the {kind} grammar cannot be compiled: {e}") from None
-        error = m.validate_grammar(grammar, self.tokenizer)
-        if error and kind == "grammar":  # GBNF (llama.cpp's, what some vLLM clients send) as Lark
-            try:
-                converted = m.grammar_from_lark(self.llg.gbnf_to_lark(text))
-                if not m.validate_grammar(converted, self.tokenizer):
-                    grammar, error = converted, ""
-            except Exception:  # noqa: BLE001 - not GBNF either: the Lark error is the one to report
-                pass
-        if error:
-            raise UserError(f"the {kind} grammar cannot be compiled: {error.strip().splitlines()[0]}")
+        grammar = compile_spec(self.llg, spec, self.tokenizer)
         if len(self.compiled) > 256:
             self.compiled.clear()
         self.compiled[spec] = grammar

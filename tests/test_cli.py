@@ -13,6 +13,7 @@ from dcp_jax.generate import run
 
 FIX = Path(__file__).parent / "fixtures"
 LLAMA = str(FIX / "llama-gqa")
+CONFIG = str(FIX / "llama-gqa" / "config.json")  # a file where a directory is wanted
 
 
 def cli(capsys, *argv):
@@ -213,6 +214,32 @@ USAGE = [
      "min_tokens (3) must be at most max_tokens (2)"),
     (["--model", LLAMA, "--prompt-ids", "1", "--stop", ""],
      "stop takes at most 16 non-empty strings"),
+    (["--model", LLAMA, "--prompt", ""], "--prompt is empty: give some text"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--max-model-len", "1"],
+     "--max-model-len must be >= 2, got 1"),
+    # a path given on the command line is checked before the model loads
+    (["--model", LLAMA, "--prompt-ids", "1", "--save", CONFIG],
+     f"--save {CONFIG!r} is a file, not a directory: give a directory"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--save", CONFIG + "/sub"],
+     "config.json is a file, so no directory can be made under it"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--save", LLAMA], "holds a Hugging Face checkpoint"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--compilation-cache", CONFIG + "/sub"],
+     f"--compilation-cache {CONFIG + '/sub'!r}: {CONFIG} is a file, so no directory"),
+    *([(["--model", LLAMA, "--prompt-ids", "1", "--save", "/proc/nope"],
+        "--save '/proc/nope': cannot make a directory in /proc (")]
+      if sys.platform == "linux" else []),
+    # --grammar: a one-line value without ':' (no rule) names a file
+    (["--model", LLAMA, "--prompt-ids", "1", "--grammar", "no/grammar.lark"],
+     "--grammar takes a grammar or a file of it; 'no/grammar.lark' has no rule (no ':') and cannot "
+     "be read as a file (No such file or directory)"),
+    # a structured output that cannot compile is the flag's error, its reason on one line
+    (["--model", LLAMA, "--prompt-ids", "1", "--grammar", "start: ???"],
+     "error: --grammar: the grammar grammar cannot be compiled: 1(8): Expected value"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--regex", "(("],
+     "error: --regex: the regex grammar cannot be compiled: at 1(8): invalid regex \"((\" "
+     "(in regex): regex parse error: (( error: unclosed group\n"),
+    (["--model", LLAMA, "--prompt-ids", "1", "--json-schema", '{"type": "foo"}'],
+     "error: --json-schema: the json grammar cannot be compiled: Invalid type: foo"),
 ]
 
 
@@ -260,6 +287,45 @@ def test_runtime_errors(capsys, tmp_path, edit, extra, message):
     code, out, err = cli(capsys, *argv)
     assert code == 1, err
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+# a directory named by the environment, which is no command-line misuse: found as the model loads
+ENVIRONMENT = [
+    ({"DCP_JAX_CACHE_DIR": CONFIG}, [],
+     f"error: DCP_JAX_CACHE_DIR={CONFIG}: cannot make the compilation cache directory (a file is "
+     "there): set it to a directory you can write, or 'off'\n"),
+    ({"DCP_JAX_MODEL_CACHE": CONFIG + "/sub"}, ["--model", "smollm2-135m-instruct"],
+     f"error: DCP_JAX_MODEL_CACHE={CONFIG}/sub: cannot write the model cache there (a file is in "
+     "the way): set it to a directory you can write\n"),
+]
+
+
+@pytest.mark.parametrize("env,extra,message", ENVIRONMENT)
+def test_environment_errors(capsys, monkeypatch, env, extra, message):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    code, out, err = cli(capsys, "--model", LLAMA, "--prompt-ids", "1,2", "--max-new-tokens", "2",
+                         *extra)
+    assert (code, out, err) == (1, "", message)
+
+
+# python -m dcp_jax.fetch: misuse is one line and 2, as generate's; a cache it cannot write, 1
+FETCH = [
+    ({}, ["bogus"], 2, "error: argument name: invalid choice: 'bogus' (choose from "
+     "'smollm2-135m-instruct') (see --help)\n"),
+    ({"DCP_JAX_MODEL_CACHE": CONFIG}, [], 1, f"error: DCP_JAX_MODEL_CACHE={CONFIG}: cannot write "
+     "the model cache there (a file is in the way): set it to a directory you can write\n"),
+]
+
+
+@pytest.mark.parametrize("env,argv,status,message", FETCH)
+def test_fetch_errors(capsys, monkeypatch, env, argv, status, message):
+    from dcp_jax import fetch
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert fetch.main(argv) == status
+    assert capsys.readouterr() == ("", message)
 
 
 def _subprocess(*argv):

@@ -120,10 +120,39 @@ def test_constrained_and_free_requests_share_steps(llm):
     ({"json": {"type": "wat"}}, "the json grammar cannot be compiled: Invalid type: wat"),
     ({"regex": "[a-"}, "the regex grammar cannot be compiled"),
     ({"grammar": "start: ???"}, "the grammar grammar cannot be compiled"),
+    # llguidance's reason is several lines: all of it comes, on one line
+    ({"regex": "(("}, r"the regex grammar cannot be compiled: at 1\(8\): invalid regex \"\(\(\" "
+     r"\(in regex\): regex parse error: \(\( error: unclosed group$"),
 ])
 def test_a_grammar_that_cannot_compile_fails_its_request(llm, spec, match):
-    with pytest.raises(UserError, match=match):
+    with pytest.raises(UserError, match=match) as e:
         llm.generate(["Hello"], max_new_tokens=4, structured=spec)
+    assert "\n" not in str(e.value)
+
+
+def test_gbnf_grammar(llm):
+    # a grammar that is not Lark is tried as GBNF (llama.cpp's)
+    out = llm.generate(PROMPTS, max_new_tokens=8, structured={"grammar": 'root ::= "yes" | "no"'})
+    assert all(t in ("yes", "no") for t in out.text), out.text
+
+
+@pytest.mark.parametrize("spec,match", [
+    (("regex", "(("), "unclosed group$"),
+    (("json", '{"type": "foo"}'), "Invalid type: foo"),
+    (("grammar", "start: ???"), "Expected value"),
+    (("grammar", 'start: "a" <|im_end|>'), None),  # special tokens: the tokenizer's check
+    (("grammar", 'root ::= "a"'), None),
+])
+def test_check_before_a_model_loads(spec, match):
+    # what the CLIs check before loading a model: no tokenizer, and no grammar refused that a
+    # tokenizer could accept
+    from dcp_jax.structured import check
+
+    if match is None:
+        check(spec)
+    else:
+        with pytest.raises(UserError, match=match):
+            check(spec)
 
 
 @pytest.mark.parametrize("spec,match", [
