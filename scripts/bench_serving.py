@@ -870,6 +870,89 @@ def sizes(args, defaults: dict, quick: dict, keys) -> dict:
     return size
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, `error: MESSAGE (see --help)`, exit 2."""
+
+    def error(self, message):
+        head, _, rest = message.partition(": ")  # "argument --x: --x takes...": once is enough
+        if head.startswith("argument ") and rest.startswith(head.split()[-1].split("/")[-1]):
+            message = rest
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def at_least(name: str, low: int = 1):
+    """An argparse type: an integer >= `low` for the flag `name`."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"{name} takes an integer >= {low}, got {text!r}")
+        return value
+    return parse
+
+
+def positive_float(name: str):
+    """An argparse type: a finite number > 0 for the flag `name`."""
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not 0 < value < math.inf:
+            raise argparse.ArgumentTypeError(f"{name} takes a number > 0, got {text!r}")
+        return value
+    return parse
+
+
+def positive_ints(name: str):
+    """An argparse type: comma-separated integers >= 1 for the flag `name`, e.g. 1,4,16."""
+    def parse(text):
+        try:
+            values = [int(x) for x in text.split(",")]
+        except ValueError:
+            values = []
+        if not values or min(values) < 1:
+            raise argparse.ArgumentTypeError(
+                f"{name} takes comma-separated integers >= 1, e.g. 1,4,16; got {text!r}")
+        return values
+    return parse
+
+
+def int_range(name: str, low: int = 1):
+    """An argparse type: MIN,MAX, two integers with `low` <= MIN <= MAX, for the flag `name`."""
+    def parse(text):
+        try:
+            lo, hi = (int(x) for x in text.split(","))
+        except ValueError:
+            lo = hi = None
+        if lo is None or not low <= lo <= hi:
+            raise argparse.ArgumentTypeError(
+                f"{name} takes MIN,MAX, two integers with {low} <= MIN <= MAX, e.g. 16,256; "
+                f"got {text!r}")
+        return lo, hi
+    return parse
+
+
+def workload_names(text: str) -> list[str]:
+    """An argparse type: --workloads' comma-separated names, each one of WORKLOADS'."""
+    names = text.split(",")
+    for name in names:
+        if name not in WORKLOADS:
+            raise argparse.ArgumentTypeError(
+                f"--workloads: unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    return names
+
+
+def client_url(text: str) -> str:
+    """An argparse type: --client's http(s) URL, or auto."""
+    if text != "auto" and not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(
+            f"--client takes a server's URL (http://HOST:PORT) or auto, got {text!r}")
+    return text
+
+
 def parse_mesh(text: str) -> tuple[int, int]:
     try:
         tp, dcp = (int(x) for x in text.lower().split("x"))
@@ -932,11 +1015,37 @@ def start_server(checkpoint: Path, size: dict, tp: int, dcp: int, max_model_len:
     return base + "/v1", stop
 
 
+def served_model(client: str) -> tuple[str, str]:
+    """(base URL, the first model it serves) of `--client URL`, or one error line (exit 1) when
+    nothing there answers as an OpenAI-compatible server."""
+    import openai
+
+    base = client.rstrip("/")
+    base = base if base.endswith("/v1") else base + "/v1"
+    try:
+        api = openai.OpenAI(base_url=base, api_key="unused", timeout=30, max_retries=0)
+        models = api.models.list()
+    except openai.APIConnectionError as e:
+        raise SystemExit(f"error: --client {client}: nothing answers at {base} "
+                         f"({e.__cause__ or e}); start the server first, or give --client auto"
+                         ) from None
+    except openai.APIStatusError as e:
+        raise SystemExit(f"error: --client {client}: GET {base}/models answered HTTP "
+                         f"{e.status_code}; give the URL of an OpenAI-compatible server") from None
+    if not models.data:
+        raise SystemExit(f"error: --client {client}: {base}/models lists no model; load one first")
+    return base, models.data[0].id
+
+
 def client_mode(args, size: dict) -> int:
     """`--client URL|auto`: the client benchmark at each of `--concurrency` (a fresh workload of mixed
     lengths per level, the same seed), against a running server or (auto) our own on a loopback port."""
     requests, (p_lo, p_hi), (o_lo, o_hi) = size["client_requests"], size["client_prompt"], size["client_output"]
     concurrencies = args.concurrency or size["client_concurrency"]
+    try:
+        import openai
+    except ImportError:
+        raise SystemExit("error: --client needs the openai package: pip install openai") from None
     tmp, stop = None, None
     try:
         if args.client == "auto":
@@ -946,11 +1055,7 @@ def client_mode(args, size: dict) -> int:
             base, stop = start_server(checkpoint, size, *args.mesh, max_model_len=p_hi + o_hi + 1)
             model = "bench"
         else:
-            from openai import OpenAI
-
-            base = args.client.rstrip("/")
-            base = base if base.endswith("/v1") else base + "/v1"
-            model = OpenAI(base_url=base, api_key="unused", max_retries=0).models.list().data[0].id
+            base, model = served_model(args.client)
             vocab = args.vocab
         rows = []
         for c in concurrencies:
@@ -959,6 +1064,10 @@ def client_mode(args, size: dict) -> int:
             rows.append(client_requests(base, model, workload, c))
             log(f"client: concurrency {c}: {rows[-1]['output_tokens_per_s']:.1f} output tok/s "
                 f"({time.perf_counter() - t:.0f} s)")
+    except openai.APIError as e:  # a request failed mid-run (served_model checked the server)
+        raise SystemExit(f"error: --client {args.client}: a request to {base} failed "
+                         f"({type(e).__name__}: {e.__cause__ or e}); is the server still up?"
+                         ) from None
     finally:
         if stop is not None:
             stop()
@@ -982,30 +1091,38 @@ def client_mode(args, size: dict) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny checkpoint, small workloads (a minute or two)")
     p.add_argument("--json", action="store_true", help="print one JSON object (rows, capacity_rows, ratios)")
     p.add_argument("--checkpoint", type=Path, default=None,
                    help="directory of the generated HF Llama checkpoints, one per model, created when missing "
                         "(default: a temp dir, deleted after)")
     p.add_argument("--mesh", type=parse_mesh, default=(1, 1), help="TPxDCP mesh of the serving runs (default 1x1)")
-    p.add_argument("--dcp", type=int, default=4, help="the capacity run's dcp mesh, against dcp=1 (default 4)")
-    p.add_argument("--requests", type=int, help="requests of each workload run (default: the workload's)")
-    p.add_argument("--prompt-range", type=lambda s: tuple(int(x) for x in s.split(",")),
+    p.add_argument("--dcp", type=at_least("--dcp"), default=4,
+                   help="the capacity run's dcp mesh, against dcp=1 (default 4)")
+    p.add_argument("--requests", type=at_least("--requests"),
+                   help="requests of each workload run (default: the workload's)")
+    p.add_argument("--prompt-range", type=int_range("--prompt-range"),
                    help="MIN,MAX prompt tokens, log-uniform, of each workload run (default: the workload's)")
-    p.add_argument("--output-range", type=lambda s: tuple(int(x) for x in s.split(",")),
+    p.add_argument("--output-range", type=int_range("--output-range", 2),
                    help="MIN,MAX output tokens, log-uniform, of each workload run (default: the workload's)")
-    p.add_argument("--max-num-seqs", type=int, help="slots of the serving engine = static batch size (default 8)")
-    p.add_argument("--prefill-chunk", type=int, help="prefill chunk of both engines (default 256; quick 128)")
-    p.add_argument("--page-size", type=int, help="slots per page of the serving runs (default 64; quick 16)")
-    p.add_argument("--decode-steps", type=int, help="decode steps per program call, K (default 8)")
+    p.add_argument("--max-num-seqs", type=at_least("--max-num-seqs"),
+                   help="slots of the serving engine = static batch size (default 8)")
+    p.add_argument("--prefill-chunk", type=at_least("--prefill-chunk"),
+                   help="prefill chunk of both engines (default 256; quick 128)")
+    p.add_argument("--page-size", type=at_least("--page-size"),
+                   help="slots per page of the serving runs (default 64; quick 16)")
+    p.add_argument("--decode-steps", type=at_least("--decode-steps"),
+                   help="decode steps per program call, K (default 8)")
     p.add_argument("--kv-cache-memory", default=None,
                    help="KV bytes per device of the serving pool (default: max-num-seqs sequences of the longest)")
-    p.add_argument("--rate", type=float, default=None, help="Poisson arrival rate, requests/s (default: --load "
+    p.add_argument("--rate", type=positive_float("--rate"), default=None,
+                   help="Poisson arrival rate, requests/s (default: --load "
                    "times the all-at-once run's request throughput)")
-    p.add_argument("--load", type=float, default=1.0, help="see --rate (default 1.0)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeat", type=int, default=1,
+    p.add_argument("--load", type=positive_float("--load"), default=1.0,
+                   help="see --rate (default 1.0)")
+    p.add_argument("--seed", type=at_least("--seed", 0), default=0)
+    p.add_argument("--repeat", type=at_least("--repeat"), default=1,
                    help="time each workload N times per code under test (after one warm-up) and report the run of "
                         "median wall time, every run's wall beside it (default 1)")
     p.add_argument("--no-capacity", action="store_true", help="skip the capacity comparison")
@@ -1014,19 +1131,21 @@ def main(argv=None) -> int:
     p.add_argument("--prefix-caching", action="store_true",
                    help="serve with prefix caching on (its cost when no prefix is shared; the Poisson run "
                         "then repeats cached prompts)")
-    p.add_argument("--client", default=None, metavar="URL|auto",
+    p.add_argument("--client", type=client_url, default=None, metavar="URL|auto",
                    help="client mode: drive a running OpenAI-compatible server at URL (or, with 'auto', our own "
                         "on a loopback port) with the openai client at each --concurrency; nothing else runs")
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=None,
+    p.add_argument("--concurrency", type=positive_ints("--concurrency"), default=None,
                    help="client mode: comma-separated concurrency levels (default 1,4,16; quick 1,4)")
-    p.add_argument("--vocab", type=int, default=256, help="client mode with a URL: ids are drawn below this")
-    p.add_argument("--workloads", type=lambda s: s.split(","), default=None,
+    p.add_argument("--vocab", type=at_least("--vocab", 4), default=256,
+                   help="client mode with a URL: ids are drawn in [3, this)")
+    p.add_argument("--workloads", type=workload_names, default=None,
                    help="comma-separated workloads to run: short, mixed, long, real (default "
                         "short,mixed,long)")
     p.add_argument("--real-model", default=REAL_MODEL, metavar="NAME|GGUF",
                    help=f"the real workload's checkpoint: a model name dcp_jax.fetch knows "
                         f"(fetched when missing) or a GGUF file (default {REAL_MODEL})")
-    p.add_argument("--max-num-batched-tokens", type=int, help="token budget of an iteration (default 2048; quick 256)")
+    p.add_argument("--max-num-batched-tokens", type=at_least("--max-num-batched-tokens"),
+                   help="token budget of an iteration (default 2048; quick 256)")
     p.add_argument("--speculative", choices=("ngram",), default=None,
                    help="also serve each workload with n-gram speculation (k=4, turning itself off "
                         "where it measures slower), beside plain decoding; tokens must be equal")
@@ -1041,7 +1160,7 @@ def main(argv=None) -> int:
                         "continuous batching in PYTHON, an interpreter with torch and transformers "
                         "(the real workload's GGUF also needs gguf and accelerate; 'auto': this "
                         "one)")
-    p.add_argument("--torch-threads", type=int, default=None, metavar="N",
+    p.add_argument("--torch-threads", type=at_least("--torch-threads"), default=None, metavar="N",
                    help="transformers' intra-op threads (default: the host's cores; on a host "
                         "shared with other jobs torch's threads wait on each other, and 1 may "
                         "serve faster)")
@@ -1049,8 +1168,6 @@ def main(argv=None) -> int:
                    help="skip the floor (each workload's weight matmuls alone, timed in one more interpreter)")
     p.add_argument("--worker", choices=["serving", "capacity", "transformers", "floor"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.repeat < 1:
-        p.error(f"--repeat must be >= 1, got {args.repeat}")
     if args.worker in ("serving", "transformers"):  # a Session: the spec, then one command per line
         worker = dict(serving=serving_worker, transformers=transformers_worker)[args.worker]
         gen = worker(json.loads(sys.stdin.readline()))

@@ -114,3 +114,154 @@ def test_bench_spec_quick(capsys):
                 assert r["spec_off_iterations"] == 0
             elif name != "plain":  # the rule decided each iteration: counted either way
                 assert r["spec_on_iterations"] + r["spec_off_iterations"] > 0
+
+
+# --- user mistakes: one `error:` line on stderr, a non-zero exit, no traceback, nothing lost ---
+def script_module(name: str):
+    """scripts/NAME.py imported as a module (its functions patchable)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def one_error_line(err: str, message: str) -> None:
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+TINY_RUN = ["--steps", "2", "--batch", "1", "--eval-every", "2"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "--steps must be >= 2"),
+    (["--steps", "1"], "--steps must be >= 2"),
+    (["--eval-every", "0"], "--eval-every must be >= 1"),
+    (["--seq-len", "0"], "--seq-len must be in [1, "),
+    (["--lr", "0"], "--lr must be > 0"),
+    (["--seed", "-1"], "--seed must be >= 0"),
+])
+def test_train_tiny_flag_errors(capsys, argv, message):
+    mod = script_module("train_tiny")
+    assert mod.main(TINY_RUN + argv) == 2
+    captured = capsys.readouterr()
+    one_error_line(captured.err, message)
+    assert captured.out == ""  # refused before the corpus is read or anything trains
+
+
+def test_train_tiny_refuses_an_out_it_did_not_write(capsys, tmp_path):
+    # the data loss this guards against: --out named a directory of the user's, which was deleted
+    mod = script_module("train_tiny")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    (tmp_path / "a_file").write_text("keep me too")
+    for out, message in [(mine, f"--out {mine} holds files this script did not write"),
+                       (tmp_path / "a_file", f"--out {tmp_path / 'a_file'} is a file"),
+                       (tmp_path / "a_file" / "x", f"--out {tmp_path / 'a_file' / 'x'}: ")]:
+        assert mod.main(TINY_RUN + ["--out", str(out)]) == 2
+        captured = capsys.readouterr()
+        one_error_line(captured.err, message)
+        assert captured.out == ""  # before training
+    assert (mine / "notes.txt").read_text() == "keep me" and [p.name for p in mine.iterdir()] == [
+        "notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "mine"]
+
+
+def test_train_tiny_replaces_only_its_previous_output(tmp_path, monkeypatch):
+    mod = script_module("train_tiny")
+    assert mod.previous_output(mod.DEFAULT_OUT)  # the shipped model is this script's output
+    out = tmp_path / "tiny"
+    (out / "1").mkdir(parents=True)
+    (out / "1" / "stale").write_text("old weights")
+    (out / "training_log.json").write_text('{"config": {}, "train": []}')
+    (tmp_path / "other.txt").write_text("keep")
+    assert mod.out_problem(out) is None and mod.out_problem(tmp_path / "new" / "dir") is None
+
+    def save(weights):
+        def fake(model, path, tokenizer):  # what save_checkpoint leaves: a numbered step
+            (path / "1").mkdir()
+            (path / "1" / "weights").write_text(weights)
+            if weights == "fails":
+                raise OSError(28, "No space left on device")
+            if weights == "raced":  # someone writes into --out while this run saves
+                (out / "theirs.txt").write_text("theirs")
+        monkeypatch.setattr(mod, "save_checkpoint", fake)
+
+    def siblings():
+        return sorted(p.name for p in tmp_path.iterdir())
+
+    save("new weights")
+    mod.save_output(out, None, {"config": {}, "train": [[1, 5.0]]})
+    assert sorted(p.name for p in out.iterdir()) == ["1", "training_log.json"]
+    assert (out / "1" / "weights").read_text() == "new weights"
+    assert not (out / "1" / "stale").exists()
+    assert mod.previous_output(out) and siblings() == ["other.txt", "tiny"]
+
+    save("fails")  # a failed save leaves the previous output whole, and no temporary directory
+    with pytest.raises(mod.UserError, match=f"--out {out}: cannot save the checkpoint"):
+        mod.save_output(out, None, {"config": {}, "train": []})
+    assert (out / "1" / "weights").read_text() == "new weights"
+    assert siblings() == ["other.txt", "tiny"]
+
+    save("raced")  # --out is no longer this script's alone: not replaced; the new output kept
+    with pytest.raises(mod.UserError, match="holds files this script did not write.*kept in"):
+        mod.save_output(out, None, {"config": {}, "train": []})
+    assert (out / "theirs.txt").exists() and (out / "1" / "weights").read_text() == "new weights"
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith(".tiny.new-")]
+    assert len(kept) == 1 and (kept[0] / "1" / "weights").read_text() == "raced"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt-range", "5"], "--prompt-range takes MIN,MAX"),
+    (["--prompt-range", "0,5"], "--prompt-range takes MIN,MAX"),
+    (["--output-range", "1,8"], "--output-range takes MIN,MAX, two integers with 2 <="),
+    (["--concurrency", "a,b"], "--concurrency takes comma-separated integers >= 1"),
+    (["--workloads", "bogus", "--client", "http://127.0.0.1:1"],
+     "--workloads: unknown workload 'bogus'; choose from short, mixed, long, real"),
+    (["--client", "localhost:8000"], "--client takes a server's URL"),
+    (["--repeat", "0"], "--repeat takes an integer >= 1"),
+])
+def test_bench_serving_flag_errors(capsys, argv, message):
+    mod = runpy.run_path(str(SCRIPTS / "bench_serving.py"), run_name="bench_serving")
+    with pytest.raises(SystemExit) as e:
+        mod["main"](["--quick"] + argv)
+    assert e.value.code == 2
+    captured = capsys.readouterr()
+    one_error_line(captured.err, message)
+    assert captured.out == ""  # before anything runs
+
+
+def test_bench_serving_client_with_nothing_there(capsys):
+    mod = runpy.run_path(str(SCRIPTS / "bench_serving.py"), run_name="bench_serving")
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(SystemExit) as e:  # SystemExit(text): Python prints it, exit status 1
+        mod["main"](["--quick", "--client", url])
+    message = str(e.value.code)
+    assert message.startswith(f"error: --client {url}: nothing answers at {url}/v1"), message
+    assert "\n" not in message and "--client auto" in message
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_run_notebook_refuses_what_is_not_a_notebook(capsys, tmp_path):
+    mod = runpy.run_path(str(SCRIPTS / "run_notebook.py"), run_name="run_notebook")
+    for name, content in [("junk.ipynb", b"junk text\nmore junk\n"), ("bin.ipynb", b"\x8c\x00\xff"),
+                          ("empty.ipynb", b"{}"), ("list.ipynb", b'{"cells": 3}')]:
+        path = tmp_path / name
+        path.write_bytes(content)
+        assert mod["main"]([str(path)]) == 2
+        one_error_line(capsys.readouterr().err, f"{path} is not a Jupyter notebook (")
+        assert path.read_bytes() == content
+    assert mod["main"]([str(tmp_path / "missing.ipynb")]) == 2
+    one_error_line(capsys.readouterr().err, f"{tmp_path / 'missing.ipynb'} is not a file")
+    assert mod["main"]([str(path), "--timeout", "0"]) == 2
+    one_error_line(capsys.readouterr().err, "argument --timeout: --timeout must be >= 1, got 0")
