@@ -76,7 +76,8 @@ def main(argv=None) -> int:
 
     p = CliParser(description=__doc__.split("\n\n")[0])
     p.add_argument("notebook", type=Path)
-    p.add_argument("--timeout", type=positive_int("--timeout"), default=300, help="seconds per cell")
+    p.add_argument("--timeout", type=positive_int("--timeout"), default=300,
+                   help="seconds per cell")
     try:
         args = p.parse_args(argv)
     except UsageError as e:
