@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from dcp_jax.cli import DEFAULT_MODEL, RUN_ERROR
+from dcp_jax.errors import UserError
 
 DEFAULT_EMBEDDED_MAX_MODEL_LEN = 256  # the embedded model was trained on 256-byte windows
 
@@ -142,9 +143,50 @@ def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, timeout_s: floa
     return f"http://{host}:{bound}", stop
 
 
-def serve_forever(app, host: str, port: int, log_level: str, shutdown_timeout: float = 30.0) -> int:
+def bind_socket(host: str, port: int):
+    """A TCP socket bound to host:port as uvicorn binds it (SO_REUSEADDR; IPv6 when `host` has a
+    colon), not yet listening: `serve_forever(sock=)` serves on it. Raises UserError, one line
+    naming --host or --port and the fix, when the address is taken or not this machine's."""
+    import errno
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UserError(bind_error(host, port, e), field="port" if e.errno in (
+            errno.EADDRINUSE, errno.EACCES) else "host") from None
+    return sock
+
+
+def bind_error(host: str, port: int, e: OSError) -> str:
+    """What binding (or listening on) host:port failing with `e` means, and the fix, in one line."""
+    import errno
+    import socket
+
+    local = "e.g. 127.0.0.1 (or 0.0.0.0: all of them)"
+    if isinstance(e, socket.gaierror):
+        return (f"--host {host} does not resolve to an address ({e.strerror}): give an address of "
+                f"this machine, {local}")
+    if e.errno == errno.EADDRINUSE:
+        return (f"port {port} on {host} is already in use: give another --port (or stop the "
+                "program listening there)")
+    if e.errno == errno.EADDRNOTAVAIL:
+        return (f"--host {host} is not an address of this machine: give one of its addresses, "
+                + local)
+    if e.errno == errno.EACCES:
+        return (f"binding port {port} on {host} is not permitted: give a --port above 1023 (or "
+                "run with the privilege to bind it)")
+    return f"cannot serve on {host}:{port} ({e.strerror or e}): check --host and --port"
+
+
+def serve_forever(app, host: str, port: int, log_level: str, shutdown_timeout: float = 30.0,
+                  sock=None) -> int:
     """uvicorn on this thread until it stops; an exit status, with one error line when it could not
-    serve.
+    serve. `sock`: a socket `bind_socket` bound to host:port (default: bind it here).
 
     SIGTERM / SIGINT drain: the port closes, requests in flight get `shutdown_timeout` seconds to
     finish, the rest are aborted, and the status is 0. If the engine thread dies
@@ -172,7 +214,17 @@ def serve_forever(app, host: str, port: int, log_level: str, shutdown_timeout: f
                 for sig, handler in handlers.items():
                     signal.signal(sig, handler)
 
-    server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+    try:
+        sock = bind_socket(host, port) if sock is None else sock
+        try:  # here: uvloop's server would ignore a listen that fails (a port taken since the bind)
+            sock.listen(2048)
+        except OSError as e:
+            sock.close()
+            raise UserError(bind_error(host, port, e)) from None
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return RUN_ERROR
+    server = Server(uvicorn.Config(app, host=host, port=sock.getsockname()[1], log_level=log_level,
                                    timeout_graceful_shutdown=shutdown_timeout))
     engine, died = getattr(app.state, "engine", None), []
 
@@ -186,10 +238,17 @@ def serve_forever(app, host: str, port: int, log_level: str, shutdown_timeout: f
 
     threading.Thread(target=watch, name="dcp-jax-watchdog", daemon=True).start()
     try:
-        server.run()
-    except (OSError, SystemExit) as e:  # e.g. the port is taken
-        print(f"error: could not serve on {host}:{port}: {e}", file=sys.stderr)
+        server.run(sockets=[sock])
+    except OSError as e:
+        print(f"error: {bind_error(host, port, e)}", file=sys.stderr)
         return RUN_ERROR
+    except SystemExit:  # uvicorn's exit when the app's startup failed (its log says why)
+        print(f"error: could not serve on {host}:{port}: the app did not start (see the log above)",
+              file=sys.stderr)
+        return RUN_ERROR
+    finally:
+        server.should_exit = True  # (the watchdog's end)
+        sock.close()
     if died:
         print(f"error: the engine stopped ({type(died[0]).__name__}: {died[0]}); exiting so a supervisor can "
               "restart the server", file=sys.stderr)

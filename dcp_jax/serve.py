@@ -24,18 +24,22 @@ from dcp_jax.cli import (
     add_engine_args,
     byte_size,
     engine_kwargs,
+    integer,
     mesh_shape,
     positive_float,
     positive_int,
 )
+from dcp_jax.errors import UserError
 from dcp_jax.processes import add_distributed_args, check_distributed_args, is_multi, start
 
 
 def build_parser():
     p = CliParser(prog="python -m dcp_jax.serve", description=__doc__.split("\n\n")[0])
     add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=lambda t: 0 if t == "0" else positive_int("--port")(t), default=8000)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address to serve on (default 127.0.0.1; 0.0.0.0: every address)")
+    p.add_argument("--port", type=integer("--port", 0, 65535), default=8000,
+                   help="the TCP port to serve on (default 8000; 0: a free one)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
     p.add_argument("--max-pending", type=positive_int("--max-pending"), default=256,
                    help="unfinished requests held at once; more get 503 (default 256)")
@@ -137,6 +141,8 @@ def run(argv=None) -> int:
         check_distributed_args(args)
         if (problem := check_role_args(args)) is not None:
             raise UsageError(problem)
+        if (status := check_chat_template(args.chat_template)) is not None:
+            return status
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return USAGE_ERROR
@@ -150,16 +156,25 @@ def run(argv=None) -> int:
     except ImportError:
         print("error: the server needs the 'serve' extra: pip install 'dcp_jax[serve]'", file=sys.stderr)
         return RUN_ERROR
+    from dcp_jax.launch import bind_socket
+
     llm_kw.update(tp=tp, dcp=dcp, max_num_seqs=args.max_num_seqs or 8, dist_timeout=args.dist_timeout)
     api_key = args.api_key if args.api_key is not None else os.environ.get("DCP_JAX_API_KEY") or None
+    try:  # process 0 serves HTTP: its port, bound before the model loads (a taken one: at once)
+        sock = bind_socket(args.host, args.port) if not multi or _leads() else None
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return USAGE_ERROR
     if args.role != "single":  # dcp_jax.disagg: the two roles share the key (/v1 and the control channel)
         from dcp_jax.disagg.server import run_role
 
+        if sock is not None:
+            sock.close()  # (the role binds it again when it serves)
         return run_role(args, llm_kw, api_key, lockstep_timeout=args.dist_timeout if multi else None)
     from dcp_jax.launch import follow, make_app, serve_forever
     from dcp_jax.serving.lockstep import LockstepError
 
-    if multi and not _leads():  # a follower: no HTTP
+    if sock is None:  # a follower: no HTTP
         return follow(args.model, timeout_s=args.dist_timeout, **llm_kw)
     try:
         app, llm = make_app(args.model, served_model_name=args.served_model_name, max_pending=args.max_pending,
@@ -169,11 +184,32 @@ def run(argv=None) -> int:
                             reasoning_parser=args.reasoning_parser,
                             chat_template=args.chat_template, **llm_kw)
     except (ValueError, ImportError, LockstepError) as e:  # UserError and the library's own ValueErrors
+        sock.close()
         print(f"error: {e}", file=sys.stderr)
         return RUN_ERROR
-    print(f"serving {llm.source} on http://{args.host}:{args.port}/v1 (tp={llm.mesh.shape['tp']} x "
+    port = sock.getsockname()[1]  # (--port 0: the one picked)
+    print(f"serving {llm.source} on http://{args.host}:{port}/v1 (tp={llm.mesh.shape['tp']} x "
           f"dcp={llm.mesh.shape['dcp']}, max_model_len {llm.config.max_model_len:,})", file=sys.stderr)
-    return serve_forever(app, args.host, args.port, args.log_level, args.shutdown_timeout)
+    return serve_forever(app, args.host, port, args.log_level, args.shutdown_timeout, sock=sock)
+
+
+def check_chat_template(path) -> int | None:
+    """--chat-template FILE, read and compiled before the model loads: a template that does not
+    parse is a usage error (UsageError), a file that cannot be read one error line and RUN_ERROR."""
+    if path is None:
+        return None
+    from dcp_jax.chat_template import check_template, read_template
+
+    try:
+        source = read_template(path)
+    except UserError as e:  # as a missing --model is
+        print(f"error: --chat-template: {e}", file=sys.stderr)
+        return RUN_ERROR
+    try:
+        check_template(source, path)
+    except UserError as e:
+        raise UsageError(f"--chat-template: {e}") from None
+    return None
 
 
 def _leads() -> bool:

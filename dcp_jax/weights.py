@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 
 from dcp_jax import mesh as mesh_lib
-from dcp_jax.chat_template import ChatTemplate
+from dcp_jax.chat_template import ChatTemplate, check_template, read_template
 from dcp_jax.config import ModelConfig
 from dcp_jax.errors import UserError
 from dcp_jax.layers import expand_kv_rows, kv_source_rows, stack_names
@@ -237,10 +237,8 @@ def chat_template_of(model_dir: Path, source: str | None = None) -> ChatTemplate
 def template_file(path, loaded: ChatTemplate | None, model_dir) -> ChatTemplate:
     """The chat template in the file `path` (vLLM's --chat-template), served instead of the
     checkpoint's `loaded` one, with its BOS/EOS strings (else the directory's)."""
-    try:
-        source = Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read the chat template {path}: {e}", field="chat_template") from None
+    source = read_template(path)  # UserError naming the file when it is unreadable
+    check_template(source, path)  # or does not parse
     if loaded is not None:
         return dataclasses.replace(loaded, source=source)
     model_dir = Path(model_dir)

@@ -3,6 +3,7 @@ and an engine that dies taking the process with it (so a supervisor restarts it)
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -78,12 +79,11 @@ def test_api_key_and_graceful_shutdown():
         with httpx.stream("POST", base + "/v1/completions", json=long, headers=auth, timeout=60) as s:
             lines = s.iter_lines()
             next(lines)
-            t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             rest = list(lines)
         assert rest[-1] == "data: [DONE]" or rest[-2:] == ["data: [DONE]", ""], rest[-3:]
-        code, err = stop(proc)
-        assert code == 0 and time.monotonic() - t0 < 25, err[-2000:]
+        code, err = stop(proc)  # (it ends within the drain's bound: a hang times out there)
+        assert code == 0, err[-2000:]
         assert "Traceback" not in err
     finally:
         if proc.poll() is None:
@@ -111,12 +111,102 @@ def test_a_dead_engine_takes_the_process_down():
         r = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4},
                        timeout=30)
         assert r.status_code == 503
-        t0 = time.monotonic()
-        _, err = proc.communicate(timeout=30)  # it ends by itself
-        assert proc.returncode == 1 and time.monotonic() - t0 < 10, err[-2000:]
+        _, err = proc.communicate(timeout=30)  # it ends by itself (a hang times out here)
+        assert proc.returncode == 1, err[-2000:]
         lines = [line for line in err.splitlines() if line.startswith("error: ")]
         assert lines and "the engine stopped" in lines[-1] and "injected: the engine loop broke" in lines[-1]
         assert "Traceback" not in err
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# --- command-line mistakes: one error line, exit 2 (1 when found at run time), no traceback
+
+def one_error(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """The server's model must not load: each mistake here is caught before."""
+    from dcp_jax import launch
+
+    def refuse(*_, **__):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(launch, "load_llm", refuse)
+
+
+@pytest.mark.parametrize("port", ["70000", "65536", "-1", "http"])
+def test_a_port_out_of_range_is_a_usage_error(capsys, no_model, port):
+    from dcp_jax.serve import run
+
+    assert run(["--port", port]) == 2
+    line = one_error(capsys)
+    assert "--port" in line and ("[0, 65535]" in line or "integer" in line), line
+
+
+def test_a_taken_port_or_foreign_host_is_refused_before_the_model_loads(capsys, no_model):
+    from dcp_jax.serve import run
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        assert run(["--port", port]) == 2
+        line = one_error(capsys)
+        assert f"port {port} on 127.0.0.1 is already in use" in line, line
+        assert "another --port" in line, line
+    assert run(["--host", "999.1.1.1"]) == 2  # does not resolve
+    line = one_error(capsys)
+    assert "--host 999.1.1.1 does not resolve" in line and "127.0.0.1" in line, line
+    assert run(["--host", "192.0.2.1", "--port", "0"]) == 2  # TEST-NET-1: no machine's address
+    line = one_error(capsys)
+    assert "--host 192.0.2.1 is not an address of this machine" in line, line
+
+
+def test_serve_forever_reports_a_bind_failure_in_one_line(capsys):
+    """At run time (the disaggregated roles bind when they serve, and a port may be taken between
+    the check and the listen): one line naming the address and --port, exit 1, no uvicorn log."""
+    from starlette.applications import Starlette
+
+    from dcp_jax.launch import serve_forever
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert serve_forever(Starlette(), "127.0.0.1", port, "info") == 1
+        assert "already in use: give another --port" in one_error(capsys)
+
+    class Taken(socket.socket):  # a port another program took between the bind and the listen
+        def listen(self, *_):
+            raise OSError(errno.EADDRINUSE, "Address already in use")
+
+    sock = Taken(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    assert serve_forever(Starlette(), "127.0.0.1", port, "warning", sock=sock) == 1
+    assert f"port {port} on 127.0.0.1 is already in use" in one_error(capsys)
+
+
+def test_a_chat_template_is_checked_before_the_model_loads(tmp_path, capsys, no_model):
+    from dcp_jax.errors import UserError
+    from dcp_jax.serve import run
+    from dcp_jax.weights import template_file
+
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{{ bos_token }}\n{% if %}hi{% endif %}\n")
+    assert run(["--chat-template", str(bad)]) == 2
+    line = one_error(capsys)
+    assert line.startswith(f"error: --chat-template: the chat template {bad} does not parse: ")
+    assert "(line 2)" in line and "fix the template" in line, line
+    assert run(["--chat-template", str(tmp_path / "missing.jinja")]) == 1  # as a missing --model
+    line = one_error(capsys)
+    assert "--chat-template" in line and "missing.jinja (No such file or directory)" in line, line
+    with pytest.raises(UserError, match=r"does not parse: .*\(line 2\)"):  # LLM.load's own check
+        template_file(bad, None, tmp_path)
