@@ -73,9 +73,10 @@ def test_cli_save_then_load(tmp_path, capsys):
 def test_save_errors(tmp_path, capsys):
     f = tmp_path / "file"
     f.write_text("x")
-    assert run(["--model", str(FIX), "--save", str(f)]) == 1
+    # (--save is checked before the model loads: command-line misuse, exit 2)
+    assert run(["--model", str(FIX), "--save", str(f)]) == 2
     assert "is a file" in capsys.readouterr().err
-    assert run(["--model", str(FIX), "--save", str(FIX)]) == 1
+    assert run(["--model", str(FIX), "--save", str(FIX)]) == 2
     assert "holds a Hugging Face checkpoint" in capsys.readouterr().err
     empty = tmp_path / "empty"
     empty.mkdir()
