@@ -1,9 +1,9 @@
 """Command-line helpers shared by `python -m dcp_jax.generate`, `python -m dcp_jax.serve` and the
-disaggregated roles: the one-line usage errors, the argument types, the flags every entry point takes
-to build an `LLM`, and their mapping to `LLM.load`'s keywords (one place: a flag added here reaches
-every entry point); and the flags of a `SamplingParams` (`add_sampling_args`: one per row of
-`dcp_jax.sampling_params.RULES`, whose type and range it takes: a numeric parameter needs no flag
-code).
+disaggregated roles: the argument types (their one-line parser is `dcp_jax.errors.CliParser`), the
+flags every entry point takes to build an `LLM`, and their mapping to `LLM.load`'s keywords (one
+place: a flag added here reaches every entry point); and the flags of a `SamplingParams`
+(`add_sampling_args`: one per row of `dcp_jax.sampling_params.RULES`, whose type and range it takes:
+a numeric parameter needs no flag code).
 """
 
 from __future__ import annotations
@@ -11,21 +11,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dcp_jax.errors import UserError
+# (the one-line parser, its error and the exit codes live with UserError; the entry points take
+# them from here, with the flags)
+from dcp_jax.errors import RUN_ERROR, USAGE_ERROR, CliParser, UsageError, UserError  # noqa: F401
 from dcp_jax.serving.config import parse_bytes
 
-USAGE_ERROR, RUN_ERROR = 2, 1
 ASSETS = Path(__file__).resolve().parent / "assets"
 DEFAULT_MODEL = ASSETS / "tiny"  # the embedded model every entry point runs without --model
-
-
-class CliParser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        raise UsageError(f"{message} (see --help)")
-
-
-class UsageError(Exception):
-    pass
 
 
 def integer(name, low: int = 1, high: int | None = None):

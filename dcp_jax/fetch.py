@@ -10,7 +10,6 @@ takes a name below and resolves it the same way.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import os
@@ -20,7 +19,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from dcp_jax.errors import UserError
+from dcp_jax.errors import RUN_ERROR, USAGE_ERROR, CliParser, UsageError, UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,28 +117,21 @@ def resolve(model: str | os.PathLike) -> Path:
     return Path(model)
 
 
-class _Parser(argparse.ArgumentParser):
-    """Misuse as one line, as the other entry points' (`dcp_jax.cli.CliParser`, above this leaf)."""
-
-    def error(self, message):
-        raise UserError(f"{message} (see --help)")
-
-
 def main(argv=None) -> int:
-    p = _Parser(prog="python -m dcp_jax.fetch", description=__doc__.split("\n\n")[0])
+    p = CliParser(prog="python -m dcp_jax.fetch", description=__doc__.split("\n\n")[0])
     p.add_argument("name", nargs="?", default=DEFAULT, choices=sorted(MODELS),
                    help=f"the model (default {DEFAULT})")
     p.add_argument("--quiet", action="store_true", help="print only the path")
     try:
         args = p.parse_args(argv)
-    except UserError as e:
+    except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2  # command-line misuse (dcp_jax.cli.USAGE_ERROR)
+        return USAGE_ERROR
     try:
         path = fetch(args.name, quiet=args.quiet)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return RUN_ERROR
     if not args.quiet:
         print(f"{MODELS[args.name].about}", file=sys.stderr)
     print(path)

@@ -82,13 +82,18 @@ def sampling_params(args, default_run: bool):
 
 
 def check_save(path: str) -> None:
-    """UsageError unless --save's `path` can take an orbax checkpoint: checked before the model
-    loads, so a run never ends at a path it cannot write."""
+    """UsageError unless --save's `path` can take an orbax checkpoint (a directory this process can
+    write, and `save_checkpoint`'s own rules): checked before the model loads, so a run never ends
+    at a path it cannot write."""
+    from dcp_jax.weights import check_save_target
+
     if not path:
         raise UsageError("--save is empty: give a directory")
-    if (Path(path) / "config.json").exists():
-        raise UsageError(f"--save {path!r} holds a Hugging Face checkpoint: give another directory")
     check_dir("--save", path)
+    try:
+        check_save_target(path)
+    except UserError as e:
+        raise UsageError(f"--save: {e}") from None
 
 
 def run(argv=None) -> int:

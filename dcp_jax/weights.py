@@ -320,6 +320,16 @@ def _manager(path: Path, *, read_only: bool):
     return ocp.CheckpointManager(path.absolute(), options=options, item_names=("weights", "meta"))
 
 
+def check_save_target(path) -> None:
+    """UserError unless the directory `path` may take an orbax checkpoint: not a file, and not a
+    Hugging Face checkpoint's directory (a checkpoint beside its config.json would shadow it)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"cannot save to {path}: it is a file, not a directory")
+    if (path / "config.json").exists():
+        raise UserError(f"{path} holds a Hugging Face checkpoint; save to another directory")
+
+
 def save_checkpoint(model, path, tokenizer=None,
                     chat_template: ChatTemplate | None = None) -> int:
     """Save `model` (its tokenizer and chat template) as a new step under `path`; returns the step
@@ -327,10 +337,7 @@ def save_checkpoint(model, path, tokenizer=None,
     import orbax.checkpoint as ocp
 
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise UserError(f"cannot save to {path}: it is a file, not a directory")
-    if (path / "config.json").exists():
-        raise UserError(f"{path} holds a Hugging Face checkpoint; save to another directory")
+    check_save_target(path)
     meta = {"config": model.config.hf_config,
             "tokenizer": tokenizer.to_str() if tokenizer else None,
             "chat_template": dataclasses.asdict(chat_template) if chat_template else None}

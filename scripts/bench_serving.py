@@ -870,6 +870,9 @@ def sizes(args, defaults: dict, quick: dict, keys) -> dict:
     return size
 
 
+# The flags' parser and types are this script's own, not dcp_jax.cli's: the same main() parses the
+# workers' command lines, and the transformers worker runs in an interpreter without dcp_jax (the
+# --baseline worker imports another revision's).
 class Parser(argparse.ArgumentParser):
     """argparse whose usage errors are one line, `error: MESSAGE (see --help)`, exit 2."""
 
